@@ -1,0 +1,1 @@
+"""The controller: CLI, config, data pipeline, dispatch loop, local launcher, metrics."""

@@ -1,0 +1,85 @@
+"""The controller's handle on one pod worker: a channel, deadlines on every call, and errors that
+name the pod and its address."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import protos
+from protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be reached or refused a request; the message names the pod."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class WorkerClient:
+    """RPCs to one pod, each with a deadline."""
+
+    def __init__(self, pod_index: int, address: str):
+        self.pod_index = pod_index
+        self.address = address
+        self.name = f"pod {pod_index} ({address})"
+        self.channel = grpc.insecure_channel(address, options=protos.channel_options())
+        self.stub = pb_grpc.PodWorkerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the worker answers its health check; WorkerError naming it if it does not."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise WorkerError(f"{self.name} is unreachable: no connection within {timeout_s:g}s "
+                              f"(is `multipod worker --pod-index {self.pod_index} --listen {self.address}` running?)",
+                              grpc.StatusCode.UNAVAILABLE) from None
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service="multipod.PodWorker"),
+                                      timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error("health check", exc) from None
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise WorkerError(f"{self.name} is not serving (health status {reply.status})")
+
+    def _error(self, what: str, exc: grpc.RpcError) -> WorkerError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and not details.startswith("pod"):
+            details = f"no answer within the deadline ({details})"
+        return WorkerError(f"{self.name}: {what} failed: {code.name if code else '?'}: {details}", code)
+
+    def call(self, method: str, request, timeout_s: float):
+        """A unary call with a deadline; WorkerError on failure."""
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error(method, exc) from None
+
+    def call_async(self, method: str, request, timeout_s: float) -> "PendingCall":
+        return PendingCall(self, method, getattr(self.stub, method).future(request, timeout=timeout_s))
+
+    def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
+        return self.call("Status", pb.StatusRequest(), timeout_s)
+
+
+class PendingCall:
+    """An RPC in flight; result() raises WorkerError naming the pod."""
+
+    def __init__(self, client: WorkerClient, method: str, future):
+        self.client, self.method, self.future = client, method, future
+
+    def result(self):
+        # The RPC carries its own deadline, so this wait is bounded by it.
+        try:
+            return self.future.result()
+        except grpc.RpcError as exc:
+            raise self.client._error(self.method, exc) from None
+
+    def cancel(self) -> None:
+        self.future.cancel()

@@ -1,0 +1,99 @@
+"""The token stream: byte-level tokens (vocab 256) from a corpus of text files.
+
+The default corpus is the running Python's standard library (.py files), so a fresh machine has
+real data without downloading anything. The batch for step s is a pure function of (seed, s):
+random windows drawn with a generator seeded by (seed, s). That makes resuming exact, and lets
+the controller build the next batches ahead of time.
+"""
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+
+import numpy as np
+
+# The last slice of the corpus is held out for evaluation.
+EVAL_FRACTION = 0.02
+# Cap on corpus size read into memory.
+MAX_CORPUS_BYTES = 256 << 20
+
+
+class DataError(ValueError):
+    """The corpus cannot be used (missing, empty, too small)."""
+
+
+def default_corpus_root() -> pathlib.Path:
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(path: str = "") -> list[pathlib.Path]:
+    """The files that make up the corpus, in a fixed (sorted) order."""
+    if not path:
+        root = default_corpus_root()
+        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    target = pathlib.Path(path)
+    if target.is_file():
+        return [target]
+    if target.is_dir():
+        return sorted(p for p in target.rglob("*") if p.is_file() and not p.name.startswith("."))
+    raise DataError(f"data path {path!r} is neither a file nor a directory")
+
+
+def load_corpus(path: str = "") -> np.ndarray:
+    """All bytes of the corpus as uint8 tokens (documents separated by a NUL byte)."""
+    parts, total = [], 0
+    for file in corpus_files(path):
+        try:
+            data = file.read_bytes()
+        except OSError:
+            continue
+        parts.append(data)
+        parts.append(b"\0")
+        total += len(data) + 1
+        if total >= MAX_CORPUS_BYTES:
+            break
+    tokens = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    if tokens.size == 0:
+        raise DataError(f"corpus {path or default_corpus_root()} is empty")
+    return tokens
+
+
+class Batches:
+    """Global batches of int32 tokens [global_batch, seq_len + 1] for a step, from (seed, step)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
+        split = int(tokens.size * (1 - EVAL_FRACTION))
+        self.train, self.eval = tokens[:split], tokens[split:]
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        for name, part in (("training", self.train), ("evaluation", self.eval)):
+            if part.size < seq_len + 2:
+                raise DataError(f"the {name} part of the corpus has {part.size} bytes; "
+                                f"need more than seq_len + 1 = {seq_len + 1}")
+
+    def _windows(self, source: np.ndarray, rng: np.random.Generator, rows: int) -> np.ndarray:
+        starts = rng.integers(0, source.size - self.seq_len - 1, size=rows)
+        index = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        return source[index].astype(np.int32)
+
+    def batch(self, step: int) -> np.ndarray:
+        """The training batch for `step`: depends only on (seed, step)."""
+        return self._windows(self.train, np.random.default_rng([self.seed, step]), self.global_batch)
+
+    def eval_batch(self, index: int) -> np.ndarray:
+        """Held-out batch `index`, from a stream independent of the training one."""
+        return self._windows(self.eval, np.random.default_rng([self.seed, 1 << 40, index]), self.global_batch)
+
+
+def shard(batch: np.ndarray, num_pods: int) -> list[np.ndarray]:
+    """Cut a global batch into one contiguous shard per pod."""
+    if batch.shape[0] % num_pods:
+        raise DataError(f"global batch of {batch.shape[0]} does not split over {num_pods} pods")
+    return np.split(batch, num_pods)
+
+
+def encode_text(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+def decode_tokens(tokens) -> str:
+    return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")

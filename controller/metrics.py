@@ -1,0 +1,115 @@
+"""What the run tells the user: metrics.jsonl and TensorBoard events in the run directory, and a
+live progress line on the terminal."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+PEAK_CACHE = pathlib.Path.home() / ".cache" / "multipod" / "peak_flops.json"
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float | None,
+        num_devices: int) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak; None if no peak."""
+    if not peak_flops_per_device or num_devices <= 0:
+        return None
+    return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)
+
+
+def load_measured_peak(device_kind: str, num_devices: int) -> float | None:
+    """Per-device peak recorded by `multipod peak-flops` for this device kind and count."""
+    try:
+        records = json.loads(PEAK_CACHE.read_text())
+    except (OSError, ValueError):
+        return None
+    record = records.get(f"{device_kind}/{num_devices}") if isinstance(records, dict) else None
+    return float(record["per_device_flops"]) if record else None
+
+
+def store_measured_peak(device_kind: str, num_devices: int, per_device_flops: float) -> pathlib.Path:
+    records = {}
+    try:
+        records = json.loads(PEAK_CACHE.read_text())
+    except (OSError, ValueError):
+        pass
+    records[f"{device_kind}/{num_devices}"] = {"per_device_flops": per_device_flops,
+                                               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    PEAK_CACHE.write_text(json.dumps(records, indent=2))
+    return PEAK_CACHE
+
+
+class MetricsLog:
+    """One JSON object per step in metrics.jsonl, mirrored as TensorBoard scalars."""
+
+    def __init__(self, run_dir: pathlib.Path, append: bool = False):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a" if append else "w")
+        self._tb = None
+        try:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except Exception:  # TensorBoard events are a convenience; the jsonl is the record
+            self._tb = None
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt(value, spec: str, none: str = "n/a") -> str:
+    return none if value is None else format(value, spec)
+
+
+class ProgressLine:
+    """A live line (step, loss, tokens/s, MFU) on a terminal; periodic plain lines otherwise."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, console: Console | None = None):
+        self.console = console or Console(stderr=False)
+        self.live = self.console.is_terminal
+        self.total = total_steps
+        self._last_print = 0.0
+        self._progress = None
+        if self.live:
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
+                                      console=self.console)
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
+                                                 stats="compiling...")
+            self._progress.start()
+
+    def update(self, record: dict) -> None:
+        stats = (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
+                 f"MFU {_fmt(record['mfu'], '.1%')}  step {record['step_time_s']:.2f}s")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=record["step"] + 1, stats=stats)
+        elif time.monotonic() - self._last_print > 5 or record["step"] + 1 == self.total:
+            self._last_print = time.monotonic()
+            print(f"step {record['step'] + 1}/{self.total}  {stats}", flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def print(self, *args, **kwargs) -> None:
+        self.console.print(*args, **kwargs)
+
+
+def out(message: str) -> None:
+    """A plain status line for the user."""
+    print(message, file=sys.stdout, flush=True)

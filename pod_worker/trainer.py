@@ -1,0 +1,210 @@
+"""One pod's training state and compiled steps, over the pod's own device mesh.
+
+The step is split in two compiled programs so the DCN exchange can sit between them:
+  grad_step: forward/backward of the pod's shard -> gradient (scaled by the *global* token count,
+             so the pods' gradients sum to the global-batch mean gradient);
+  apply_update: summed gradient -> clip (global norm of the summed gradient) -> AdamW, skipped as a
+             whole if the summed gradient is not finite. Every pod runs the same program on the
+             same bytes, so the decision and the result are identical everywhere.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from controller.config import Config
+from model import abstract_params, init_params, loss_sums
+from model.partitioning import MESH_AXES, batch_sharding, logical_rules, param_shardings, replicated
+from pod_worker.dcn import LeafSpec
+
+log = logging.getLogger(__name__)
+
+
+def make_schedule(config: Config):
+    """Linear warmup to the peak learning rate, then cosine decay to min_lr_ratio of it."""
+    opt = config.optimizer
+    decay = opt.decay_steps or config.run.steps
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt.learning_rate, warmup_steps=opt.warmup_steps,
+        decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.learning_rate * opt.min_lr_ratio)
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    """AdamW (no weight decay on 1-d params such as norm scales), after global-norm clipping."""
+    opt = config.optimizer
+    parts = []
+    if opt.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(opt.clip_norm))
+    parts.append(optax.adamw(make_schedule(config), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                             weight_decay=opt.weight_decay,
+                             mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
+    return optax.chain(*parts)
+
+
+def fingerprint(*trees) -> str:
+    """A hash of the bytes of every leaf, in tree order: equal iff the states are bitwise equal."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tree in trees:
+        for leaf in jax.tree.leaves(tree):
+            digest.update(memoryview(np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8)))
+    return digest.hexdigest()
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool
+    learning_rate: float
+
+
+class PodTrainer:
+    """Parameters, optimizer state and compiled programs of one pod."""
+
+    def __init__(self, config: Config, devices=None):
+        self.config = config
+        devices = list(devices if devices is not None else jax.devices())
+        self.mesh_shape = config.mesh.resolve(len(devices))
+        self.mesh = Mesh(np.array(devices).reshape(self.mesh_shape), MESH_AXES)
+        self.num_devices = len(devices)
+        self.tx = make_optimizer(config)
+        self.schedule = make_schedule(config)
+        self.step = 0
+
+        with self.mesh, nn.logical_axis_rules(logical_rules()):
+            self.param_sharding = param_shardings(abstract_params(config.model), self.mesh)
+        self.batch_sharding = batch_sharding(self.mesh)
+        self.scalar_sharding = replicated(self.mesh)
+        # Identical on every pod: a pure function of the seed, computed locally, never transferred.
+        self.params = jax.device_put(init_params(config.model, config.run.seed), self.param_sharding)
+        opt_abstract = jax.eval_shape(self.tx.init, self.params)
+        # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
+        # need an explicit replicated sharding or jit's in_shardings refuses them.
+        self.opt_sharding = self._opt_shardings(opt_abstract)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
+        self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(self.params)]
+        self._treedef = jax.tree.structure(self.params)
+        self._compile()
+
+    def _opt_shardings(self, opt_abstract):
+        by_path = {}
+        for path, sharding in jax.tree_util.tree_flatten_with_path(self.param_sharding)[0]:
+            by_path[path] = sharding
+
+        def pick(path, leaf):
+            # optax keeps per-parameter state (mu, nu) in trees with the params' structure, so the
+            # suffix of the path names the parameter.
+            for n in range(len(path)):
+                if path[n:] in by_path and by_path[path[n:]] is not None:
+                    return by_path[path[n:]]
+            return self.scalar_sharding
+        return jax.tree_util.tree_map_with_path(pick, opt_abstract)
+
+    # -- compiled programs ---------------------------------------------------------------------
+    def _compile(self) -> None:
+        model_cfg = self.config.model
+        tx = self.tx
+
+        def grad_step(params, tokens, normalizer):
+            def loss_fn(p):
+                ce, z = loss_sums(p, tokens, model_cfg)
+                return (ce + z) / normalizer, (ce, z)
+            (_, (ce, z)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            return grads, ce, z
+
+        def apply_update(params, opt_state, grads):
+            norm = optax.global_norm(grads)
+            finite = jnp.isfinite(norm)
+            updates, new_opt = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            # Skip-on-non-finite is decided from the summed gradient: the same on every pod.
+            keep = lambda new, old: jnp.where(finite, new, old)
+            return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state), norm, finite
+
+        def eval_step(params, tokens):
+            return loss_sums(params, tokens, model_cfg)
+
+        p, o, b, s = self.param_sharding, self.opt_sharding, self.batch_sharding, self.scalar_sharding
+        with self.mesh, nn.logical_axis_rules(logical_rules()):
+            self._grad_step = jax.jit(grad_step, in_shardings=(p, b, s), out_shardings=(p, s, s))
+            self._apply_update = jax.jit(apply_update, in_shardings=(p, o, p), out_shardings=(p, o, s, s),
+                                         donate_argnums=(0, 1))
+            self._eval_step = jax.jit(eval_step, in_shardings=(p, b), out_shardings=(s, s))
+
+    def compile_for(self, batch_shape: tuple[int, int]) -> dict:
+        """Compile the step programs ahead of time for a shard shape; return compile timings."""
+        start = time.perf_counter()
+        tokens = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
+        norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.scalar_sharding)
+        with self.mesh, nn.logical_axis_rules(logical_rules()):
+            self._grad_compiled = self._grad_step.lower(self.params, tokens, norm).compile()
+            self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
+        self._compiled_shape = tuple(batch_shape)
+        return {"compile_s": time.perf_counter() - start}
+
+    # -- the step ------------------------------------------------------------------------------
+    def put_batch(self, tokens: np.ndarray) -> jax.Array:
+        """Host tokens -> the pod's devices, split over the data axis."""
+        return jax.device_put(tokens, self.batch_sharding)
+
+    def gradients(self, tokens: jax.Array, global_tokens: int) -> tuple[list[np.ndarray], float, float]:
+        """Forward/backward on this pod's shard; returns host gradient leaves and the loss sums."""
+        norm = jax.device_put(np.float32(global_tokens), self.scalar_sharding)
+        if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
+            grads, ce, z = self._grad_compiled(self.params, tokens, norm)
+        else:
+            with self.mesh, nn.logical_axis_rules(logical_rules()):
+                grads, ce, z = self._grad_step(self.params, tokens, norm)
+        leaves = jax.tree.leaves(grads)
+        for leaf in leaves:     # start every device->host copy before waiting on any of them
+            leaf.copy_to_host_async()
+        return [np.asarray(leaf) for leaf in leaves], float(ce), float(z)
+
+    def apply(self, summed: list[np.ndarray]) -> StepResult:
+        """Apply the all-pod gradient sum. The state only changes when the whole step succeeds."""
+        grads = jax.device_put(jax.tree.unflatten(self._treedef, summed), self.param_sharding)
+        lr = float(self.schedule(self.opt_count()))
+        update = getattr(self, "_update_compiled", None) or self._apply_update
+        params, opt_state, norm, finite = update(self.params, self.opt_state, grads)
+        self.params, self.opt_state = params, opt_state
+        self.step += 1
+        return StepResult(float(norm), not bool(finite), lr)
+
+    def opt_count(self) -> int:
+        """Number of updates the optimizer has applied (drives the learning-rate schedule)."""
+        counts = [np.asarray(l) for l in jax.tree.leaves(self.opt_state) if np.ndim(l) == 0]
+        return int(counts[-1]) if counts else self.step
+
+    def evaluate(self, tokens: np.ndarray) -> tuple[float, int]:
+        with self.mesh, nn.logical_axis_rules(logical_rules()):
+            ce, z = self._eval_step(self.params, self.put_batch(tokens))
+        return float(ce), int(tokens.shape[0] * (tokens.shape[1] - 1))
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.params, self.opt_state)
+
+    def host_state(self) -> dict:
+        """Parameters, optimizer state and step as host arrays (for checkpoints and sampling)."""
+        return {"params": jax.tree.map(np.asarray, self.params),
+                "opt_state": jax.tree.map(np.asarray, self.opt_state),
+                "step": self.step}
+
+    def load_state(self, params, opt_state, step: int) -> None:
+        """Replace the state (after a restore); shapes are checked against the current state."""
+        expected = jax.tree.structure(self.params)
+        if jax.tree.structure(params) != expected:
+            raise ValueError("checkpoint parameters have a different structure than this model")
+        for have, want in zip(jax.tree.leaves(params), jax.tree.leaves(self.params)):
+            if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
+                raise ValueError(f"checkpoint parameter {have.shape}/{have.dtype} != model's {want.shape}/{want.dtype}")
+        self.params = jax.device_put(params, self.param_sharding)
+        self.opt_state = jax.device_put(opt_state, self.opt_sharding)
+        self.step = int(step)

@@ -1,0 +1,225 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "config_json", "run_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_PODS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    pod_index: int
+    num_pods: int
+    peer_addresses: _containers.RepeatedScalarFieldContainer[str]
+    config_json: str
+    run_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., config_json: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class ConfigureReply(_message.Message):
+    __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    pod_index: int
+    mesh_shape: _containers.RepeatedScalarFieldContainer[int]
+    num_devices: int
+    config_hash: str
+    fingerprint: str
+    param_count: int
+    device_kind: str
+    step: int
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step", "tokens", "global_tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    tokens: bytes
+    global_tokens: int
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ...) -> None: ...
+
+class StepTimings(_message.Message):
+    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "fingerprint_s")
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_S_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_S_FIELD_NUMBER: _ClassVar[int]
+    wait_s: float
+    compute_s: float
+    exchange_s: float
+    update_s: float
+    fingerprint_s: float
+    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "fingerprint", "timings", "dcn_bytes_sent", "dcn_bytes_received")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    Z_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    DCN_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    DCN_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    pod_index: int
+    loss_sum: float
+    z_loss_sum: float
+    tokens: int
+    grad_norm: float
+    learning_rate: float
+    skipped: bool
+    fingerprint: str
+    timings: StepTimings
+    dcn_bytes_sent: int
+    dcn_bytes_received: int
+    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("step", "directory", "metadata_json")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    directory: str
+    metadata_json: str
+    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class SaveReply(_message.Message):
+    __slots__ = ("path", "fingerprint")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    fingerprint: str
+    def __init__(self, path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class RestoreReply(_message.Message):
+    __slots__ = ("step", "fingerprint", "metadata_json")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    fingerprint: str
+    metadata_json: str
+    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    def __init__(self, tokens: _Optional[bytes] = ...) -> None: ...
+
+class EvaluateReply(_message.Message):
+    __slots__ = ("loss_sum", "tokens")
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    loss_sum: float
+    tokens: int
+    def __init__(self, loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "num_tokens", "temperature", "seed")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    prompt: bytes
+    num_tokens: int
+    temperature: float
+    seed: int
+    def __init__(self, prompt: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateReply(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    def __init__(self, tokens: _Optional[bytes] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    pod_index: int
+    configured: bool
+    step: int
+    num_devices: int
+    state: str
+    pid: int
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GradientChunk(_message.Message):
+    __slots__ = ("protocol_version", "run_id", "from_pod", "step", "leaf_index", "dtype", "shape", "offset", "data", "phase")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_POD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    from_pod: int
+    step: int
+    leaf_index: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    phase: int
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[int] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("chunks", "bytes")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    bytes: int
+    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
