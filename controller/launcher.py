@@ -20,12 +20,16 @@ class LaunchError(RuntimeError):
 class LocalPods:
     """Start `num_pods` workers on 127.0.0.1; use as a context manager."""
 
-    def __init__(self, num_pods: int, devices_per_pod: int, log_dir: pathlib.Path, start_timeout_s: float = 60.0):
+    def __init__(self, num_pods: int, devices_per_pod: int | list[int], log_dir: pathlib.Path,
+                 start_timeout_s: float = 60.0):
+        """devices_per_pod: one count for every pod, or one per pod (tests use that to make pods
+        that disagree)."""
         if num_pods < 1:
             raise ValueError("--pods must be >= 1")
-        if devices_per_pod < 1:
-            raise ValueError("--devices-per-pod must be >= 1")
-        self.num_pods, self.devices_per_pod = num_pods, devices_per_pod
+        counts = devices_per_pod if isinstance(devices_per_pod, list) else [devices_per_pod] * num_pods
+        if len(counts) != num_pods or min(counts) < 1:
+            raise ValueError("--devices-per-pod must be >= 1 (one count, or one per pod)")
+        self.num_pods, self.devices_per_pod, self.device_counts = num_pods, devices_per_pod, counts
         self.log_dir = log_dir
         self.start_timeout_s = start_timeout_s
         self.procs: list[subprocess.Popen] = []
@@ -58,7 +62,7 @@ class LocalPods:
             env = dict(os.environ)
             env.pop("XLA_FLAGS", None)   # the worker sets its own device count
             cmd = [sys.executable, "-m", "controller.cli", "worker", "--pod-index", str(pod),
-                   "--listen", "127.0.0.1:0", "--devices", str(self.devices_per_pod),
+                   "--listen", "127.0.0.1:0", "--devices", str(self.device_counts[pod]),
                    "--port-file", str(port_file), "--exit-with-parent"]
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                env=env, start_new_session=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -11,7 +12,12 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-PEAK_CACHE = pathlib.Path.home() / ".cache" / "multipod" / "peak_flops.json"
+
+
+def peak_cache() -> pathlib.Path:
+    """Where `multipod peak-flops` keeps its measurements (MULTIPOD_PEAK_FILE overrides)."""
+    override = os.environ.get("MULTIPOD_PEAK_FILE")
+    return pathlib.Path(override) if override else pathlib.Path.home() / ".cache" / "multipod" / "peak_flops.json"
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float | None,
@@ -25,7 +31,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: floa
 def load_measured_peak(device_kind: str, num_devices: int) -> float | None:
     """Per-device peak recorded by `multipod peak-flops` for this device kind and count."""
     try:
-        records = json.loads(PEAK_CACHE.read_text())
+        records = json.loads(peak_cache().read_text())
     except (OSError, ValueError):
         return None
     record = records.get(f"{device_kind}/{num_devices}") if isinstance(records, dict) else None
@@ -35,14 +41,15 @@ def load_measured_peak(device_kind: str, num_devices: int) -> float | None:
 def store_measured_peak(device_kind: str, num_devices: int, per_device_flops: float) -> pathlib.Path:
     records = {}
     try:
-        records = json.loads(PEAK_CACHE.read_text())
+        records = json.loads(peak_cache().read_text())
     except (OSError, ValueError):
         pass
     records[f"{device_kind}/{num_devices}"] = {"per_device_flops": per_device_flops,
                                                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
-    PEAK_CACHE.write_text(json.dumps(records, indent=2))
-    return PEAK_CACHE
+    path = peak_cache()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=2))
+    return path
 
 
 class MetricsLog:

@@ -14,16 +14,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
 
 from controller.config import Config
 from model import abstract_params, init_params, loss_sums
-from model.partitioning import MESH_AXES, batch_sharding, logical_rules, param_shardings, replicated
+from model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
 from pod_worker.dcn import LeafSpec
 
 log = logging.getLogger(__name__)
@@ -73,18 +71,18 @@ class PodTrainer:
         self.config = config
         devices = list(devices if devices is not None else jax.devices())
         self.mesh_shape = config.mesh.resolve(len(devices))
-        self.mesh = Mesh(np.array(devices).reshape(self.mesh_shape), MESH_AXES)
+        self.mesh = make_mesh(*self.mesh_shape, devices=devices)
         self.num_devices = len(devices)
         self.tx = make_optimizer(config)
         self.schedule = make_schedule(config)
         self.step = 0
 
-        with self.mesh, nn.logical_axis_rules(logical_rules()):
-            self.param_sharding = param_shardings(abstract_params(config.model), self.mesh)
+        self.param_sharding = param_shardings(abstract_params(config.model), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
         self.scalar_sharding = replicated(self.mesh)
         # Identical on every pod: a pure function of the seed, computed locally, never transferred.
-        self.params = jax.device_put(init_params(config.model, config.run.seed), self.param_sharding)
+        with activate_rules(self.mesh):
+            self.params = init_params(config.model, config.run.seed, shardings=self.param_sharding)
         opt_abstract = jax.eval_shape(self.tx.init, self.params)
         # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
         # need an explicit replicated sharding or jit's in_shardings refuses them.
@@ -133,7 +131,7 @@ class PodTrainer:
             return loss_sums(params, tokens, model_cfg)
 
         p, o, b, s = self.param_sharding, self.opt_sharding, self.batch_sharding, self.scalar_sharding
-        with self.mesh, nn.logical_axis_rules(logical_rules()):
+        with activate_rules(self.mesh):
             self._grad_step = jax.jit(grad_step, in_shardings=(p, b, s), out_shardings=(p, s, s))
             self._apply_update = jax.jit(apply_update, in_shardings=(p, o, p), out_shardings=(p, o, s, s),
                                          donate_argnums=(0, 1))
@@ -144,7 +142,7 @@ class PodTrainer:
         start = time.perf_counter()
         tokens = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.scalar_sharding)
-        with self.mesh, nn.logical_axis_rules(logical_rules()):
+        with activate_rules(self.mesh):
             self._grad_compiled = self._grad_step.lower(self.params, tokens, norm).compile()
             self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
         self._compiled_shape = tuple(batch_shape)
@@ -161,7 +159,7 @@ class PodTrainer:
         if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
             grads, ce, z = self._grad_compiled(self.params, tokens, norm)
         else:
-            with self.mesh, nn.logical_axis_rules(logical_rules()):
+            with activate_rules(self.mesh):
                 grads, ce, z = self._grad_step(self.params, tokens, norm)
         leaves = jax.tree.leaves(grads)
         for leaf in leaves:     # start every device->host copy before waiting on any of them
@@ -184,7 +182,7 @@ class PodTrainer:
         return int(counts[-1]) if counts else self.step
 
     def evaluate(self, tokens: np.ndarray) -> tuple[float, int]:
-        with self.mesh, nn.logical_axis_rules(logical_rules()):
+        with activate_rules(self.mesh):
             ce, z = self._eval_step(self.params, self.put_batch(tokens))
         return float(ce), int(tokens.shape[0] * (tokens.shape[1] - 1))
 

@@ -1,0 +1,110 @@
+"""Model hyperparameters, their validation, and derived size/FLOP figures."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import jax.numpy as jnp
+
+# Names accepted for `dtype` / `param_dtype`, mapped to jnp dtypes.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A bad config value; str() names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of the PaLM-style decoder-only Transformer.
+
+    Frozen (hence hashable) so it can key compile caches, e.g. in `generate`.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 1  # 1 = multi-query attention
+    head_dim: int = 32
+    mlp_dim: int = 1024  # SwiGLU hidden width
+    max_seq_len: int = 128
+    rope_base: float = 10000.0
+    z_loss_weight: float = 1e-4
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
+    param_dtype: str = "float32"
+
+    def validate(self) -> None:
+        """Raise ConfigError("model.<field>", ...) for the first bad value found."""
+        positive_ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                         "head_dim", "mlp_dim", "max_seq_len")
+        for name in positive_ints:
+            value = getattr(self, name)
+            # bool is an int subclass; a True here is almost certainly a mistake.
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"model.{name}", f"must be an int, got {value!r}")
+            if value <= 0:
+                raise ConfigError(f"model.{name}", f"must be positive, got {value}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError("model.n_kv_heads",
+                              f"{self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            # RoPE rotates pairs of features.
+            raise ConfigError("model.head_dim", f"must be even for RoPE, got {self.head_dim}")
+        for name, lower_ok in (("rope_base", False), ("init_std", False), ("z_loss_weight", True)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"model.{name}", f"must be a number, got {value!r}")
+            if value < 0 or (value == 0 and not lower_ok):
+                bound = "non-negative" if lower_ok else "positive"
+                raise ConfigError(f"model.{name}", f"must be {bound}, got {value}")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value not in DTYPES:
+                raise ConfigError(f"model.{name}",
+                                  f"must be one of {sorted(DTYPES)}, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        """Build from a mapping (e.g. a parsed config file), rejecting unknown keys."""
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"model.{key}", "unknown field")
+        config = cls(**values)
+        config.validate()
+        return config
+
+    @property
+    def compute_dtype(self):
+        """The jnp dtype for activations."""
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        """The jnp dtype parameters are stored in."""
+        return DTYPES[self.param_dtype]
+
+    def param_count(self) -> int:
+        """Exact number of parameters the Flax model creates."""
+        d, q = self.d_model, self.head_dim
+        attn = d * self.n_heads * q  # query
+        attn += 2 * d * self.n_kv_heads * q  # key and value
+        attn += self.n_heads * q * d  # output projection
+        mlp = 3 * d * self.mlp_dim  # gate, up, down
+        block = d + attn + mlp  # one shared pre-norm scale per block
+        return self.vocab_size * d + self.n_layers * block + d  # + final norm scale
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, PaLM appendix B: 6*N + 12*L*H*Q*T.
+
+        N counts every parameter, the shared embedding included, because the output
+        projection multiplies by it.
+        """
+        n = self.param_count()
+        return float(6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len)

@@ -1,0 +1,129 @@
+"""Building blocks of the PaLM-style Transformer: RMSNorm, RoPE, attention, SwiGLU MLP.
+
+No biases anywhere. Every parameter carries logical axis names and key activations carry
+logical sharding constraints; both resolve to mesh axes only under
+`partitioning.activate_rules`, and are no-ops otherwise. Nothing here knows about meshes.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+
+# Logical names of activations (see partitioning.logical_rules for their mesh mapping).
+RESIDUAL = ("batch", "length", "embed")
+HEADS = ("batch", "length", "heads", "kv")
+MLP_HIDDEN = ("batch", "length", "mlp")
+LOGITS = ("batch", "length", "vocab")
+
+
+def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Logical sharding constraint; a no-op outside `activate_rules`."""
+    return nn.with_logical_constraint(x, names)
+
+
+def _param(module: nn.Module, name: str, shape, names, std: float, config: ModelConfig):
+    """A normal(std)-initialised weight annotated with logical axis names."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(std), names)
+    return module.param(name, init, shape, config.weight_dtype).astype(config.compute_dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation with a learned scale and no bias (PaLM drops all biases).
+
+    Chosen over bias-free LayerNorm for simplicity; statistics are taken in float32.
+    """
+
+    config: ModelConfig
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+        scale = self.param("scale", init, (x.shape[-1],), self.config.weight_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.config.compute_dtype)
+
+
+def apply_rope(x: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding on x [batch, length, heads, head_dim], positions 0..T-1.
+
+    Uses the "rotate half" pairing (feature i with i + head_dim/2); angles in float32.
+    """
+    length, head_dim = x.shape[1], x.shape[-1]
+    half = head_dim // 2
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
+    cos = jnp.cos(angles)[None, :, None, :]
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-query / grouped-query attention with RoPE.
+
+    n_kv_heads K/V heads are shared by groups of n_heads // n_kv_heads query heads
+    (query head h uses K/V head h // group).
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        d, h, k, q_dim = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+        wq = _param(self, "query", (d, h, q_dim), ("embed", "heads", "kv"), c.init_std, c)
+        wk = _param(self, "key", (d, k, q_dim), ("embed", "kv_heads", "kv"), c.init_std, c)
+        wv = _param(self, "value", (d, k, q_dim), ("embed", "kv_heads", "kv"), c.init_std, c)
+        wo = _param(self, "out", (h, q_dim, d), ("heads", "kv", "embed"), c.init_std, c)
+
+        q = constrain(jnp.einsum("btd,dhq->bthq", x, wq), HEADS)
+        key = jnp.einsum("btd,dkq->btkq", x, wk)
+        value = jnp.einsum("btd,dkq->btkq", x, wv)
+        q = apply_rope(q, c.rope_base) * (q_dim ** -0.5)
+        key = apply_rope(key, c.rope_base)
+
+        batch, length = x.shape[:2]
+        q = q.reshape(batch, length, k, h // k, q_dim)
+        scores = jnp.einsum("btkgq,bskq->bkgts", q, key, preferred_element_type=jnp.float32)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        # The diagonal is always visible, so no row is fully masked and softmax stays finite.
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(c.compute_dtype)
+        ctx = jnp.einsum("bkgts,bskq->btkgq", probs, value).reshape(batch, length, h, q_dim)
+        ctx = constrain(ctx, HEADS)
+        return jnp.einsum("bthq,hqd->btd", ctx, wo)
+
+
+class SwiGLU(nn.Module):
+    """MLP with SwiGLU activation: down(silu(gate(x)) * up(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        gate = _param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c)
+        up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c)
+        down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), c.init_std, c)
+        hidden = jax.nn.silu(x @ gate) * (x @ up)
+        hidden = constrain(hidden, MLP_HIDDEN)
+        return hidden @ down
+
+
+class ParallelBlock(nn.Module):
+    """PaLM parallel block: x + attn(norm(x)) + mlp(norm(x)), one shared pre-norm."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = RMSNorm(self.config, name="norm")(x)
+        x = x + Attention(self.config, name="attn")(h) + SwiGLU(self.config, name="mlp")(h)
+        return constrain(x, RESIDUAL)

@@ -1,0 +1,72 @@
+"""Config loading: TOML + overrides, validation errors that name the field, JSON round trip."""
+import pytest
+
+from controller.config import Config, ConfigError, load_config, parse_override
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_defaults_validate_and_round_trip_through_json():
+    config = load_config()
+    assert Config.from_json(config.to_json()) == config
+    assert config.config_hash() == Config.from_json(config.to_json()).config_hash()
+
+
+def test_toml_file_and_overrides_layer_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nd_model = 64\n[run]\nsteps = 7\n")
+    config = load_config(str(path), ["run.steps=9", "optimizer.learning_rate=1e-3", "data.path=" + str(path)])
+    assert config.model.d_model == 64
+    assert config.run.steps == 9
+    assert config.optimizer.learning_rate == 1e-3
+    assert config.data.path == str(path)
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.d_modle=3"], "model.d_modle"),
+    (["modle.d_model=3"], "modle"),
+    (["model.d_model=abc"], "model.d_model"),
+    (["model.d_model=-4"], "model.d_model"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["optimizer.b2=1.5"], "optimizer.b2"),
+    (["run.steps=0"], "run.steps"),
+    (["run.steps=true"], "run.steps"),
+    (["dcn.chunk_bytes=100"], "dcn.chunk_bytes"),
+    (["data.seq_len=4096"], "data.seq_len"),
+    (["data.path=/no/such/place"], "data.path"),
+])
+def test_bad_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert info.value.field == field
+    assert str(info.value).startswith(field)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_override("no-equals-sign")
+    with pytest.raises(ConfigError, match="section.key"):
+        parse_override("toplevel=3")
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))
+
+
+def test_mesh_resolution():
+    config = load_config(None, ["mesh.model=2"])
+    assert config.mesh.resolve(4) == (2, 2)
+    with pytest.raises(ConfigError, match="mesh.model"):
+        config.mesh.resolve(3)
+    with pytest.raises(ConfigError, match="mesh.data"):
+        load_config(None, ["mesh.data=3", "mesh.model=1"]).mesh.resolve(4)

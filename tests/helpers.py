@@ -1,0 +1,52 @@
+"""Shared test helpers: run the CLI in a subprocess, read a run's metrics."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["MULTIPOD_PEAK_FILE"] = str(ROOT / ".no-such-peak-file.json")  # MFU stays null unless asked
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_cli(*args: str, timeout: float = 240, cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
+    """`multipod ARGS` in a fresh process (the same code as the console script)."""
+    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(), cwd=cwd or ROOT, stdin=subprocess.DEVNULL)
+
+
+def read_metrics(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def worker_pids(run_dir: pathlib.Path) -> list[int]:
+    """The pids the local workers logged when they started serving."""
+    pids = []
+    for log in sorted(run_dir.glob("worker-*.log")):
+        match = re.search(r"\(pid (\d+)\)", log.read_text())
+        assert match, f"no pid in {log}"
+        pids.append(int(match.group(1)))
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited all the same.
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
