@@ -20,8 +20,9 @@ import numpy as np
 import optax
 
 from controller.config import Config
-from model import abstract_params, init_params, loss_sums
+from model import abstract_params, init_params
 from model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
+from pod_worker import programs
 from pod_worker.dcn import LeafSpec
 
 log = logging.getLogger(__name__)
@@ -108,28 +109,9 @@ class PodTrainer:
 
     # -- compiled programs ---------------------------------------------------------------------
     def _compile(self) -> None:
-        model_cfg = self.config.model
-        tx = self.tx
-
-        def grad_step(params, tokens, normalizer):
-            def loss_fn(p):
-                ce, z = loss_sums(p, tokens, model_cfg)
-                return (ce + z) / normalizer, (ce, z)
-            (_, (ce, z)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            return grads, ce, z
-
-        def apply_update(params, opt_state, grads):
-            norm = optax.global_norm(grads)
-            finite = jnp.isfinite(norm)
-            updates, new_opt = tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            # Skip-on-non-finite is decided from the summed gradient: the same on every pod.
-            keep = lambda new, old: jnp.where(finite, new, old)
-            return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state), norm, finite
-
-        def eval_step(params, tokens):
-            return loss_sums(params, tokens, model_cfg)
-
+        grad_step = programs.make_grad_step(self.config.model)
+        apply_update = programs.make_apply_update(self.tx)
+        eval_step = programs.make_eval_step(self.config.model)
         p, o, b, s = self.param_sharding, self.opt_sharding, self.batch_sharding, self.scalar_sharding
         with activate_rules(self.mesh):
             self._grad_step = jax.jit(grad_step, in_shardings=(p, b, s), out_shardings=(p, s, s))
