@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import protos
 from protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from protos.transport import open_channel
 
 
 class WorkerError(RuntimeError):
@@ -24,7 +24,7 @@ class WorkerClient:
         self.pod_index = pod_index
         self.address = address
         self.name = f"pod {pod_index} ({address})"
-        self.channel = grpc.insecure_channel(address, options=protos.channel_options())
+        self.channel = open_channel(address)
         self.stub = pb_grpc.PodWorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

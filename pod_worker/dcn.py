@@ -19,6 +19,7 @@ import numpy as np
 
 import protos
 from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from protos.transport import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class Exchange:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.inbox = Inbox(run_id, pod_index, self.num_pods, leaves)
-        self._channels = {p: grpc.insecure_channel(a, options=protos.channel_options())
+        self._channels = {p: open_channel(a)
                           for p, a in enumerate(peer_addresses) if p != pod_index}
         self._stubs = {p: pb_grpc.DcnStub(c) for p, c in self._channels.items()}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, self.num_pods - 1),

@@ -24,6 +24,7 @@ from pod_worker import checkpoint
 from pod_worker.dcn import Exchange, ExchangeError, InvalidChunk
 from pod_worker.trainer import PodTrainer
 from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from protos.transport import add_port
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_p
     pb_grpc.add_DcnServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
+    port = add_port(server, listen)
     if port == 0:
         raise SystemExit(f"pod {pod_index}: cannot listen on {listen}")
     server.start()

@@ -60,7 +60,9 @@ def check_shape(shape, max_elements: int | None = None) -> tuple[int, ...]:
 
 def encode(array) -> bytes:
     """Encode one array (numpy, or anything np.asarray accepts, e.g. a jax array)."""
-    arr = np.ascontiguousarray(np.asarray(array))
+    arr = np.asarray(array)
+    if not arr.flags.c_contiguous:   # (np.ascontiguousarray would turn 0-d into 1-d)
+        arr = arr.copy(order="C")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     name = dtype_name(arr.dtype)
@@ -76,7 +78,7 @@ def decode(payload: bytes, *, max_bytes: int | None = None) -> np.ndarray:
         raise CodecError(f"encoded array is {len(payload)} bytes, limit is {max_bytes}")
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=len(payload),
-                              max_str_len=64, max_array_len=MAX_RANK, max_map_len=8)
+                              max_str_len=64, max_array_len=64, max_map_len=8)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise CodecError(f"not a msgpack-encoded array: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
