@@ -1,0 +1,77 @@
+"""The CLI's errors for bad input: they name what is wrong, and come within a deadline."""
+import socket
+import time
+
+import grpc
+import pytest
+
+import protos
+from controller.launcher import LocalPods
+from protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from tests.helpers import TINY, run_cli
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unknown_config_key_names_the_field():
+    result = run_cli("train", "--workers", "127.0.0.1:1", "--set", "model.d_modle=64", timeout=60)
+    assert result.returncode == 2
+    assert "model.d_modle" in result.stderr and "unknown key" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_config_value_names_the_field(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[optimizer]\nlearning_rate = -1.0\n")
+    result = run_cli("local", "--config", str(config), timeout=60)
+    assert result.returncode == 2
+    assert "optimizer.learning_rate" in result.stderr
+
+
+def test_unreachable_worker_is_reported_by_address_within_the_deadline():
+    address = f"127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    result = run_cli("train", "--workers", address, "--config", TINY, "--set", "run.connect_timeout_s=2",
+                     timeout=60)
+    assert result.returncode == 1
+    assert f"pod 0 ({address}) is unreachable" in result.stderr
+    assert time.monotonic() - start < 30
+
+
+@pytest.fixture(scope="module")
+def mismatched_pods(tmp_path_factory):
+    """Two live workers that disagree: pod 0 has 2 devices, pod 1 has 1."""
+    with LocalPods(2, [2, 1], tmp_path_factory.mktemp("mismatch")) as pods:
+        yield pods
+
+
+def test_pods_with_different_mesh_shapes_are_refused(mismatched_pods, tmp_path):
+    result = run_cli("train", "--workers", ",".join(mismatched_pods.addresses), "--config", TINY,
+                     "--run-dir", str(tmp_path), timeout=120)
+    assert result.returncode == 1
+    assert "pods disagree on mesh shape" in result.stderr
+    assert "pod 0" in result.stderr and "pod 1" in result.stderr
+
+
+def test_wrong_protocol_version_is_refused_and_the_worker_keeps_serving(mismatched_pods):
+    channel = grpc.insecure_channel(mismatched_pods.addresses[1])
+    stub = pb_grpc.PodWorkerStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION + 1, pod_index=1, num_pods=2,
+                                           peer_addresses=mismatched_pods.addresses, config_json="{}",
+                                           run_id="x"), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol version mismatch" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION, pod_index=1, num_pods=2,
+                                           peer_addresses=mismatched_pods.addresses,
+                                           config_json='{"model": {"d_model": "big"}}', run_id="x"), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model.d_model" in info.value.details()
+    status = stub.Status(pb.StatusRequest(), timeout=10)
+    assert status.pod_index == 1 and status.pid > 0
+    channel.close()
