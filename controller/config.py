@@ -98,7 +98,7 @@ class DcnConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """The step loop: length, seed, deadlines, reporting."""
-    steps: int = 300
+    steps: int = 200
     seed: int = 0
     peak_flops: float = 0.0       # per-device peak FLOP/s for MFU; 0 = unknown (MFU is null)
     step_timeout_s: float = 120.0     # deadline of one Step RPC
