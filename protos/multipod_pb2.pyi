@@ -55,18 +55,20 @@ class StepRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "fingerprint_s")
+    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "fingerprint_s", "idle_s")
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
     UPDATE_S_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
     wait_s: float
     compute_s: float
     exchange_s: float
     update_s: float
     fingerprint_s: float
-    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ...) -> None: ...
+    idle_s: float
+    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "fingerprint", "timings", "dcn_bytes_sent", "dcn_bytes_received")
@@ -193,7 +195,7 @@ class ShutdownReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "from_pod", "step", "leaf_index", "dtype", "shape", "offset", "data", "phase")
+    __slots__ = ("protocol_version", "run_id", "from_pod", "step", "leaf_index", "dtype", "shape", "offset", "data", "phase", "scale")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_POD_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +206,7 @@ class GradientChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     from_pod: int
@@ -214,7 +217,8 @@ class GradientChunk(_message.Message):
     offset: int
     data: bytes
     phase: int
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[int] = ...) -> None: ...
+    scale: float
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks", "bytes")
