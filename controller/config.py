@@ -86,6 +86,10 @@ class DcnConfig:
     """The cross-pod gradient link."""
     chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
     timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
+    streams: int = 1              # parallel gRPC streams per peer and step, 1-8
+    compression: str = "none"     # "none" | "bf16" | "int8" (int8: one scale per chunk)
+    link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
+    link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
 
     def validate(self) -> None:
         from protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
@@ -93,6 +97,12 @@ class DcnConfig:
             raise ConfigError("dcn.chunk_bytes",
                               f"must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
         _positive("dcn.timeout_s", self.timeout_s)
+        if not 1 <= self.streams <= 8:
+            raise ConfigError("dcn.streams", f"must be in [1, 8], got {self.streams}")
+        if self.compression not in ("none", "bf16", "int8"):
+            raise ConfigError("dcn.compression", f"must be one of none, bf16, int8; got {self.compression!r}")
+        _non_negative("dcn.link_gbps", self.link_gbps)
+        _non_negative("dcn.link_latency_ms", self.link_latency_ms)
 
 
 @dataclass(frozen=True)
@@ -108,9 +118,36 @@ class RunConfig:
     sample_tokens: int = 160      # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "
     eval_batches: int = 2         # held-out batches evaluated at the end (0: none)
+    # Checkpoints and recovery (docs/reliability.md).
+    checkpoint_every: int = 100   # save every N steps and at the end (0: only at the end)
+    keep_checkpoints: int = 3     # keep the newest k checkpoints
+    checkpoint_dir: str = ""      # "" = <run dir>/checkpoints; must be readable by every pod
+    max_restarts: int = 3         # recoveries from a failed/hung pod before the run gives up
+    restart_timeout_s: float = 120.0  # how long to wait for a failed pod to serve again
+    health_interval_s: float = 2.0    # the watchdog probes every pod's health this often
+    health_timeout_s: float = 5.0     # a pod whose health check takes longer is hung
+    progress_timeout_s: float = 0.0   # no step finished for this long: probe the pods (0: step_timeout_s)
+    # Training-health policy: non-finite steps are always skipped (on every pod alike).
+    on_spike: str = "none"        # "none" | "rewind": restore the checkpoint before a loss spike
+    spike_threshold: float = 3.0  # a spike: loss > threshold x mean of the last spike_window losses
+    spike_window: int = 10
+    skip_batches: int = 0         # on rewind, skip this many batches after the checkpoint
+    # TEST ONLY: poison pod debug_poison_pod's gradient with NaN at debug_nan_step, or inflate its
+    # reported loss 1000x at debug_spike_step (-1: off). For exercising the health policy.
+    debug_poison_pod: int = -1
+    debug_nan_step: int = -1
+    debug_spike_step: int = -1
 
     def validate(self) -> None:
         _positive("run.steps", self.steps)
+        for name in ("checkpoint_every", "max_restarts", "skip_batches"):
+            _non_negative(f"run.{name}", getattr(self, name))
+        for name in ("keep_checkpoints", "restart_timeout_s", "health_interval_s", "health_timeout_s",
+                     "spike_threshold", "spike_window"):
+            _positive(f"run.{name}", getattr(self, name))
+        _non_negative("run.progress_timeout_s", self.progress_timeout_s)
+        if self.on_spike not in ("none", "rewind"):
+            raise ConfigError("run.on_spike", f"must be none or rewind, got {self.on_spike!r}")
         _non_negative("run.seed", self.seed)
         _non_negative("run.peak_flops", self.peak_flops)
         for name in ("step_timeout_s", "connect_timeout_s", "configure_timeout_s"):

@@ -1,20 +1,34 @@
 """The cross-pod gradient exchange over the DCN link (worker <-> worker gRPC).
 
-Every pod streams its whole gradient, leaf by leaf, in chunks of `dcn.chunk_bytes`, to every peer
-(one client stream per peer and step). Incoming chunks are validated and written straight into
-buffers preallocated for the sending pod; nothing is joined or copied as a whole. Once every
-peer's gradient for a step is complete, the pods sum them in pod-index order, so every pod adds
-identical bytes in an identical order and gets a bitwise-identical result.
+How a step's gradient travels:
+  * The step thread takes the gradient leaves one at a time (their device->host copies were all
+    started asynchronously, so later leaves are still copying while earlier ones are on the wire),
+    encodes each into chunks of at most `chunk_bytes` and queues them for every peer. Each peer
+    gets `streams` client streams per step; gRPC's own threads drain the queues, so sending
+    overlaps encoding, copying and summing.
+  * Incoming chunks are validated and decoded straight into buffers preallocated for the step
+    (no join or copy of the whole payload).
+  * 2 pods (phase 0): every pod sends its whole gradient to the other. As soon as both pods' copy
+    of a leaf is complete, the leaf is summed in pod-index order and handed on (host->device).
+  * N > 2 pods: reduce-scatter then all-gather. Pod p owns slice p of every leaf. Phase 1: every
+    pod sends slice p of its gradient to pod p; pod p sums the slices in pod-index order. Phase 2:
+    pod p sends its reduced slice to every pod, and every pod (p included) uses the owner's
+    decoded bytes, so all pods end with bitwise-identical sums.
+  * Compression (opt-in): bf16, or int8 with one float32 scale per chunk. Every pod sums the
+    *decoded* values of every pod, its own included, so the result stays identical everywhere.
+  * Slow-link mode: a token bucket (bandwidth) plus a fixed delay (latency) on this pod's egress.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
+import math
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 import grpc
+import ml_dtypes
 import numpy as np
 
 import protos
@@ -23,70 +37,194 @@ from protos.transport import open_channel
 
 log = logging.getLogger(__name__)
 
+PHASE_WHOLE = 0      # 2 pods: the whole gradient
+PHASE_REDUCE = 1     # N > 2: the receiver's slice of the sender's gradient (reduce-scatter)
+PHASE_GATHER = 2     # N > 2: the sender's reduced slice (all-gather)
+COMPRESSIONS = ("none", "bf16", "int8")
+
 
 class InvalidChunk(ValueError):
     """A chunk that does not belong to any gradient this pod expects."""
 
 
 class ExchangeError(RuntimeError):
-    """A peer's gradient did not arrive complete within the deadline."""
+    """The exchange of a step failed: a peer's gradient did not arrive complete within the
+    deadline, a peer's stream broke off, or sending to a peer failed."""
 
 
 @dataclass(frozen=True)
 class LeafSpec:
-    """Shape and dtype of one gradient leaf, as it travels on the wire."""
+    """Shape and dtype of one gradient leaf (as the pod holds it; the wire dtype may differ)."""
     shape: tuple[int, ...]
     dtype: np.dtype
 
     @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return self.size * self.dtype.itemsize
 
 
-@dataclass
-class _Incoming:
-    """One peer's gradient for one step, being filled chunk by chunk."""
-    buffers: list[np.ndarray]
-    filled: list[int]          # bytes written so far, per leaf (chunks arrive in order)
-    complete: bool = False
-    error: str | None = None
-    streaming: bool = True
-    bytes: int = 0
+# -- wire encodings ------------------------------------------------------------------------------
+class WireCodec:
+    """How one leaf's values travel: unchanged, as bf16, or as int8 with a per-chunk scale.
+
+    encode() runs once on the sender; decode_into() runs on every pod that uses the chunk,
+    the sender included, on the same bytes, so every pod sees the same decoded values."""
+
+    def __init__(self, compression: str):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"dcn.compression must be one of {COMPRESSIONS}, got {compression!r}")
+        self.compression = compression
+
+    def wire_dtype(self, leaf_dtype: np.dtype) -> np.dtype:
+        if self.compression == "bf16":
+            return np.dtype(ml_dtypes.bfloat16)
+        if self.compression == "int8":
+            return np.dtype(np.int8)
+        return np.dtype(leaf_dtype)
+
+    def encode(self, values: np.ndarray) -> tuple[np.ndarray, float]:
+        """1-d values -> (wire array, scale). Scale is 0 unless int8."""
+        if self.compression == "none":
+            return values, 0.0
+        if self.compression == "bf16":
+            return values.astype(ml_dtypes.bfloat16), 0.0
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            # Non-finite values give a non-finite scale: every pod decodes non-finite values and
+            # skips the update alike.
+            scale = np.float32(np.max(np.abs(values))) / np.float32(127) if values.size else np.float32(0)
+            if scale == 0 or not np.isfinite(scale):
+                quantised = np.zeros(values.shape, np.int8)
+            else:
+                quantised = np.clip(np.rint(values / scale), -127, 127).astype(np.int8)
+        return quantised, float(scale)
+
+    def decode_into(self, wire: np.ndarray, scale: float, out: np.ndarray) -> None:
+        """Wire values -> `out` (a 1-d slice of a preallocated buffer of the leaf's dtype)."""
+        if self.compression == "int8":
+            with np.errstate(invalid="ignore", over="ignore"):
+                np.multiply(wire, np.float32(scale), out=out, dtype=np.float32, casting="unsafe")
+                if not math.isfinite(scale):
+                    out[...] = np.float32(scale) * np.float32(0)   # NaN everywhere: the step is skipped
+        else:
+            out[...] = wire
 
 
-@dataclass
-class ExchangeStats:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    send_s: float = 0.0
-    wait_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+def owned_ranges(size: int, num_pods: int) -> list[tuple[int, int]]:
+    """The element range [start, stop) of a leaf that each pod reduces (N > 2 pods)."""
+    bounds = [size * k // num_pods for k in range(num_pods + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(num_pods)]
+
+
+class Plan:
+    """Who sends what to whom: a pure function of (num_pods, leaves, chunk_bytes, compression),
+    identical on every pod (the config hash is checked before training starts)."""
+
+    def __init__(self, num_pods: int, leaves: list[LeafSpec], chunk_bytes: int, compression: str):
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        self.num_pods = num_pods
+        self.leaves = leaves
+        self.codec = WireCodec(compression)
+        self.wire_dtypes = [self.codec.wire_dtype(l.dtype) for l in leaves]
+        self.chunk_elems = [max(1, chunk_bytes // d.itemsize) for d in self.wire_dtypes]
+        self.whole = num_pods <= 2
+        self.ranges = [owned_ranges(l.size, num_pods) for l in leaves]
+        self.total_bytes = sum(l.nbytes for l in leaves)
+
+    def span(self, phase: int, sender: int, receiver: int, leaf: int) -> tuple[int, int]:
+        """The element range of `leaf` that `sender` sends `receiver` in `phase`."""
+        if phase == PHASE_WHOLE:
+            return 0, self.leaves[leaf].size
+        if phase == PHASE_REDUCE:
+            return self.ranges[leaf][receiver]
+        return self.ranges[leaf][sender]
+
+    def phases(self) -> tuple[int, ...]:
+        return (PHASE_WHOLE,) if self.whole else (PHASE_REDUCE, PHASE_GATHER)
+
+    def chunks(self, leaf: int, start: int, stop: int):
+        """(chunk index, start, stop) of the fixed chunk grid over [start, stop)."""
+        step = self.chunk_elems[leaf]
+        for index, a in enumerate(range(start, stop, step)):
+            yield index, a, min(a + step, stop)
+
+
+# -- receiving -----------------------------------------------------------------------------------
+class _Slot:
+    """What one peer sends this pod in one phase of one step: one target per leaf."""
+
+    def __init__(self, plan: Plan, spans: list[tuple[int, int]], targets: list[np.ndarray]):
+        self.spans = spans
+        self.targets = targets
+        self.seen = [set() for _ in spans]
+        self.missing = [math.ceil((b - a) / plan.chunk_elems[i]) for i, (a, b) in enumerate(spans)]
+        self.bytes = 0
+
+
+class _StepState:
+    """Everything this pod receives for one step, allocated when the step's first chunk (or the
+    step itself) arrives."""
+
+    def __init__(self, plan: Plan, pod: int):
+        self.errors: dict[int, str] = {}       # pod -> why its part of the step failed
+        self.slots: dict[tuple[int, int], _Slot] = {}
+        peers = [p for p in range(plan.num_pods) if p != pod]
+        # N > 2: the all-gather writes every owner's reduced slice straight into the result.
+        self.output = None if plan.whole else [np.empty(l.size, l.dtype) for l in plan.leaves]
+        for phase in plan.phases():
+            for peer in peers:
+                spans = [plan.span(phase, peer, pod, i) for i in range(len(plan.leaves))]
+                if phase == PHASE_GATHER:
+                    targets = [self.output[i][a:b] for i, (a, b) in enumerate(spans)]
+                else:
+                    targets = [np.empty(b - a, l.dtype) for (a, b), l in zip(spans, plan.leaves)]
+                self.slots[(phase, peer)] = _Slot(plan, spans, targets)
 
 
 class Inbox:
-    """Receives peers' gradient streams and hands complete gradients to the step.
+    """Receives peers' gradient chunks and hands complete leaves to the step.
 
-    Thread-safe: gRPC handler threads call receive(); the step thread calls wait().
-    """
+    Thread-safe: gRPC handler threads call receive(); the step thread calls wait_leaf()."""
 
-    def __init__(self, run_id: str, pod_index: int, num_pods: int, leaves: list[LeafSpec]):
+    def __init__(self, run_id: str, pod_index: int, num_pods: int, leaves: list[LeafSpec],
+                 chunk_bytes: int = 2 << 20, compression: str = "none"):
         self.run_id = run_id
         self.pod_index = pod_index
         self.num_pods = num_pods
         self.leaves = leaves
+        self.plan = Plan(num_pods, leaves, chunk_bytes, compression)
         self._cond = threading.Condition()
-        self._incoming: dict[tuple[int, int], _Incoming] = {}
+        self._steps: dict[int, _StepState] = {}
         self._next_step = 0    # the step this pod will complete next
 
     def set_next_step(self, step: int) -> None:
         """The pod is now working towards `step`: drop anything older (it can no longer be used)."""
         with self._cond:
             self._next_step = step
-            for key in [k for k in self._incoming if k[0] < step]:
-                del self._incoming[key]
+            for old in [s for s in self._steps if s < step]:
+                del self._steps[old]
             self._cond.notify_all()
 
-    def _check_header(self, chunk: pb.GradientChunk) -> tuple[int, int]:
+    def _state(self, step: int) -> _StepState:
+        # A peer can be at most one step ahead: it cannot finish step s without our gradient.
+        if not self._next_step <= step <= self._next_step + 1:
+            raise InvalidChunk(f"chunk for step {step}, pod {self.pod_index} expects step {self._next_step}"
+                               f" or {self._next_step + 1}")
+        state = self._steps.get(step)
+        if state is None:
+            state = self._steps[step] = _StepState(self.plan, self.pod_index)
+        return state
+
+    def state(self, step: int) -> _StepState:
+        """The receive state of `step` (created if needed)."""
+        with self._cond:
+            return self._state(step)
+
+    def _check_sender(self, chunk: pb.GradientChunk) -> None:
         if chunk.protocol_version != protos.PROTOCOL_VERSION:
             raise InvalidChunk(f"protocol version {chunk.protocol_version} != {protos.PROTOCOL_VERSION}")
         if chunk.run_id != self.run_id:
@@ -94,162 +232,362 @@ class Inbox:
         if chunk.from_pod >= self.num_pods or chunk.from_pod == self.pod_index:
             raise InvalidChunk(f"from_pod {chunk.from_pod} is not a peer of pod {self.pod_index} "
                                f"(pods 0..{self.num_pods - 1})")
-        # A peer can be at most one step ahead: it cannot finish step s without our gradient.
-        if not self._next_step <= chunk.step <= self._next_step + 1:
-            raise InvalidChunk(f"chunk for step {chunk.step}, this pod expects step {self._next_step}"
-                               f" or {self._next_step + 1}")
-        if chunk.phase != 0:
-            raise InvalidChunk(f"unknown phase {chunk.phase}")
-        return chunk.step, chunk.from_pod
 
-    def _write(self, entry: _Incoming, chunk: pb.GradientChunk) -> None:
-        if chunk.leaf_index >= len(self.leaves):
-            raise InvalidChunk(f"leaf_index {chunk.leaf_index} out of range (gradient has {len(self.leaves)} leaves)")
-        spec = self.leaves[chunk.leaf_index]
+    def _accept(self, chunk: pb.GradientChunk):
+        """Validate a chunk's header and reserve its place; returns where to decode it to."""
+        self._check_sender(chunk)
+        if chunk.phase not in self.plan.phases():
+            raise InvalidChunk(f"phase {chunk.phase} is not used with {self.num_pods} pods "
+                               f"(expected one of {self.plan.phases()})")
+        leaf = chunk.leaf_index
+        if leaf >= len(self.leaves):
+            raise InvalidChunk(f"leaf_index {leaf} out of range (gradient has {len(self.leaves)} leaves)")
+        spec = self.leaves[leaf]
         if tuple(chunk.shape) != spec.shape:
-            raise InvalidChunk(f"leaf {chunk.leaf_index}: shape {tuple(chunk.shape)} != expected {spec.shape}")
+            raise InvalidChunk(f"leaf {leaf}: shape {tuple(chunk.shape)} != expected {spec.shape}")
         try:
             dtype = codec.dtype_from_name(chunk.dtype)
         except codec.CodecError as exc:
-            raise InvalidChunk(f"leaf {chunk.leaf_index}: {exc}") from None
-        if dtype != spec.dtype:
-            raise InvalidChunk(f"leaf {chunk.leaf_index}: dtype {dtype.name} != expected {spec.dtype.name}")
-        filled = entry.filled[chunk.leaf_index]
-        if chunk.offset != filled:
-            raise InvalidChunk(f"leaf {chunk.leaf_index}: chunk at offset {chunk.offset}, expected {filled}")
-        end = filled + len(chunk.data)
-        if end > spec.nbytes or not chunk.data:
-            raise InvalidChunk(f"leaf {chunk.leaf_index}: chunk of {len(chunk.data)} bytes at {filled} "
-                               f"does not fit the leaf's {spec.nbytes} bytes")
-        # Straight into the preallocated buffer: no join of the whole payload.
-        entry.buffers[chunk.leaf_index].reshape(-1).view(np.uint8)[filled:end] = np.frombuffer(chunk.data, np.uint8)
-        entry.filled[chunk.leaf_index] = end
-        entry.bytes += len(chunk.data)
+            raise InvalidChunk(f"leaf {leaf}: {exc}") from None
+        wire = self.plan.wire_dtypes[leaf]
+        if dtype != wire:
+            raise InvalidChunk(f"leaf {leaf}: wire dtype {dtype.name} != expected {wire.name}")
+        state = self._state(chunk.step)
+        slot = state.slots[(chunk.phase, chunk.from_pod)]
+        start, stop = slot.spans[leaf]
+        if chunk.offset % wire.itemsize:
+            raise InvalidChunk(f"leaf {leaf}: offset {chunk.offset} is not a multiple of {wire.itemsize}")
+        elem = chunk.offset // wire.itemsize
+        step_elems = self.plan.chunk_elems[leaf]
+        if not start <= elem < stop or (elem - start) % step_elems:
+            raise InvalidChunk(f"leaf {leaf}: offset {chunk.offset} is not on the chunk grid of "
+                               f"elements [{start}, {stop}) that pod {chunk.from_pod} sends in phase {chunk.phase}")
+        count = min(step_elems, stop - elem)
+        if len(chunk.data) != count * wire.itemsize:
+            raise InvalidChunk(f"leaf {leaf}: chunk of {len(chunk.data)} bytes at offset {chunk.offset}, "
+                               f"expected {count * wire.itemsize}")
+        if self.plan.codec.compression != "int8" and chunk.scale != 0:
+            raise InvalidChunk(f"leaf {leaf}: scale {chunk.scale} on an uncompressed chunk")
+        index = (elem - start) // step_elems
+        if index in slot.seen[leaf]:
+            raise InvalidChunk(f"leaf {leaf}: duplicate chunk at offset {chunk.offset} from pod {chunk.from_pod}")
+        slot.seen[leaf].add(index)
+        return state, slot, leaf, slot.targets[leaf][elem - start:elem - start + count], wire
 
     def receive(self, chunks) -> pb.PushAck:
-        """Consume one peer stream. Raises InvalidChunk for anything malformed; what was written
-        by a refused stream is discarded, so it cannot corrupt the step."""
-        key = None
-        count = 0
+        """Consume one peer stream. Raises InvalidChunk for anything malformed; a refused chunk
+        writes nothing. A stream that breaks off after delivering part of a step fails that step
+        at once (the waiting pod does not sit out the deadline)."""
+        count = nbytes = 0
+        touched: dict[tuple[int, int], _StepState] = {}
+        ended = False
         try:
             for chunk in chunks:
+                if ended:
+                    raise InvalidChunk("a chunk after the stream's end marker")
+                if chunk.last:
+                    with self._cond:
+                        self._check_sender(chunk)
+                        self._state(chunk.step)
+                    ended = True
+                    continue
                 with self._cond:
-                    chunk_key = self._check_header(chunk)
-                    if key is None:
-                        key = chunk_key
-                        if key in self._incoming:
-                            key = None  # not ours to discard
-                            raise InvalidChunk(f"duplicate gradient stream from pod {chunk.from_pod} "
-                                               f"for step {chunk.step}")
-                        self._incoming[key] = _Incoming(
-                            buffers=[np.empty(s.shape, s.dtype) for s in self.leaves],
-                            filled=[0] * len(self.leaves))
-                    elif chunk_key != key:
-                        raise InvalidChunk("a stream must carry one pod's gradient for one step")
-                    self._write(self._incoming[key], chunk)
+                    state, slot, leaf, target, wire = self._accept(chunk)
+                    touched[(chunk.step, chunk.from_pod)] = state
+                # Decode outside the lock: the chunk's place is reserved for this stream alone.
+                self.plan.codec.decode_into(np.frombuffer(chunk.data, wire), chunk.scale, target)
+                with self._cond:
+                    slot.bytes += len(chunk.data)
+                    slot.missing[leaf] -= 1
+                    if slot.missing[leaf] == 0:
+                        self._cond.notify_all()
                 count += 1
+                nbytes += len(chunk.data)
+            if not ended:
+                # gRPC may end a cancelled stream like a finished one: only the marker tells.
+                raise InvalidChunk("the stream ended without its end marker (the sender broke off)")
+            return pb.PushAck(chunks=count, bytes=nbytes)
+        except BaseException as exc:
+            # Refused chunks and streams the peer broke off (gRPC raises on iteration).
+            why = str(exc) if isinstance(exc, InvalidChunk) else f"{type(exc).__name__} {exc}".strip()
             with self._cond:
-                if key is None:
-                    raise InvalidChunk("empty gradient stream")
-                entry = self._incoming.get(key)
-                if entry is None:   # dropped by set_next_step meanwhile: a stale stream
-                    raise InvalidChunk(f"step {key[0]} is no longer expected")
-                missing = sum(s.nbytes for s in self.leaves) - entry.bytes
-                if missing:
-                    raise InvalidChunk(f"gradient stream from pod {key[1]} for step {key[0]} ended "
-                                       f"{missing} bytes short")
-                entry.complete = True
-                entry.streaming = False
-                self._cond.notify_all()
-                return pb.PushAck(chunks=count, bytes=entry.bytes)
-        except BaseException:
-            # Covers refused chunks and streams the peer broke off (gRPC raises on iteration).
-            with self._cond:
-                if key is not None and key in self._incoming and not self._incoming[key].complete:
-                    del self._incoming[key]
+                for (step, peer), state in touched.items():
+                    state.errors.setdefault(peer, f"its stream broke off after {nbytes} bytes ({why})")
                 self._cond.notify_all()
             raise
 
-    def wait(self, step: int, deadline: float) -> dict[int, list[np.ndarray]]:
-        """Block until every peer's gradient for `step` is complete; ExchangeError at the deadline,
-        naming the pods still missing."""
+    def fail(self, step: int, pod: int, why: str) -> None:
+        """Record that the exchange of `step` with `pod` failed (e.g. sending to it)."""
+        with self._cond:
+            state = self._steps.get(step)
+            if state is not None:
+                state.errors.setdefault(pod, why)
+            self._cond.notify_all()
+
+    def wait_leaf(self, step: int, phase: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
+        """Block until every peer's part of `leaf` in `phase` has arrived; returns it by pod.
+        ExchangeError at the deadline, or as soon as any peer's part of the step has failed."""
         peers = [p for p in range(self.num_pods) if p != self.pod_index]
         with self._cond:
+            state = self._state(step)
             while True:
-                done = {p: self._incoming.get((step, p)) for p in peers}
-                missing = [p for p, e in done.items() if e is None or not e.complete]
+                if state.errors:
+                    detail = "; ".join(f"pod {p}: {why}" for p, why in sorted(state.errors.items()))
+                    raise ExchangeError(f"step {step}: gradient exchange failed: {detail}")
+                slots = {p: state.slots[(phase, p)] for p in peers}
+                missing = [p for p, s in slots.items() if s.missing[leaf] > 0]
                 if not missing:
-                    return {p: e.buffers for p, e in done.items()}
+                    return {p: s.targets[leaf] for p, s in slots.items()}
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     detail = ", ".join(
-                        f"pod {p} ({'partial: %d bytes' % self._incoming[(step, p)].bytes if (step, p) in self._incoming else 'nothing received'})"
-                        for p in missing)
-                    raise ExchangeError(f"step {step}: gradient from {detail} did not arrive within the DCN deadline")
+                        f"pod {p} ({slots[p].bytes} of its bytes so far, leaf {leaf} incomplete)" for p in missing)
+                    raise ExchangeError(f"step {step}: gradient from {detail} did not arrive within the DCN "
+                                        f"deadline")
                 self._cond.wait(remaining)
 
 
-def chunk_stream(run_id: str, pod_index: int, step: int, leaves: list[np.ndarray], chunk_bytes: int):
-    """Yield GradientChunks for a pod's gradient, leaf by leaf, at most chunk_bytes each."""
-    for index, leaf in enumerate(leaves):
-        raw = memoryview(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
-        name = codec.dtype_name(leaf.dtype)
-        for offset in range(0, len(raw), chunk_bytes):
+# -- sending -------------------------------------------------------------------------------------
+class Pacer:
+    """Slow-link simulation on one pod's egress: a token bucket of `gbps` and a fixed one-way
+    delay of `latency_s` added to every chunk (0 disables each)."""
+
+    def __init__(self, gbps: float = 0.0, latency_s: float = 0.0, burst_bytes: int = 256 << 10):
+        self.bytes_per_s = gbps * 1e9 / 8 if gbps > 0 else 0.0
+        self.latency_s = latency_s
+        self.burst_bytes = burst_bytes
+        self._lock = threading.Lock()
+        self._free_at = 0.0     # when the simulated link has sent everything queued so far
+
+    @property
+    def active(self) -> bool:
+        return self.bytes_per_s > 0 or self.latency_s > 0
+
+    def wait(self, nbytes: int, queued_at: float) -> None:
+        """Sleep until a chunk of `nbytes` queued at `queued_at` would have crossed the link."""
+        now = time.monotonic()
+        ready = queued_at + self.latency_s
+        if self.bytes_per_s > 0:
+            with self._lock:
+                # The link serialises chunks: each starts when the previous one has left.
+                begin = max(self._free_at, now - self.burst_bytes / self.bytes_per_s)
+                self._free_at = begin + nbytes / self.bytes_per_s
+                ready = max(ready, self._free_at)
+        if ready > now:
+            time.sleep(ready - now)
+
+
+@dataclass
+class ExchangeStats:
+    bytes_sent: int = 0        # payload bytes this pod put on the wire this step
+    bytes_received: int = 0
+    idle_s: float = 0.0        # time the step thread sat waiting on peers' chunks
+    extra: dict = field(default_factory=dict)
+
+
+_END = object()
+
+
+class _Outgoing:
+    """This step's streams to the peers: `streams` gRPC client streams per peer, fed by queues
+    that gRPC's own threads drain."""
+
+    def __init__(self, exchange: "Exchange", step: int, deadline: float):
+        self.exchange = exchange
+        self.step = step
+        self.aborted = threading.Event()
+        self.bytes_sent = 0
+        self._lock = threading.Lock()
+        self._queues: dict[int, list[queue.SimpleQueue]] = {}
+        self._turn: dict[int, int] = {}
+        self._calls = []
+        timeout = max(0.001, deadline - time.monotonic())
+        for peer, stub in exchange._stubs.items():
+            self._queues[peer] = [queue.SimpleQueue() for _ in range(exchange.streams)]
+            self._turn[peer] = 0
+            for q in self._queues[peer]:
+                call = stub.PushGradients.future(self._feed(q), timeout=timeout)
+                call.add_done_callback(lambda f, peer=peer: self._done(peer, f))
+                self._calls.append((peer, call))
+
+    def _feed(self, q: queue.SimpleQueue):
+        ex = self.exchange
+        while True:
+            try:
+                item = q.get(timeout=0.25)
+            except queue.Empty:
+                if self.aborted.is_set():
+                    return
+                continue
+            if self.aborted.is_set():
+                return      # no end marker: the receiver fails the step at once
+            if item is _END:
+                yield pb.GradientChunk(protocol_version=protos.PROTOCOL_VERSION, run_id=ex.run_id,
+                                       from_pod=ex.pod_index, step=self.step, last=True)
+                return
+            phase, leaf, offset, wire, scale, queued_at = item
+            data = wire.tobytes()
+            if ex.pacer.active:
+                ex.pacer.wait(len(data), queued_at)
+            with self._lock:
+                self.bytes_sent += len(data)
             yield pb.GradientChunk(
-                protocol_version=protos.PROTOCOL_VERSION, run_id=run_id, from_pod=pod_index,
-                step=step, leaf_index=index, dtype=name, shape=leaf.shape, offset=offset,
-                data=bytes(raw[offset:offset + chunk_bytes]))
+                protocol_version=protos.PROTOCOL_VERSION, run_id=ex.run_id, from_pod=ex.pod_index,
+                step=self.step, leaf_index=leaf, dtype=codec.dtype_name(wire.dtype),
+                shape=ex.plan.leaves[leaf].shape, offset=offset, data=data, scale=scale, phase=phase)
+
+    def _done(self, peer: int, future) -> None:
+        if future.cancelled() or self.aborted.is_set():
+            return
+        exc = future.exception()
+        if exc is not None:
+            detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
+            self.exchange.inbox.fail(self.step, peer, f"sending to it at {self.exchange.peer_addresses[peer]} "
+                                                      f"failed ({detail})")
+
+    def put(self, peer: int, phase: int, leaf: int, offset_elems: int, wire: np.ndarray, scale: float) -> None:
+        """Queue one chunk for a peer (round-robin over that peer's streams)."""
+        qs = self._queues[peer]
+        turn = self._turn[peer]
+        self._turn[peer] = turn + 1
+        qs[turn % len(qs)].put((phase, leaf, offset_elems * wire.dtype.itemsize, wire, scale, time.monotonic()))
+
+    def finish(self) -> None:
+        """No more chunks this step: end every stream once its queue is drained."""
+        for qs in self._queues.values():
+            for q in qs:
+                q.put(_END)
+
+    def wait(self, deadline: float) -> None:
+        """Wait for every peer to acknowledge its streams; ExchangeError naming the peer if not."""
+        for peer, call in self._calls:
+            try:
+                call.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            except grpc.FutureTimeoutError:
+                raise ExchangeError(f"step {self.step}: pod {peer} did not acknowledge the gradient within "
+                                    f"the DCN deadline") from None
+            except grpc.RpcError as exc:
+                raise ExchangeError(f"step {self.step}: sending the gradient to pod {peer} at "
+                                    f"{self.exchange.peer_addresses[peer]} failed: {exc.code().name}: "
+                                    f"{exc.details()}") from None
+
+    def abort(self) -> None:
+        self.aborted.set()
+        for _, call in self._calls:
+            call.cancel()
 
 
 class Exchange:
-    """This pod's side of the link: an Inbox for peers' gradients and stubs to send its own."""
+    """This pod's side of the link: an Inbox for peers' chunks and streams to send its own."""
 
     def __init__(self, run_id: str, pod_index: int, peer_addresses: list[str], leaves: list[LeafSpec],
-                 chunk_bytes: int, timeout_s: float):
+                 chunk_bytes: int, timeout_s: float, *, streams: int = 1, compression: str = "none",
+                 link_gbps: float = 0.0, link_latency_ms: float = 0.0, dcn=None):
+        """`dcn` (a DcnConfig) overrides chunk_bytes, timeout_s and the keyword settings."""
+        if dcn is not None:
+            chunk_bytes, timeout_s, streams = dcn.chunk_bytes, dcn.timeout_s, dcn.streams
+            compression, link_gbps, link_latency_ms = dcn.compression, dcn.link_gbps, dcn.link_latency_ms
+        if streams < 1:
+            raise ValueError("streams must be >= 1")
         self.run_id = run_id
         self.pod_index = pod_index
         self.num_pods = len(peer_addresses)
         self.peer_addresses = peer_addresses
-        self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.inbox = Inbox(run_id, pod_index, self.num_pods, leaves)
-        self._channels = {p: open_channel(a)
-                          for p, a in enumerate(peer_addresses) if p != pod_index}
+        self.streams = streams
+        self.inbox = Inbox(run_id, pod_index, self.num_pods, leaves, chunk_bytes, compression)
+        self.plan = self.inbox.plan
+        self.pacer = Pacer(link_gbps, link_latency_ms / 1e3)
+        self._channels = {p: open_channel(a) for p, a in enumerate(peer_addresses) if p != pod_index}
         self._stubs = {p: pb_grpc.DcnStub(c) for p, c in self._channels.items()}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, self.num_pods - 1),
-                                                           thread_name_prefix="dcn-send")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels.values():
             channel.close()
 
-    def _send(self, peer: int, step: int, leaves: list[np.ndarray]) -> int:
-        stream = chunk_stream(self.run_id, self.pod_index, step, leaves, self.chunk_bytes)
-        try:
-            ack = self._stubs[peer].PushGradients(stream, timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise ExchangeError(f"step {step}: sending the gradient to pod {peer} at "
-                                f"{self.peer_addresses[peer]} failed: {exc.code().name}: {exc.details()}") from None
-        return ack.bytes
+    def _encode(self, values: np.ndarray, leaf: int, start: int, stop: int, send, decoded: np.ndarray | None):
+        """Encode values[start:stop] chunk by chunk; send(offset, wire, scale) each chunk, and
+        decode it into `decoded` (same length as the span) when this pod uses the values too."""
+        for _, a, b in self.plan.chunks(leaf, start, stop):
+            wire, scale = self.plan.codec.encode(values[a:b])
+            send(a, wire, scale)
+            if decoded is not None:
+                self.plan.codec.decode_into(wire, scale, decoded[a - start:b - start])
 
-    def all_reduce(self, step: int, leaves: list[np.ndarray]) -> tuple[list[np.ndarray], ExchangeStats]:
-        """Send this pod's gradient leaves to every peer, receive theirs, and return the sum over
-        all pods in pod-index order (bitwise identical on every pod)."""
+    def all_reduce(self, step: int, leaves, on_leaf=None) -> tuple[list, ExchangeStats]:
+        """Send this pod's gradient leaves, receive the peers', and return the sum over all pods in
+        pod-index order, bitwise identical on every pod.
+
+        `leaves` are host arrays or device arrays whose host copies are under way; each is read
+        only when its turn comes. `on_leaf(index, summed)` (e.g. an async host->device put) is
+        called on each leaf as soon as it is summed; its results are returned."""
+        on_leaf = on_leaf or (lambda index, value: value)
+        plan = self.plan
         stats = ExchangeStats()
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        sends = [self._pool.submit(self._send, p, step, leaves) for p in self._stubs]
-        received = self.inbox.wait(step, deadline)
-        for future in sends:
-            stats.bytes_sent += future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-        stats.wait_s = time.monotonic() - start
-        stats.bytes_received = sum(l.nbytes for l in leaves) * len(received)
-        received[self.pod_index] = leaves
-        summed = []
-        for index in range(len(leaves)):
-            total = np.array(received[0][index], copy=True)
-            for pod in range(1, self.num_pods):
-                total += received[pod][index]
-            summed.append(total)
-        return summed, stats
+        deadline = time.monotonic() + self.timeout_s
+        state = self.inbox.state(step)
+        out = _Outgoing(self, step, deadline)
+        me, peers = self.pod_index, sorted(self._stubs)
+        results = []
+        try:
+            def wait(phase, leaf):
+                t = time.monotonic()
+                got = self.inbox.wait_leaf(step, phase, leaf, deadline)
+                stats.idle_s += time.monotonic() - t
+                return got
+
+            if plan.whole:
+                own = []
+                for i, leaf in enumerate(leaves):
+                    values = np.asarray(leaf).reshape(-1)    # waits for this leaf's copy only
+                    mine = values if plan.codec.compression == "none" else np.empty(values.size, values.dtype)
+                    send = lambda a, w, s, i=i: [out.put(p, PHASE_WHOLE, i, a, w, s) for p in peers]
+                    self._encode(values, i, 0, values.size, send,
+                                 None if plan.codec.compression == "none" else mine)
+                    own.append(mine)
+                out.finish()
+                for i, spec in enumerate(plan.leaves):
+                    got = wait(PHASE_WHOLE, i)
+                    got[me] = own[i]
+                    total = np.array(got[0], copy=True)
+                    for p in range(1, self.num_pods):
+                        total += got[p]
+                    results.append(on_leaf(i, total.reshape(spec.shape)))
+            else:
+                own = []
+                for i, leaf in enumerate(leaves):
+                    values = np.asarray(leaf).reshape(-1)
+                    for p in range(self.num_pods):
+                        a, b = plan.ranges[i][p]
+                        if p == me:
+                            mine = values[a:b] if plan.codec.compression == "none" else np.empty(b - a, values.dtype)
+                            self._encode(values, i, a, b, lambda *_: None,
+                                         None if plan.codec.compression == "none" else mine)
+                            own.append(mine)
+                        else:
+                            self._encode(values, i, a, b,
+                                         lambda o, w, s, p=p, i=i: out.put(p, PHASE_REDUCE, i, o, w, s), None)
+                a_b = [plan.ranges[i][me] for i in range(len(plan.leaves))]
+                for i in range(len(plan.leaves)):
+                    got = wait(PHASE_REDUCE, i)
+                    got[me] = own[i]
+                    a, b = a_b[i]
+                    reduced = np.array(got[0], copy=True)
+                    for p in range(1, self.num_pods):
+                        reduced += got[p]
+                    # Every pod, this one included, uses the decoded bytes of the owner's slice.
+                    target = state.output[i][a:b]
+                    self._encode(reduced, i, 0, b - a,
+                                 lambda o, w, s, i=i, a=a: [out.put(p, PHASE_GATHER, i, o + a, w, s) for p in peers],
+                                 target)
+                out.finish()
+                for i, spec in enumerate(plan.leaves):
+                    wait(PHASE_GATHER, i)
+                    results.append(on_leaf(i, state.output[i].reshape(spec.shape)))
+            out.wait(deadline)
+        except BaseException:
+            out.abort()
+            raise
+        stats.bytes_sent = out.bytes_sent
+        stats.bytes_received = sum(s.bytes for s in state.slots.values())
+        return results, stats

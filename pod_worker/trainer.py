@@ -135,8 +135,10 @@ class PodTrainer:
         """Host tokens -> the pod's devices, split over the data axis."""
         return jax.device_put(tokens, self.batch_sharding)
 
-    def gradients(self, tokens: jax.Array, global_tokens: int) -> tuple[list[np.ndarray], float, float]:
-        """Forward/backward on this pod's shard; returns host gradient leaves and the loss sums."""
+    def gradients(self, tokens: jax.Array, global_tokens: int) -> tuple[list[jax.Array], float, float]:
+        """Forward/backward on this pod's shard; returns the gradient leaves (still on the device,
+        every device->host copy already started, so the exchange can take them one by one while
+        later ones are still copying) and the loss sums."""
         norm = jax.device_put(np.float32(global_tokens), self.scalar_sharding)
         if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
             grads, ce, z = self._grad_compiled(self.params, tokens, norm)
@@ -146,10 +148,17 @@ class PodTrainer:
         leaves = jax.tree.leaves(grads)
         for leaf in leaves:     # start every device->host copy before waiting on any of them
             leaf.copy_to_host_async()
-        return [np.asarray(leaf) for leaf in leaves], float(ce), float(z)
+        return leaves, float(ce), float(z)
 
-    def apply(self, summed: list[np.ndarray]) -> StepResult:
-        """Apply the all-pod gradient sum. The state only changes when the whole step succeeds."""
+    def put_leaf(self, index: int, value: np.ndarray) -> jax.Array:
+        """Start the host->device transfer of one summed gradient leaf (asynchronous)."""
+        if not hasattr(self, "_leaf_shardings"):
+            self._leaf_shardings = jax.tree.leaves(self.param_sharding)
+        return jax.device_put(value, self._leaf_shardings[index])
+
+    def apply(self, summed: list) -> StepResult:
+        """Apply the all-pod gradient sum (host arrays, or device arrays from put_leaf or from
+        gradients). The state only changes when the whole step succeeds."""
         grads = jax.device_put(jax.tree.unflatten(self._treedef, summed), self.param_sharding)
         lr = float(self.schedule(self.opt_count()))
         update = getattr(self, "_update_compiled", None) or self._apply_update

@@ -99,38 +99,52 @@ class StepReply(_message.Message):
     def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("step", "directory", "metadata_json")
+    __slots__ = ("step", "directory", "metadata_json", "background", "wait", "keep")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     directory: str
     metadata_json: str
-    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    background: bool
+    wait: bool
+    keep: int
+    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ..., metadata_json: _Optional[str] = ..., background: _Optional[bool] = ..., wait: _Optional[bool] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class SaveReply(_message.Message):
-    __slots__ = ("path", "fingerprint")
+    __slots__ = ("path", "fingerprint", "pending")
     PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     path: str
     fingerprint: str
-    def __init__(self, path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    pending: bool
+    def __init__(self, path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "directory", "run_id")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    directory: str
+    run_id: str
+    def __init__(self, path: _Optional[str] = ..., directory: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
-    __slots__ = ("step", "fingerprint", "metadata_json")
+    __slots__ = ("step", "fingerprint", "metadata_json", "path")
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     step: int
     fingerprint: str
     metadata_json: str
-    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    path: str
+    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("tokens",)
@@ -195,7 +209,7 @@ class ShutdownReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "from_pod", "step", "leaf_index", "dtype", "shape", "offset", "data", "phase", "scale")
+    __slots__ = ("protocol_version", "run_id", "from_pod", "step", "leaf_index", "dtype", "shape", "offset", "data", "phase", "scale", "last")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_POD_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +221,7 @@ class GradientChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     from_pod: int
@@ -218,7 +233,8 @@ class GradientChunk(_message.Message):
     data: bytes
     phase: int
     scale: float
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+    last: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[int] = ..., scale: _Optional[float] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks", "bytes")
