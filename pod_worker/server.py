@@ -108,7 +108,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         if self.exchange is not None:
             self.exchange.close()
         exchange = Exchange(request.run_id, self.pod_index, list(request.peer_addresses),
-                            trainer.leaf_specs, config.dcn.chunk_bytes, config.dcn.timeout_s)
+                            trainer.leaf_specs, config.dcn.chunk_bytes, config.dcn.timeout_s, dcn=config.dcn)
         with self._cond:
             self.trainer, self.exchange, self.config = trainer, exchange, config
             self.num_pods = request.num_pods
@@ -191,9 +191,10 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         grads, ce, z = trainer.gradients(on_device, request.global_tokens)
         t1 = time.perf_counter()
         if self.num_pods > 1:
-            summed, stats = exchange.all_reduce(request.step, grads)
+            # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum -> host->device.
+            summed, stats = exchange.all_reduce(request.step, grads, on_leaf=trainer.put_leaf)
         else:
-            summed, stats = grads, None
+            summed, stats = grads, None     # one pod: the gradient never leaves the device
         t2 = time.perf_counter()
         result = trainer.apply(summed)
         exchange.inbox.set_next_step(trainer.step)
@@ -205,7 +206,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             tokens=int(on_device.shape[0] * (on_device.shape[1] - 1)), grad_norm=result.grad_norm,
             learning_rate=result.learning_rate, skipped=result.skipped, fingerprint=fp,
             timings=pb.StepTimings(wait_s=wait_s, compute_s=t1 - t0, exchange_s=t2 - t1,
-                                   update_s=t3 - t2, fingerprint_s=t4 - t3),
+                                   update_s=t3 - t2, fingerprint_s=t4 - t3,
+                                   idle_s=stats.idle_s if stats else 0.0),
             dcn_bytes_sent=stats.bytes_sent if stats else 0,
             dcn_bytes_received=stats.bytes_received if stats else 0)
 
