@@ -6,6 +6,7 @@ before jax initialises.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -23,6 +24,18 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-flops", type=float,
                         help="peak FLOP/s of one device, for MFU (default: the value `multipod peak-flops` measured)")
     parser.add_argument("--run-dir", help="where config, metrics and logs go (default: a new folder under runs/)")
+    # Runs that survive (docs/reliability.md).
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in the checkpoint directory")
+    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (run.checkpoint_every)")
+    parser.add_argument("--checkpoint-dir", help="checkpoint directory, readable by every pod "
+                        "(run.checkpoint_dir; default RUN_DIR/checkpoints)")
+    parser.add_argument("--max-restarts", type=int, help="recoveries from failed pods before giving up (run.max_restarts)")
+    parser.add_argument("--on-spike", choices=("none", "rewind"),
+                        help="on a loss spike, rewind to the checkpoint before it (run.on_spike)")
+    parser.add_argument("--skip-batches", type=int, help="batches to skip after a rewind (run.skip_batches)")
+    from pod_worker.main import add_security_arguments
+    add_security_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,10 +65,14 @@ def resolve_config(args: argparse.Namespace):
     """Defaults <- --config <- --set <- the dedicated flags (--steps, --seed, --data, --peak-flops)."""
     from controller.config import load_config
     overrides = list(args.overrides)
-    for flag, key in (("steps", "run.steps"), ("seed", "run.seed"), ("peak_flops", "run.peak_flops")):
-        value = getattr(args, flag)
+    for flag, key in (("steps", "run.steps"), ("seed", "run.seed"), ("peak_flops", "run.peak_flops"),
+                      ("checkpoint_every", "run.checkpoint_every"), ("max_restarts", "run.max_restarts"),
+                      ("on_spike", "run.on_spike"), ("skip_batches", "run.skip_batches")):
+        value = getattr(args, flag, None)
         if value is not None:
-            overrides.append(f"{key}={value}")
+            overrides.append(f"{key}={json.dumps(value) if isinstance(value, str) else value}")
+    if getattr(args, "checkpoint_dir", None) is not None:
+        overrides.append(f"run.checkpoint_dir={json.dumps(str(pathlib.Path(args.checkpoint_dir).absolute()))}")
     if args.data is not None:
         overrides.append(f"data.path={json.dumps(args.data)}")
     return load_config(args.config, overrides)
@@ -71,12 +88,21 @@ def _run_dir(args: argparse.Namespace) -> pathlib.Path:
 def _train(args, addresses_fn) -> int:
     from controller.training import print_summary, run_training
     from controller.metrics import out
+    from pod_worker.main import security_from_args
+    from protos.transport import set_default_security
     config = resolve_config(args)
+    security = security_from_args(args)
+    if args.command == "local" and not security.token:
+        # Local workers still authenticate: a fresh secret per run, handed over in their environment.
+        security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
+    set_default_security(security)
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     out(f"run directory: {run_dir}")
-    with addresses_fn(run_dir) as addresses:
-        summary = run_training(config, addresses, run_dir)
+    context = addresses_fn(run_dir)
+    with context as addresses:
+        summary = run_training(config, addresses, run_dir, resume=args.resume,
+                               supervisor=getattr(context, "pods", None))
     print_summary(summary)
     return 0
 
@@ -95,7 +121,10 @@ class _Fixed:
 class _Local:
     def __init__(self, args, run_dir):
         from controller.launcher import LocalPods
-        self.pods = LocalPods(args.pods, args.devices_per_pod, run_dir)
+        config = resolve_config(args)
+        # Supervised: a worker that dies is started again on its port (run.max_restarts in all).
+        self.pods = LocalPods(args.pods, args.devices_per_pod, run_dir, supervise=True,
+                              max_restarts=config.run.max_restarts)
 
     def __enter__(self):
         from controller.metrics import out
@@ -139,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: config: {exc}", file=sys.stderr)
         return 2
-    except (WorkerError, RunError, LaunchError, DataError, ValueError) as exc:
+    except (WorkerError, RunError, LaunchError, DataError, ValueError) as exc:   # incl. SecurityError
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -67,6 +67,20 @@ class WorkerClient:
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
         return self.call("Status", pb.StatusRequest(), timeout_s)
 
+    def probe(self, timeout_s: float) -> str | None:
+        """One health check with a deadline: None if the worker answers SERVING, else why not
+        (a hung worker's check times out; a dead one's is refused)."""
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service="multipod.PodWorker"),
+                                      timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no answer to its health check within {timeout_s:g}s (hung or overloaded)"
+            return f"health check failed: {exc.code().name} (dead or restarting)"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return None
+
 
 class PendingCall:
     """An RPC in flight; result() raises WorkerError naming the pod."""
@@ -80,6 +94,19 @@ class PendingCall:
             return self.future.result()
         except grpc.RpcError as exc:
             raise self.client._error(self.method, exc) from None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the call to finish; True if it has (successfully or not)."""
+        try:
+            self.future.exception(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
+        except grpc.FutureCancelledError:
+            return True
+        return True
+
+    def done(self) -> bool:
+        return self.future.done()
 
     def cancel(self) -> None:
         self.future.cancel()

@@ -2,6 +2,10 @@
 count. Started with subprocess (never a fork of a process that imported jax), in their own
 process group, and always stopped: on success, on error, on Ctrl-C, and (through the workers'
 parent watch) even when the controller itself is killed.
+
+LocalPods also supervises its workers: a worker that dies is started again on the same port (so
+its peers' addresses stay valid), up to `max_restarts` times; the controller then restores every
+pod to the last checkpoint (controller/training.py).
 """
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
+
+from protos.transport import TOKEN_ENV, Security, default_security
 
 
 class LaunchError(RuntimeError):
@@ -21,9 +28,12 @@ class LocalPods:
     """Start `num_pods` workers on 127.0.0.1; use as a context manager."""
 
     def __init__(self, num_pods: int, devices_per_pod: int | list[int], log_dir: pathlib.Path,
-                 start_timeout_s: float = 60.0):
+                 start_timeout_s: float = 60.0, security: Security | None = None, supervise: bool = False,
+                 max_restarts: int = 3):
         """devices_per_pod: one count for every pod, or one per pod (tests use that to make pods
-        that disagree)."""
+        that disagree). security: the workers' token/TLS (default: this process's); without a
+        token they serve unauthenticated. supervise: restart dead workers (at most max_restarts
+        restarts in all)."""
         if num_pods < 1:
             raise ValueError("--pods must be >= 1")
         counts = devices_per_pod if isinstance(devices_per_pod, list) else [devices_per_pod] * num_pods
@@ -35,6 +45,12 @@ class LocalPods:
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self._logs = []
+        self.security = security or default_security()
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="supervisor") if supervise else None
 
     def __enter__(self) -> "LocalPods":
         try:
@@ -50,36 +66,93 @@ class LocalPods:
     def log_path(self, pod: int) -> pathlib.Path:
         return self.log_dir / f"worker-{pod}.log"
 
+    def _spawn(self, pod: int, listen: str, port_file: pathlib.Path, mode: str) -> subprocess.Popen:
+        port_file.unlink(missing_ok=True)
+        log = self.log_path(pod).open(mode)
+        self._logs.append(log)
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)   # the worker sets its own device count
+        env.pop(TOKEN_ENV, None)
+        cmd = [sys.executable, "-m", "controller.cli", "worker", "--pod-index", str(pod),
+               "--listen", listen, "--devices", str(self.device_counts[pod]),
+               "--port-file", str(port_file), "--exit-with-parent"]
+        if self.security.token:
+            env[TOKEN_ENV] = self.security.token   # the environment, not argv: argv is world-readable
+        else:
+            cmd.append("--insecure-no-auth")
+        for flag, value in (("--tls-cert", self.security.tls_cert), ("--tls-key", self.security.tls_key),
+                            ("--tls-ca", self.security.tls_ca)):
+            if value:
+                cmd += [flag, value]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+
+    def _wait_port(self, pod: int, port_file: pathlib.Path, deadline: float) -> int:
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self._stopping.is_set():
+                raise LaunchError(f"pod {pod}: stopped while starting")
+            self.check_alive(pod)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"pod {pod} did not start listening within {self.start_timeout_s:g}s; "
+                                  f"see {self.log_path(pod)}")
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        port_file.unlink(missing_ok=True)
+        return port
+
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        port_files = []
+        port_files = [self.log_dir / f".worker-{pod}.port" for pod in range(self.num_pods)]
         for pod in range(self.num_pods):
-            port_file = self.log_dir / f".worker-{pod}.port"
-            port_file.unlink(missing_ok=True)
-            port_files.append(port_file)
-            log = self.log_path(pod).open("w")
-            self._logs.append(log)
-            env = dict(os.environ)
-            env.pop("XLA_FLAGS", None)   # the worker sets its own device count
-            cmd = [sys.executable, "-m", "controller.cli", "worker", "--pod-index", str(pod),
-                   "--listen", "127.0.0.1:0", "--devices", str(self.device_counts[pod]),
-                   "--port-file", str(port_file), "--exit-with-parent"]
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               env=env, start_new_session=True))
+            self.procs.append(self._spawn(pod, "127.0.0.1:0", port_files[pod], "w"))
         deadline = time.monotonic() + self.start_timeout_s
         for pod, port_file in enumerate(port_files):
-            while not (port_file.exists() and port_file.read_text().strip()):
-                self.check_alive()
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"pod {pod} did not start listening within {self.start_timeout_s:g}s; "
-                                      f"see {self.log_path(pod)}")
-                time.sleep(0.05)
-            self.addresses.append(f"127.0.0.1:{int(port_file.read_text())}")
-            port_file.unlink(missing_ok=True)
+            self.addresses.append(f"127.0.0.1:{self._wait_port(pod, port_file, deadline)}")
+        if self._supervisor is not None:
+            self._supervisor.start()
 
-    def check_alive(self) -> None:
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.2):
+            for pod, proc in enumerate(list(self.procs)):
+                if proc.poll() is not None and not self._stopping.is_set():
+                    try:
+                        self.restart(pod)
+                    except LaunchError as exc:
+                        print(f"supervisor: {exc}", file=sys.stderr, flush=True)
+                        return
+
+    def restart(self, pod: int) -> None:
+        """Start pod `pod` again on its old port (killing the old process first if it still runs,
+        e.g. because it hangs). LaunchError once max_restarts restarts have been used."""
+        with self._lock:
+            old = self.procs[pod]
+            if old.poll() is None:
+                _signal_group(old, signal.SIGKILL)
+                old.wait(timeout=10)
+            if self._stopping.is_set():
+                return
+            if self.restarts >= self.max_restarts:
+                raise LaunchError(f"pod {pod} worker (pid {old.pid}) exited with code {old.returncode}; "
+                                  f"not restarted: {self.restarts} restart(s) used, the limit is {self.max_restarts}")
+            self.restarts += 1
+            print(f"supervisor: pod {pod} worker (pid {old.pid}) exited with code {old.returncode}; "
+                  f"restarting it on {self.addresses[pod]} (restart {self.restarts}/{self.max_restarts})",
+                  file=sys.stderr, flush=True)
+            port_file = self.log_dir / f".worker-{pod}.port"
+            # Same port: the peers' and the controller's addresses stay valid. The port was freed
+            # when the old process died; gRPC binds with SO_REUSEADDR.
+            self.procs[pod] = self._spawn(pod, self.addresses[pod], port_file, "a")
+            self._wait_port(pod, port_file, time.monotonic() + self.start_timeout_s)
+
+    def kill(self, pod: int) -> None:
+        """SIGKILL a worker that hangs, so the supervisor starts it again."""
+        _signal_group(self.procs[pod], signal.SIGKILL)
+
+    def check_alive(self, only: int | None = None) -> None:
         """LaunchError naming the first worker that has exited, with the end of its log."""
         for pod, proc in enumerate(self.procs):
+            if only is not None and pod != only:
+                continue
             if proc.poll() is not None:
                 tail = self.log_path(pod).read_text(errors="replace")[-2000:]
                 raise LaunchError(f"pod {pod} worker (pid {proc.pid}) exited with code {proc.returncode}; "
@@ -87,6 +160,9 @@ class LocalPods:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every worker's process group, then SIGKILL what is left after the grace period."""
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor.is_alive():
+            self._supervisor.join(timeout=grace_s + 10)
         for proc in self.procs:
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGTERM)

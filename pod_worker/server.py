@@ -21,10 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import protos
 from controller.config import Config, ConfigError
 from pod_worker import checkpoint
+from pod_worker.checkpoint import CheckpointError
 from pod_worker.dcn import Exchange, ExchangeError, InvalidChunk
 from pod_worker.trainer import PodTrainer
 from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from protos.transport import add_port
+from protos.transport import MalformedMessage, Security, add_port, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ def _handler(method):
             return method(self, request, context)
         except RequestError as exc:
             context.abort(exc.code, str(exc))
-        except (ConfigError, codec.CodecError, InvalidChunk) as exc:
+        except (ConfigError, codec.CodecError, InvalidChunk, MalformedMessage) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CheckpointError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ExchangeError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # a bug or a resource error: report it, keep serving
@@ -75,6 +78,10 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         self._busy = False
         self._failed_step: int | None = None
         self._state = "idle"
+        self._peers: list[str] = []
+        self._spike_fired = False   # TEST ONLY: run.debug_spike_step fires once per process
+        self._epoch = 0     # bumped by Restore: steps queued before it belong to an abandoned timeline
+        self._writer = checkpoint.Writer()
 
     # -- PodWorker -------------------------------------------------------------------------------
     @_handler
@@ -107,8 +114,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             raise
         if self.exchange is not None:
             self.exchange.close()
-        exchange = Exchange(request.run_id, self.pod_index, list(request.peer_addresses),
-                            trainer.leaf_specs, config.dcn.chunk_bytes, config.dcn.timeout_s, dcn=config.dcn)
+        self._peers = list(request.peer_addresses)
+        exchange = self._new_exchange(request.run_id, trainer, config)
         with self._cond:
             self.trainer, self.exchange, self.config = trainer, exchange, config
             self.num_pods = request.num_pods
@@ -122,6 +129,10 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             config_hash=config.config_hash(), fingerprint=trainer.fingerprint(),
             param_count=sum(s.nbytes // s.dtype.itemsize for s in trainer.leaf_specs),
             device_kind=jax.devices()[0].device_kind, step=trainer.step)
+
+    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: Config) -> Exchange:
+        return Exchange(run_id, self.pod_index, self._peers, trainer.leaf_specs, config.dcn.chunk_bytes,
+                        config.dcn.timeout_s, dcn=config.dcn)
 
     def _require_trainer(self) -> PodTrainer:
         if self.trainer is None:
@@ -156,9 +167,14 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else self.config.run.step_timeout_s)
         with self._cond:
+            epoch = self._epoch
             while self._busy or trainer.step != request.step:
                 if self.trainer is not trainer:
                     raise RequestError(grpc.StatusCode.ABORTED, "the pod was reconfigured")
+                if self._epoch != epoch:
+                    raise RequestError(grpc.StatusCode.ABORTED, "the pod was restored to a checkpoint")
+                if not context.is_active():
+                    raise RequestError(grpc.StatusCode.CANCELLED, "the controller cancelled the step")
                 if self._failed_step is not None and self._failed_step < request.step:
                     raise RequestError(grpc.StatusCode.ABORTED,
                                        f"step {self._failed_step} failed on pod {self.pod_index}; "
@@ -173,7 +189,16 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             self._busy = True
             self._state = f"stepping {request.step}"
         try:
-            return self._run_step(trainer, request, on_device, time.perf_counter() - wait_start)
+            run = self.config.run
+            nan = request.step == run.debug_nan_step
+            spike = request.step == run.debug_spike_step and not self._spike_fired
+            if self.pod_index == run.debug_poison_pod and (nan or spike):   # TEST ONLY hooks
+                self._spike_fired |= spike
+                reply = self._run_step(_Poisoned(trainer, nan, spike), request, on_device,
+                                       time.perf_counter() - wait_start)
+            else:
+                reply = self._run_step(trainer, request, on_device, time.perf_counter() - wait_start)
+            return reply
         except BaseException:
             with self._cond:
                 self._failed_step = request.step
@@ -243,38 +268,88 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
                        float(request.temperature), int(request.seed))
         return pb.GenerateReply(tokens=codec.encode(np.asarray(out, np.int32)))
 
+    def _wait_idle(self, context) -> None:
+        """Wait (under self._cond) until no step runs, within the RPC's deadline."""
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else self.config.run.step_timeout_s)
+        while self._busy:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"pod {self.pod_index}: a step is still running")
+            self._cond.wait(min(left, 1.0))
+
     @_handler
     def Save(self, request: pb.SaveRequest, context) -> pb.SaveReply:
         trainer = self._require_trainer()
         if not request.directory:
             raise _invalid("directory is empty")
+        if request.wait:   # report how the background save of `step` went
+            remaining = context.time_remaining()
+            try:
+                path = self._writer.wait(request.directory, int(request.step),
+                                         max(0.0, (remaining if remaining is not None else 60.0) - 0.5))
+            except KeyError as exc:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc.args[0])) from None
+            except TimeoutError as exc:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+            return pb.SaveReply(path=str(path))
+        try:
+            metadata = json.loads(request.metadata_json or "{}")
+        except ValueError:
+            raise _invalid("metadata_json is not valid JSON") from None
+        if not isinstance(metadata, dict):
+            raise _invalid("metadata_json must be a JSON object")
         with self._cond:
-            if self._busy:
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "a step is running")
+            self._wait_idle(context)
+            if request.step != trainer.step:
+                raise _invalid(f"save requested for step {request.step}, pod {self.pod_index} is at step {trainer.step}")
+            # Host copies: the only part the step loop waits for; the write runs in the background.
             state = trainer.host_state()
             fp = trainer.fingerprint()
-        if request.step != state["step"]:
-            raise _invalid(f"save requested for step {request.step}, pod is at step {state['step']}")
-        path = checkpoint.save(request.directory, state, fp, request.metadata_json or "{}")
+        metadata.setdefault("config", self.config.to_dict())
+        keep = int(request.keep) or None
+        path = self._writer.submit(request.directory, state, fp, json.dumps(metadata), keep)
+        if request.background:
+            return pb.SaveReply(path=str(path), fingerprint=fp, pending=True)
+        remaining = context.time_remaining()
+        self._writer.wait(request.directory, int(state["step"]), remaining if remaining is not None else 600.0)
         return pb.SaveReply(path=str(path), fingerprint=fp)
 
     @_handler
     def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         trainer = self._require_trainer()
+        if bool(request.path) == bool(request.directory):
+            raise _invalid("give exactly one of path (a checkpoint) or directory (restore its newest checkpoint)")
+        path = str(request.path) if request.path else str(checkpoint.latest(request.directory))
+        metadata = checkpoint.read_metadata(path)
+        checkpoint.check_compatible(path, metadata, self.config.to_dict())
         with self._cond:
-            if self._busy:
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "a step is running")
-            template = trainer.host_state()
-            state, metadata = checkpoint.restore(request.path, template)
-            trainer.load_state(state["params"], state["opt_state"], state["step"])
+            self._wait_idle(context)
+            self._state = "restoring"
+            try:
+                state, metadata = checkpoint.restore(path, trainer.host_state())
+                if int(state["step"]) != int(metadata.get("step", -1)):
+                    raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
+                                          f"metadata says {metadata.get('step')}")
+                trainer.load_state(state["params"], state["opt_state"], state["step"])
+            finally:
+                self._state = "configured"
             fp = trainer.fingerprint()
-            if metadata.get("fingerprint") and metadata["fingerprint"] != fp:
+            if metadata.get("fingerprint") != fp:
+                # The arrays read back are not the ones written: a corrupt checkpoint.
                 raise RequestError(grpc.StatusCode.DATA_LOSS,
-                                   f"checkpoint {request.path}: restored state fingerprint {fp} != saved {metadata['fingerprint']}")
+                                   f"checkpoint {path} is corrupt: the restored state's fingerprint {fp} "
+                                   f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
             self._failed_step = None
+            self._epoch += 1
+            if request.run_id:
+                # A fresh DCN inbox under a new run id: nothing a peer sent before the restore
+                # (streams of the abandoned timeline) can be taken for a step of the new one.
+                self.exchange.close()
+                self.exchange = self._new_exchange(request.run_id, trainer, self.config)
             self.exchange.inbox.set_next_step(trainer.step)
             self._cond.notify_all()
-        return pb.RestoreReply(step=trainer.step, fingerprint=fp, metadata_json=json.dumps(metadata))
+        return pb.RestoreReply(step=trainer.step, fingerprint=fp, metadata_json=json.dumps(metadata), path=path)
 
     @_handler
     def Status(self, request, context) -> pb.StatusReply:
@@ -299,24 +374,55 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         return exchange.inbox.receive(request_iterator)
 
 
-def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_parent: bool = False,
-          max_workers: int = 16) -> None:
-    """Serve one pod until Shutdown is called, the process is signalled, or (with
-    exit_with_parent) the process that started it is gone."""
+class _Poisoned:
+    """TEST ONLY (run.debug_nan_step / run.debug_spike_step with run.debug_poison_pod): a view of
+    the trainer whose gradient at one step is poisoned with NaN, or whose reported loss at one
+    step is inflated 1000x (once per process), so tests can exercise the health policy without a
+    real divergence."""
+
+    def __init__(self, trainer: PodTrainer, nan: bool, spike: bool):
+        self._trainer, self._nan, self._spike = trainer, nan, spike
+
+    def __getattr__(self, name):
+        return getattr(self._trainer, name)
+
+    def gradients(self, *args, **kwargs):
+        grads, ce, z = self._trainer.gradients(*args, **kwargs)
+        if self._nan:
+            grads = list(grads) if isinstance(grads, (list, tuple)) else grads
+            first = grads[0]
+            grads[0] = first * np.float32(np.nan) if not isinstance(first, np.ndarray) else np.full_like(first, np.nan)
+        if self._spike:
+            ce *= 1000.0
+        return grads, ce, z
+
+
+def start_server(pod_index: int, listen: str, security: Security | None = None, max_workers: int = 16):
+    """Build and start one pod's server; returns (server, service, health servicer, bound port)."""
     shutdown = threading.Event()
     service = PodWorkerService(pod_index, shutdown)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                         options=protos.channel_options())
+                         interceptors=server_interceptors(security), options=protos.channel_options(),
+                         maximum_concurrent_rpcs=max_workers * 4)
     pb_grpc.add_PodWorkerServicer_to_server(service, server)
     pb_grpc.add_DcnServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = add_port(server, listen)
+    port = add_port(server, listen, security)
     if port == 0:
         raise SystemExit(f"pod {pod_index}: cannot listen on {listen}")
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("multipod.PodWorker", health_pb2.HealthCheckResponse.SERVING)
+    return server, service, health_servicer, port
+
+
+def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_parent: bool = False,
+          max_workers: int = 16, security: Security | None = None) -> None:
+    """Serve one pod until Shutdown is called, the process is signalled, or (with
+    exit_with_parent) the process that started it is gone."""
+    server, service, health_servicer, port = start_server(pod_index, listen, security, max_workers)
+    shutdown = service.shutdown_event
     host = listen.rsplit(":", 1)[0]
     log.info("pod %d serving on %s:%d (pid %d)", pod_index, host, port, os.getpid())
     if port_file:   # written last: whoever waits on it may connect at once
@@ -335,6 +441,7 @@ def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_p
         pass
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=2.0).wait(5.0)
+    service._writer.close()
     if service.exchange is not None:
         service.exchange.close()
     log.info("pod %d stopped", pod_index)
