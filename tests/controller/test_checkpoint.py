@@ -1,0 +1,168 @@
+"""Checkpoints through a real worker (in this process): background saves, keep-last-k, what a
+checkpoint holds, and clear errors for corrupt, incompatible, missing and failed checkpoints."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+
+import protos
+from controller.config import load_config
+from pod_worker import checkpoint
+from pod_worker.server import start_server
+from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from protos.transport import Security, open_channel
+from tests.helpers import TINY
+
+CONFIG = load_config(TINY, ["run.sample_tokens=0"])
+ROWS, COLS = CONFIG.data.global_batch, CONFIG.data.seq_len + 1
+
+
+class Worker:
+    def __init__(self):
+        self.server, self.service, _, port = start_server(0, "127.0.0.1:0", Security())
+        self.address = f"127.0.0.1:{port}"
+        self.channel = open_channel(self.address, Security())
+        self.stub = pb_grpc.PodWorkerStub(self.channel)
+        self.stub.Configure(pb.ConfigureRequest(
+            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[self.address],
+            config_json=CONFIG.to_json(), run_id="checkpoint-test"), timeout=300)
+
+    @property
+    def step(self) -> int:
+        return self.stub.Status(pb.StatusRequest(), timeout=10).step
+
+    def train(self) -> pb.StepReply:
+        step = self.step
+        tokens = np.random.default_rng(step).integers(0, 256, (ROWS, COLS), dtype=np.int32)
+        return self.stub.Step(pb.StepRequest(step=step, tokens=codec.encode(tokens),
+                                             global_tokens=ROWS * (COLS - 1)), timeout=60)
+
+    def save(self, directory, keep=0, meta=None) -> pb.SaveReply:
+        """Background save, then wait for it: the controller's protocol."""
+        step = self.step
+        reply = self.stub.Save(pb.SaveRequest(step=step, directory=str(directory), background=True, keep=keep,
+                                              metadata_json=json.dumps(meta or {"data_position": step})), timeout=60)
+        assert reply.pending
+        self.stub.Save(pb.SaveRequest(step=step, directory=str(directory), wait=True), timeout=120)
+        return reply
+
+    def fingerprint(self) -> str:
+        return self.service.trainer.fingerprint()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker()
+    yield w
+    w.channel.close()
+    w.server.stop(0)
+
+
+def test_background_save_lets_the_pod_step_on_and_holds_the_state_it_was_asked_for(worker, tmp_path):
+    worker.train()
+    step = worker.step
+    reply = worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), background=True,
+                                            metadata_json=json.dumps({"data_position": step})), timeout=60)
+    assert reply.pending and reply.fingerprint == worker.fingerprint()
+    worker.train()                  # the pod steps while the checkpoint is being written
+    after = worker.fingerprint()
+    done = worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), wait=True), timeout=120)
+    assert pathlib.Path(done.path) == tmp_path / str(step)
+    restored = worker.stub.Restore(pb.RestoreRequest(path=done.path), timeout=120)
+    assert restored.step == step and restored.fingerprint == reply.fingerprint != after
+    meta = json.loads(restored.metadata_json)
+    # Parameters + optimizer state (the fingerprint covers both), step, data position, config.
+    assert meta["step"] == step and meta["data_position"] == step and meta["fingerprint"] == reply.fingerprint
+    assert meta["config"] == CONFIG.to_dict()
+
+
+def test_keeps_the_last_k(worker, tmp_path):
+    steps = []
+    for _ in range(4):
+        worker.train()
+        steps.append(worker.step)
+        worker.save(tmp_path, keep=2)
+    assert checkpoint.steps(str(tmp_path)) == steps[-2:]
+    assert checkpoint.latest(str(tmp_path)) == tmp_path / str(steps[-1])
+    restored = worker.stub.Restore(pb.RestoreRequest(directory=str(tmp_path)), timeout=120)
+    assert restored.step == steps[-1] and restored.path == str(tmp_path / str(steps[-1]))
+
+
+def _restore_error(worker, **request) -> grpc.RpcError:
+    before = worker.fingerprint()
+    with pytest.raises(grpc.RpcError) as info:
+        worker.stub.Restore(pb.RestoreRequest(**request), timeout=120)
+    assert worker.fingerprint() == before          # a refused restore changes nothing
+    return info.value
+
+
+def test_corrupt_checkpoint_gets_a_clear_error(worker, tmp_path):
+    worker.save(tmp_path / "good")
+    step = worker.step
+    rng = np.random.default_rng(0)
+    # Garbage in every array file: the reader fails, or the bytes read back do not match.
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "good", bad)
+    for f in (bad / str(step) / "state").rglob("*"):
+        if f.is_file() and f.name not in ("_METADATA", "commit_success.txt", "_sharding"):
+            f.write_bytes(rng.bytes(f.stat().st_size))
+    error = _restore_error(worker, path=str(bad / str(step)))
+    assert error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS)
+    assert str(bad / str(step)) in error.details() and "corrupt" in error.details()
+    # Garbage metadata.
+    meta = tmp_path / "meta"
+    shutil.copytree(tmp_path / "good", meta)
+    (meta / str(step) / "meta" / "metadata").write_bytes(b"\x00{not json")
+    error = _restore_error(worker, path=str(meta / str(step)))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "corrupt" in error.details()
+    # The worker is unharmed and still trains.
+    assert worker.train().fingerprint
+
+
+def test_incompatible_checkpoint_names_what_does_not_match(worker, tmp_path):
+    other = load_config(TINY, ["model.d_model=64", "run.seed=3"]).to_dict()
+    state = worker.service.trainer.host_state()
+    checkpoint.save(str(tmp_path), state, worker.fingerprint(), json.dumps({"config": other}))
+    error = _restore_error(worker, path=str(tmp_path / str(state["step"])))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "model.d_model: checkpoint has 64, this run has 32" in error.details()
+    assert "run.seed: checkpoint has 3, this run has 0" in error.details()
+
+
+def test_missing_checkpoint_gets_a_clear_error(worker, tmp_path):
+    error = _restore_error(worker, directory=str(tmp_path / "empty"))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "no checkpoint to resume from" in error.details()
+    error = _restore_error(worker, path=str(tmp_path / "nothing" / "7"))
+    assert "no checkpoint at" in error.details() or "corrupt" in error.details()
+
+
+def test_failed_save_is_reported_and_never_replaces_the_last_good_one(worker, tmp_path, monkeypatch):
+    worker.train()
+    worker.save(tmp_path)
+    good = checkpoint.latest(str(tmp_path))
+    worker.train()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "save", disk_full)
+    step = worker.step
+    reply = worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), background=True), timeout=60)
+    assert reply.pending
+    with pytest.raises(grpc.RpcError) as info:
+        worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), wait=True), timeout=60)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"checkpoint of step {step}" in info.value.details() and "No space left" in info.value.details()
+    assert checkpoint.latest(str(tmp_path)) == good
+    monkeypatch.undo()
+    assert worker.stub.Restore(pb.RestoreRequest(directory=str(tmp_path)), timeout=120).path == str(good)
+
+
+def test_save_of_the_wrong_step_is_refused(worker, tmp_path):
+    with pytest.raises(grpc.RpcError) as info:
+        worker.stub.Save(pb.SaveRequest(step=worker.step + 5, directory=str(tmp_path)), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "save requested for step" in info.value.details()
