@@ -8,6 +8,13 @@ import jax.numpy as jnp
 # Names accepted for `dtype` / `param_dtype`, mapped to jnp dtypes.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# Activation recomputation policies (see model.layers.remat_policy):
+#   none      keep every activation the backward pass needs;
+#   full      keep only each block's input and recompute the whole block in the backward pass;
+#   selective keep the matmul outputs, recompute the cheap memory-heavy parts (attention scores,
+#             softmax, norms, RoPE, elementwise ops).
+REMAT_POLICIES = ("none", "full", "selective")
+
 
 class ConfigError(ValueError):
     """A bad config value; str() names the field."""
@@ -38,11 +45,16 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
     param_dtype: str = "float32"
+    # Within-pod techniques. They change where and when the math runs, not the math: loss and
+    # gradients agree with the plain layout to float tolerance.
+    sequence_parallel: bool = False  # shard norm/residual activations along the sequence over `model`
+    remat: str = "none"  # one of REMAT_POLICIES
+    microbatches: int = 1  # gradient accumulation: a pod's shard is split into this many pieces
 
     def validate(self) -> None:
         """Raise ConfigError("model.<field>", ...) for the first bad value found."""
         positive_ints = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                         "head_dim", "mlp_dim", "max_seq_len")
+                         "head_dim", "mlp_dim", "max_seq_len", "microbatches")
         for name in positive_ints:
             value = getattr(self, name)
             # bool is an int subclass; a True here is almost certainly a mistake.
@@ -68,6 +80,11 @@ class ModelConfig:
             if value not in DTYPES:
                 raise ConfigError(f"model.{name}",
                                   f"must be one of {sorted(DTYPES)}, got {value!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError("model.sequence_parallel",
+                              f"must be true or false, got {self.sequence_parallel!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError("model.remat", f"must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":

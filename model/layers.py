@@ -9,14 +9,39 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
 
 # Logical names of activations (see partitioning.logical_rules for their mesh mapping).
-RESIDUAL = ("batch", "length", "embed")
+# RESIDUAL is the region tensor parallelism leaves replicated (residual stream, norms); its
+# sequence axis is split over `model` under sequence parallelism. GATHERED is the same tensor
+# with the whole sequence: the input of the column-parallel matmuls.
+RESIDUAL = ("batch", "residual_length", "embed")
+GATHERED = ("batch", "length", "embed")
 HEADS = ("batch", "length", "heads", "kv")
 MLP_HIDDEN = ("batch", "length", "mlp")
 LOGITS = ("batch", "length", "vocab")
+
+# Named matmul outputs. Selective recomputation keeps exactly these and recomputes the rest of a
+# block (norm, RoPE, attention scores and softmax, SwiGLU's elementwise product) in the backward
+# pass: the recomputed parts are cheap in FLOPs, while the scores/probabilities [b, h, T, T] are
+# what dominates activation memory.
+SAVED_BY_SELECTIVE = ("query_proj", "key_proj", "value_proj", "attention_context", "attention_out",
+                      "mlp_gate", "mlp_up", "mlp_out")
+
+
+def remat_policy(name: str):
+    """The jax.checkpoint policy of a ModelConfig.remat value (None for "none" and "full").
+
+    "full" keeps nothing inside a block (only its input, which the remat boundary saves);
+    "selective" keeps the named matmul outputs in SAVED_BY_SELECTIVE.
+    """
+    if name == "selective":
+        return jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SELECTIVE)
+    if name in ("none", "full"):
+        return None
+    raise ValueError(f"unknown remat policy {name!r}")
 
 
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
@@ -83,9 +108,9 @@ class Attention(nn.Module):
         wv = _param(self, "value", (d, k, q_dim), ("embed", "kv_heads", "kv"), c.init_std, c)
         wo = _param(self, "out", (h, q_dim, d), ("heads", "kv", "embed"), c.init_std, c)
 
-        q = constrain(jnp.einsum("btd,dhq->bthq", x, wq), HEADS)
-        key = jnp.einsum("btd,dkq->btkq", x, wk)
-        value = jnp.einsum("btd,dkq->btkq", x, wv)
+        q = checkpoint_name(constrain(jnp.einsum("btd,dhq->bthq", x, wq), HEADS), "query_proj")
+        key = checkpoint_name(jnp.einsum("btd,dkq->btkq", x, wk), "key_proj")
+        value = checkpoint_name(jnp.einsum("btd,dkq->btkq", x, wv), "value_proj")
         q = apply_rope(q, c.rope_base) * (q_dim ** -0.5)
         key = apply_rope(key, c.rope_base)
 
@@ -97,8 +122,8 @@ class Attention(nn.Module):
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(c.compute_dtype)
         ctx = jnp.einsum("bkgts,bskq->btkgq", probs, value).reshape(batch, length, h, q_dim)
-        ctx = constrain(ctx, HEADS)
-        return jnp.einsum("bthq,hqd->btd", ctx, wo)
+        ctx = checkpoint_name(constrain(ctx, HEADS), "attention_context")
+        return checkpoint_name(jnp.einsum("bthq,hqd->btd", ctx, wo), "attention_out")
 
 
 class SwiGLU(nn.Module):
@@ -112,18 +137,25 @@ class SwiGLU(nn.Module):
         gate = _param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c)
         up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c)
         down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), c.init_std, c)
-        hidden = jax.nn.silu(x @ gate) * (x @ up)
-        hidden = constrain(hidden, MLP_HIDDEN)
-        return hidden @ down
+        gated = checkpoint_name(constrain(x @ gate, MLP_HIDDEN), "mlp_gate")
+        linear = checkpoint_name(constrain(x @ up, MLP_HIDDEN), "mlp_up")
+        hidden = constrain(jax.nn.silu(gated) * linear, MLP_HIDDEN)
+        return checkpoint_name(hidden @ down, "mlp_out")
 
 
 class ParallelBlock(nn.Module):
-    """PaLM parallel block: x + attn(norm(x)) + mlp(norm(x)), one shared pre-norm."""
+    """PaLM parallel block: x + attn(norm(x)) + mlp(norm(x)), one shared pre-norm.
+
+    The norm runs on RESIDUAL (sequence-split under sequence parallelism); its output is
+    gathered to the whole sequence for the matmuls, and the block's output is constrained back
+    to RESIDUAL, which turns the row-parallel partial sums into a reduce-scatter.
+    """
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = RMSNorm(self.config, name="norm")(x)
+        h = constrain(RMSNorm(self.config, name="norm")(constrain(x, RESIDUAL)), RESIDUAL)
+        h = constrain(h, GATHERED)
         x = x + Attention(self.config, name="attn")(h) + SwiGLU(self.config, name="mlp")(h)
         return constrain(x, RESIDUAL)

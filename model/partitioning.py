@@ -4,6 +4,12 @@ Layout (Megatron-style tensor parallelism plus data parallelism):
   * batch is split over `data`;
   * attention heads, MLP hidden units and the vocabulary are split over `model`;
   * everything else (embed, per-head features, K/V heads, sequence length) is replicated.
+Sequence parallelism (ModelConfig.sequence_parallel, Megatron-style): the activations that
+tensor parallelism leaves replicated -- the residual stream and the norms, named with the
+`residual_length` axis -- are split along the sequence over `model` instead. XLA then emits an
+all-gather before the column-parallel matmuls (query/key/value, gate/up, logits) and a
+reduce-scatter after the row-parallel ones (attention output, MLP down), where plain tensor
+parallelism has an all-reduce. The model names the axis; `logical_rules(config)` decides.
 K/V heads stay replicated: with multi-query attention there is a single K/V head, and
 replicating it is what lets every `model` shard attend with its own query heads locally.
 
@@ -40,12 +46,32 @@ _RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None),
     ("kv", None),
     ("length", None),
+    ("residual_length", None),  # "model" under sequence parallelism
 )
 
 
-def logical_rules() -> tuple[tuple[str, str | None], ...]:
-    """The (logical axis, mesh axis or None) rules for every name the model uses."""
+def logical_rules(config=None) -> tuple[tuple[str, str | None], ...]:
+    """The (logical axis, mesh axis or None) rules for every name the model uses.
+
+    `config` (a ModelConfig, optional) selects the variant: with `sequence_parallel` on, the
+    sequence axis of the residual/norm activations maps to `model`. Parameters never use that
+    axis, so their shardings are the same either way.
+    """
+    if config is not None and config.sequence_parallel:
+        return tuple((name, "model") if name == "residual_length" else (name, axis)
+                     for name, axis in _RULES)
     return _RULES
+
+
+@contextlib.contextmanager
+def rules_for(config) -> Iterator[None]:
+    """Make `logical_rules(config)` the current Flax axis rules (the mesh is left as it is).
+
+    The step programs enter this inside the traced function, so a pod's sequence-parallel
+    switch takes effect wherever the program is traced under `activate_rules(mesh)`.
+    """
+    with nn.logical_axis_rules(logical_rules(config)):
+        yield
 
 
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
@@ -60,14 +86,14 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
 
 
 @contextlib.contextmanager
-def activate_rules(mesh: Mesh) -> Iterator[None]:
-    """Make `mesh` the current mesh and `logical_rules()` the current Flax axis rules.
+def activate_rules(mesh: Mesh, config=None) -> Iterator[None]:
+    """Make `mesh` the current mesh and `logical_rules(config)` the current Flax axis rules.
 
     Both are needed for `nn.with_logical_constraint` to take effect. `jax.set_mesh` is
     used (not the deprecated `with mesh:`) because Flax looks the mesh up through
     `jax.sharding.get_abstract_mesh()`, which only `set_mesh` populates.
     """
-    with jax.set_mesh(mesh), nn.logical_axis_rules(_RULES):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(logical_rules(config)):
         yield
 
 

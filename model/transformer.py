@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.layers import LOGITS, RESIDUAL, ParallelBlock, RMSNorm, constrain
+from model.layers import GATHERED, LOGITS, RESIDUAL, ParallelBlock, RMSNorm, constrain, remat_policy
 
 # Shape of the dummy input used to create parameters; no parameter depends on it.
 _INIT_TOKENS_SHAPE = (1, 1)
@@ -35,9 +35,14 @@ class Transformer(nn.Module):
         embedding = embedding.astype(c.compute_dtype)
 
         x = constrain(jnp.take(embedding, tokens, axis=0), RESIDUAL)
+        block = ParallelBlock
+        if c.remat != "none":
+            # Each block is one remat region; the param tree is unchanged (same names).
+            block = nn.remat(ParallelBlock, policy=remat_policy(c.remat))
         for i in range(c.n_layers):
-            x = ParallelBlock(c, name=f"block_{i}")(x)
-        x = RMSNorm(c, name="final_norm")(x)
+            x = block(c, name=f"block_{i}")(x)
+        x = constrain(RMSNorm(c, name="final_norm")(x), RESIDUAL)
+        x = constrain(x, GATHERED)
         logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
         logits = logits * (c.d_model ** -0.5)
         return constrain(logits, LOGITS)

@@ -86,7 +86,8 @@ def test_activation_constraints_only_apply_under_rules(tiny_config, tiny_params)
     mesh = partitioning.make_mesh(2, 2)
     with jax.set_mesh(mesh):
         assert _constraint_count(tiny_config, tiny_params, tokens) == 0
-    # Under activate_rules: embedding output, logits, and q/ctx/mlp hidden/residual per block.
+    # Under activate_rules: embedding output, final norm (in and gathered), logits; per block the
+    # input, norm output (in and gathered), q, ctx, mlp gate/up/hidden and the residual output.
     with partitioning.activate_rules(mesh):
         count = _constraint_count(tiny_config, tiny_params, tokens)
-    assert count == 2 + 4 * tiny_config.n_layers
+    assert count == 4 + 9 * tiny_config.n_layers
