@@ -192,11 +192,13 @@ def _check_step(step: int, clients: list[WorkerClient], replies: list[pb.StepRep
         raise RunError(f"step {step}: pods disagree on skipping the update")
 
 
-def _record(step, replies, step_time, config: Config, peak, num_devices) -> dict:
+def _record(step, replies, step_time, config: Config, peak, num_devices, hw_flops_per_step: float = 0.0) -> dict:
     tokens = sum(r.tokens for r in replies)
     loss = sum(r.loss_sum for r in replies) / tokens
     tokens_per_s = tokens / step_time if step_time > 0 else 0.0
     flops_per_token = config.model.flops_per_token(config.data.seq_len)
+    # Hardware FLOPs (XLA's count of what the pods' compiled steps execute, recompute included).
+    hw_per_token = hw_flops_per_step / tokens if hw_flops_per_step and tokens else None
     return {
         "step": step, "loss": loss, "z_loss": sum(r.z_loss_sum for r in replies) / tokens,
         "grad_norm": replies[0].grad_norm, "learning_rate": replies[0].learning_rate,
@@ -213,6 +215,8 @@ def _record(step, replies, step_time, config: Config, peak, num_devices) -> dict
         "tokens": tokens, "tokens_per_s": tokens_per_s,
         "model_flops_per_token": flops_per_token,
         "mfu": mfu(tokens_per_s, flops_per_token, peak, num_devices),
+        "hardware_flops_per_token": hw_per_token,
+        "hfu": mfu(tokens_per_s, hw_per_token, peak, num_devices) if hw_per_token else None,
         "time": time.time(),
     }
 
@@ -289,6 +293,10 @@ class _Session:
         r0 = replies[0]
         self.num_devices = sum(r.num_devices for r in replies)
         self.peak = config.run.peak_flops or load_measured_peak(r0.device_kind, self.num_devices)
+        self.hw_flops_per_step = sum(r.hardware_flops_per_step for r in replies)
+        if r0.memory_peak_bytes:
+            out(f"compiled step: {r0.memory_peak_bytes / 2**20:.1f} MiB per device (temporaries "
+                f"{r0.memory_temp_bytes / 2**20:.1f} MiB); {self.hw_flops_per_step / 1e9:.2f} hardware GFLOP per step")
         out(f"{len(clients)} pod(s) x {r0.num_devices} {r0.device_kind} device(s), mesh data={r0.mesh_shape[0]} "
             f"model={r0.mesh_shape[1]}; {r0.param_count:,} parameters; "
             f"{config.model.flops_per_token(config.data.seq_len) / 1e6:.1f} MFLOP/token; peak "
@@ -391,7 +399,8 @@ class _Session:
             raise self._diagnose(f"step {step} failed: " + "; ".join(str(e) for e in errors))
         _check_step(step, self.clients, results)
         now = time.perf_counter()
-        record = _record(step, results, now - self.last_done, self.config, self.peak, self.num_devices)
+        record = _record(step, results, now - self.last_done, self.config, self.peak, self.num_devices,
+                         self.hw_flops_per_step)
         self.last_done, self.last_progress = now, time.monotonic()
         if record["skipped"]:
             self.skipped_steps.add(step)

@@ -42,6 +42,14 @@ def _invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def _accounting(trainer) -> dict:
+    """ConfigureReply's compiled-step accounting fields (0 where XLA reports nothing)."""
+    stats = trainer.compiled_stats()
+    return {"hardware_flops_per_step": stats["hardware_flops_per_step"] or 0.0,
+            "memory_argument_bytes": stats["argument_bytes"] or 0, "memory_output_bytes": stats["output_bytes"] or 0,
+            "memory_temp_bytes": stats["temp_bytes"] or 0, "memory_peak_bytes": stats["peak_bytes"] or 0}
+
+
 def _handler(method):
     """Run a servicer method, turning every failure into a gRPC error (never a dead server)."""
     def wrapper(self, request, context):
@@ -128,7 +136,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             mesh_shape=list(trainer.mesh_shape), num_devices=trainer.num_devices,
             config_hash=config.config_hash(), fingerprint=trainer.fingerprint(),
             param_count=sum(s.nbytes // s.dtype.itemsize for s in trainer.leaf_specs),
-            device_kind=jax.devices()[0].device_kind, step=trainer.step)
+            device_kind=jax.devices()[0].device_kind, step=trainer.step, **_accounting(trainer))
 
     def _new_exchange(self, run_id: str, trainer: PodTrainer, config: Config) -> Exchange:
         return Exchange(run_id, self.pod_index, self._peers, trainer.leaf_specs, config.dcn.chunk_bytes,

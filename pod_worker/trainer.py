@@ -130,6 +130,23 @@ class PodTrainer:
         self._compiled_shape = tuple(batch_shape)
         return {"compile_s": time.perf_counter() - start}
 
+    def compiled_stats(self) -> dict:
+        """Memory and hardware FLOPs of the programs `compile_for` compiled, from XLA.
+
+        Memory is per device: the gradient program's arguments/outputs/temporaries (the step's
+        peak, where activations live) and the update program's peak. hardware_flops_per_step is
+        the whole pod's (per-device FLOPs x devices) for one step: gradient program, recompute
+        included, plus the update.
+        """
+        if not hasattr(self, "_grad_compiled"):
+            raise RuntimeError("compiled_stats() needs compile_for() first")
+        grad_mem = programs.memory_stats(self._grad_compiled)
+        update_mem = programs.memory_stats(self._update_compiled)
+        grad_flops = programs.program_flops(self._grad_compiled, self.config.model.microbatches)
+        update_flops = programs.program_flops(self._update_compiled)
+        hw = None if grad_flops is None else (grad_flops + (update_flops or 0.0)) * self.num_devices
+        return {**grad_mem, "update_peak_bytes": update_mem["peak_bytes"], "hardware_flops_per_step": hw}
+
     # -- the step ------------------------------------------------------------------------------
     def put_batch(self, tokens: np.ndarray) -> jax.Array:
         """Host tokens -> the pod's devices, split over the data axis."""

@@ -23,7 +23,7 @@ class ConfigureRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., config_json: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step")
+    __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,11 @@ class ConfigureReply(_message.Message):
     PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FLOPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ARGUMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TEMP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     mesh_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -42,7 +47,12 @@ class ConfigureReply(_message.Message):
     param_count: int
     device_kind: str
     step: int
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    hardware_flops_per_step: float
+    memory_argument_bytes: int
+    memory_output_bytes: int
+    memory_temp_bytes: int
+    memory_peak_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ..., hardware_flops_per_step: _Optional[float] = ..., memory_argument_bytes: _Optional[int] = ..., memory_output_bytes: _Optional[int] = ..., memory_temp_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step", "tokens", "global_tokens")
