@@ -1,4 +1,4 @@
-"""The `multipod` command: worker, train, local, peak-flops.
+"""The `multipod` command: worker, train, local, peak-flops, tune.
 
 Kept free of jax imports at module level: `multipod worker` must set the simulated device count
 before jax initialises.
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     peak = sub.add_parser("peak-flops", help="measure per-device matmul FLOP/s and remember it for MFU")
     peak.add_argument("--devices", type=int, default=1, help="simulated devices sharing this machine (default 1)")
     peak.add_argument("--size", type=int, default=1024, help="matmul size")
+
+    from controller.tune import add_arguments as add_tune_arguments
+    tune = sub.add_parser("tune", help="search one pod's layout (mesh, sequence parallelism, microbatches, remat)")
+    add_tune_arguments(tune)
     return parser
 
 
@@ -156,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, lambda run_dir: _Fixed(addresses))
         if args.command == "local":
             return _train(args, lambda run_dir: _Local(args, run_dir))
+        if args.command == "tune":
+            from controller.tune import main as tune_main
+            return tune_main(args)
         if args.command == "peak-flops":
             from controller.metrics import store_measured_peak
             from controller.peak import measure
