@@ -2,6 +2,8 @@
 name the pod and its address."""
 from __future__ import annotations
 
+import time
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -46,6 +48,21 @@ class WorkerClient:
             raise self._error("health check", exc) from None
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise WorkerError(f"{self.name} is not serving (health status {reply.status})")
+
+    def wait_serving(self, timeout_s: float, probe_s: float = 5.0) -> None:
+        """Wait until the worker answers SERVING, retrying through refused connections and
+        restarts (a worker being replaced); WorkerError naming it at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        why = "never answered"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"{self.name} did not serve again within {timeout_s:g}s (last: {why})",
+                                  grpc.StatusCode.UNAVAILABLE)
+            why = self.probe(min(probe_s, left))
+            if why is None:
+                return
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _error(self, what: str, exc: grpc.RpcError) -> WorkerError:
         code = exc.code() if hasattr(exc, "code") else None

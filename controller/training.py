@@ -519,7 +519,7 @@ class _Session:
         out(f"recovery {self.restarts}/{self.rc.max_restarts}: waiting up to {self.rc.restart_timeout_s:g}s "
             f"for every pod to serve, then restoring {last}")
         try:
-            _parallel(lambda c: c.wait_ready(self.rc.restart_timeout_s), self.clients)
+            _parallel(lambda c: c.wait_serving(self.rc.restart_timeout_s), self.clients)
             statuses = _parallel(lambda c: c.status(self.rc.health_timeout_s), self.clients)
             fresh = [c.pod_index for c, s in zip(self.clients, statuses) if not s.configured]
             if fresh:
