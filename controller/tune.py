@@ -200,6 +200,7 @@ def _child_main() -> int:
     import numpy as np
 
     from controller.config import Config
+    from pod_worker import programs
     from pod_worker.trainer import PodTrainer
 
     def emit(**fields):
@@ -216,6 +217,7 @@ def _child_main() -> int:
         result = {"index": index}
         try:
             config = candidate_config(base, candidate).validate()
+            programs.check_microbatches(rows, candidate.microbatches)  # fail before building anything
             start = time.perf_counter()
             trainer = PodTrainer(config, devices=jax.devices()[:spec["devices"] or None])
             trainer.compile_for(tokens.shape)

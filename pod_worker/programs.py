@@ -16,6 +16,12 @@ from model import ConfigError, ModelConfig, loss_sums
 from model.partitioning import rules_for
 
 
+def check_microbatches(rows: int, k: int) -> None:
+    """ConfigError unless k microbatches split a pod's batch of `rows` sequences evenly."""
+    if rows % k:
+        raise ConfigError("model.microbatches", f"{k} does not divide the pod's batch of {rows} sequences")
+
+
 def split_microbatches(tokens: jax.Array, k: int) -> jax.Array:
     """[b, T+1] -> [k, b/k, T+1]; microbatch i holds rows i, i+k, i+2k, ...
 
@@ -23,9 +29,7 @@ def split_microbatches(tokens: jax.Array, k: int) -> jax.Array:
     contiguous blocks, every device keeps its own rows in every microbatch (no data moves).
     """
     rows = tokens.shape[0]
-    if rows % k:
-        raise ConfigError("model.microbatches",
-                          f"{k} does not divide the pod's batch of {rows} sequences")
+    check_microbatches(rows, k)
     micro = tokens.reshape(rows // k, k, tokens.shape[1]).swapaxes(0, 1)
     return nn.with_logical_constraint(micro, (None, "batch", "length"))
 
