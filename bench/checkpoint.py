@@ -1,0 +1,82 @@
+"""How long a checkpoint holds up the step loop: background save (what the controller does) vs a
+synchronous one, on one in-process worker. Prints one JSON object.
+
+    python -m bench.checkpoint [--config configs/default.toml] [--repeats 5]
+
+stall_s: the Save(background=True) RPC, the only part the step loop waits for (host copy of the
+state). write_s: from that reply until the background write is confirmed. sync_s: a blocking
+Save of the same state. step_s: one training step, for scale. Medians over --repeats.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import protos  # noqa: E402
+from controller.config import load_config  # noqa: E402
+from pod_worker.server import start_server  # noqa: E402
+from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc  # noqa: E402
+from protos.transport import Security, open_channel  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default=None, help="TOML config (default: the built-in defaults)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    config = load_config(args.config, ["run.sample_tokens=0"])
+    rows, cols = config.data.global_batch, config.data.seq_len + 1
+    server, service, _, port = start_server(0, "127.0.0.1:0", Security())
+    address = f"127.0.0.1:{port}"
+    channel = open_channel(address, Security())
+    stub = pb_grpc.PodWorkerStub(channel)
+    stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1,
+                                       peer_addresses=[address], config_json=config.to_json(), run_id="bench"),
+                   timeout=600)
+    step = 0
+
+    def train() -> float:
+        nonlocal step
+        tokens = np.random.default_rng(step).integers(0, 256, (rows, cols), dtype=np.int32)
+        start = time.perf_counter()
+        stub.Step(pb.StepRequest(step=step, tokens=codec.encode(tokens), global_tokens=rows * (cols - 1)), timeout=600)
+        step += 1
+        return time.perf_counter() - start
+
+    stall, write, sync, steps = [], [], [], []
+    train()   # warm-up
+    with tempfile.TemporaryDirectory() as root:
+        for _ in range(args.repeats):
+            steps.append(train())
+            t0 = time.perf_counter()
+            stub.Save(pb.SaveRequest(step=step, directory=root, background=True, keep=2), timeout=600)
+            t1 = time.perf_counter()
+            stub.Save(pb.SaveRequest(step=step, directory=root, wait=True), timeout=600)
+            t2 = time.perf_counter()
+            stall.append(t1 - t0)
+            write.append(t2 - t1)
+            steps.append(train())
+            t0 = time.perf_counter()
+            stub.Save(pb.SaveRequest(step=step, directory=root, keep=2), timeout=600)
+            sync.append(time.perf_counter() - t0)
+    params = sum(s.nbytes // s.dtype.itemsize for s in service.trainer.leaf_specs)
+    channel.close()
+    server.stop(0).wait()
+    service._writer.close()
+    med = statistics.median
+    print(json.dumps({"params": params, "repeats": args.repeats, "step_s": med(steps), "stall_s": med(stall),
+                      "write_s": med(write), "sync_s": med(sync), "sync_over_stall": med(sync) / med(stall)}))
+
+
+if __name__ == "__main__":
+    main()
