@@ -86,20 +86,32 @@ def restore(path: str, template: dict) -> tuple[dict, dict]:
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(template), meta=ocp.args.JsonRestore()))
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {target} is corrupt or unreadable: {type(exc).__name__}: {exc}") from None
+        others = [s for s in steps(str(target.parent)) if s != step]
+        hint = f"; other checkpoints in {target.parent}: {', '.join(map(str, others))}" if others else ""
+        raise CheckpointError(f"checkpoint {target} is corrupt or unreadable: {_short(exc)}{hint}") from None
     finally:
         manager.close()
     return restored["state"], restored["meta"]
 
 
+def _short(exc: Exception, limit: int = 300) -> str:
+    """The gist of a reader error (tensorstore appends kilobytes of spec JSON)."""
+    text = f"{type(exc).__name__}: {exc}".split(" [tensorstore_spec")[0]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def read_metadata(path: str) -> dict:
     """Only the JSON metadata of checkpoint `path` (cheap: no arrays are read)."""
     target = pathlib.Path(path).absolute()
+    if not target.is_dir():
+        raise CheckpointError(f"no checkpoint at {target}")
+    if not target.name.isdigit():
+        raise CheckpointError(f"{target} is not a checkpoint folder (its name must be the step)")
     manager = _manager(target.parent, create=False)
     try:
         restored = manager.restore(int(target.name), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {target}: metadata is corrupt or unreadable: {type(exc).__name__}: {exc}") from None
+        raise CheckpointError(f"checkpoint {target}: metadata is corrupt or unreadable: {_short(exc)}") from None
     finally:
         manager.close()
     meta = restored["meta"]
@@ -181,7 +193,7 @@ class Writer:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"checkpoint of step {step} still being written after {timeout_s:g}s") from None
         except Exception as exc:
-            raise CheckpointError(f"checkpoint of step {step} in {root} failed: {type(exc).__name__}: {exc}; "
+            raise CheckpointError(f"checkpoint of step {step} in {root} failed: {_short(exc)}; "
                                   f"the previous checkpoints are untouched") from None
 
     def close(self, timeout_s: float = 60.0) -> None:
