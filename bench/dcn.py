@@ -79,6 +79,10 @@ def role_exchange(args) -> dict:
     exchange = Exchange("bench", args.pod, addresses, [LeafSpec(s, np.dtype(np.float32)) for s in shapes],
                         args.chunk_bytes, 300.0, streams=args.streams, compression=args.compression)
     service.exchange = exchange
+    # Both pods must be able to receive before either sends.
+    _write_file(folder / f"pod{args.pod}.ready", "1")
+    for p in range(2):
+        _wait_file(folder / f"pod{p}.ready")
     times, idle = [], []
     sent = 0
     for step in range(args.repeats + 1):

@@ -86,7 +86,7 @@ class DcnConfig:
     """The cross-pod gradient link."""
     chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
     timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
-    streams: int = 1              # parallel gRPC streams per peer and step, 1-8
+    streams: int = 4              # parallel gRPC streams per peer and step, 1-8 (at most 6 / (pods - 1) are used)
     compression: str = "none"     # "none" | "bf16" | "int8" (int8: one scale per chunk)
     link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
     link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
