@@ -3,15 +3,20 @@ jax.distributed (gloo) cross-process all-reduce of the same bytes, in one run on
 
     python bench/dcn.py                      # prints one JSON object
 
-Every measurement uses two processes started with subprocess (never a fork after importing jax)
-that exchange a gradient the size of a ~25M-parameter model (float32, ~103 MB) in both directions
-at once, as the pods do. Times are medians over --repeats rounds after one warm-up round; MB/s is
-payload bytes per direction / time (1 MB = 1e6 bytes).
+Two processes (started with subprocess, never a fork after importing jax) play pod 0 and pod 1.
+The payload is a gradient the size of a ~25M-parameter model (float32, ~103 MB), exchanged in
+both directions at once, as the pods do. The contenders are measured *interleaved*: every round
+runs raw TCP, then gloo, then each multipod variant, each started by a one-byte barrier between
+the two processes, so a busy machine slows them all alike. Times are medians over --repeats
+rounds after one warm-up round (a round's time is the slower pod's); MB/s is payload bytes per
+direction / time (1 MB = 1e6 bytes).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import pathlib
 import platform
@@ -37,7 +42,7 @@ def leaf_shapes() -> list[tuple[int, ...]]:
     return [tuple(l.shape) for l in jax.tree.leaves(abstract_params(ModelConfig(**MODEL)))]
 
 
-def _wait_file(path: pathlib.Path, timeout_s: float = 120.0) -> str:
+def _wait_file(path: pathlib.Path, timeout_s: float = 180.0) -> str:
     deadline = time.monotonic() + timeout_s
     while not (path.exists() and path.read_text().strip()):
         if time.monotonic() > deadline:
@@ -52,8 +57,61 @@ def _write_file(path: pathlib.Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# -- roles (each runs in its own process) ----------------------------------------------------------
-def role_exchange(args) -> dict:
+# -- one pod's side (runs in its own process) ------------------------------------------------------
+class _Tcp:
+    """A socket pair between the two processes: the raw-TCP contender and the round barrier."""
+
+    def __init__(self, pod: int, folder: pathlib.Path, nbytes: int):
+        if pod == 0:
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            _write_file(folder / "tcp.port", str(listener.getsockname()[1]))
+            self.conn, _ = listener.accept()
+            listener.close()
+        else:
+            self.conn = socket.create_connection(("127.0.0.1", int(_wait_file(folder / "tcp.port"))))
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.nbytes = nbytes
+        self.payload = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
+        self.inbox = memoryview(bytearray(nbytes))
+
+    def barrier(self) -> None:
+        self.conn.sendall(b"b")
+        if self.conn.recv(1) != b"b":
+            raise SystemExit("barrier broken")
+
+    def exchange(self) -> None:
+        """Send the payload while receiving the peer's into a preallocated buffer."""
+        sender = threading.Thread(target=self.conn.sendall, args=(self.payload,))
+        sender.start()
+        got = 0
+        while got < self.nbytes:
+            n = self.conn.recv_into(self.inbox[got:], min(self.nbytes - got, 4 << 20))
+            if not n:
+                raise SystemExit("peer closed the socket")
+            got += n
+        sender.join()
+
+
+def _gloo(pod: int, port: int, nbytes: int):
+    """A jitted cross-process psum of nbytes of float32 (jax.distributed, gloo CPU collectives)."""
+    import jax
+    import numpy as np
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pod)
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("pods",))
+    n = nbytes // 4
+    local = np.random.default_rng(pod).standard_normal((1, n), dtype=np.float32)
+    x = jax.make_array_from_single_device_arrays(
+        (2, n), NamedSharding(mesh, P("pods")), [jax.device_put(local, jax.local_devices()[0])])
+    reduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "pods"), mesh=mesh, in_specs=P("pods"),
+                                   out_specs=P("pods")))
+    return lambda: reduce(x).block_until_ready()
+
+
+def pod_main(args) -> dict:
     import concurrent.futures
 
     import grpc
@@ -61,124 +119,79 @@ def role_exchange(args) -> dict:
 
     import protos
     from pod_worker.dcn import Exchange, LeafSpec
-    from pod_worker.server import PodWorkerService
     from protos import multipod_pb2_grpc as pb_grpc
     from protos.transport import add_port
+
+    folder = pathlib.Path(args.dir)
+    gloo = None
+    gloo_error = None
+    if args.gloo_port:
+        try:
+            gloo = _gloo(args.pod, args.gloo_port, args.nbytes)
+        except Exception as exc:   # recorded in the report, not fatal for the rest
+            gloo_error = f"{type(exc).__name__}: {exc}"[:500]
+    tcp = _Tcp(args.pod, folder, args.nbytes)
 
     shapes = [tuple(s) for s in json.loads(args.shapes)]
     rng = np.random.default_rng(args.pod)
     leaves = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(16), options=protos.channel_options())
-    service = PodWorkerService(args.pod, threading.Event())
-    pb_grpc.add_DcnServicer_to_server(service, server)
+    specs = [LeafSpec(s, np.dtype(np.float32)) for s in shapes]
+    variants = args.variants.split(",")
+    exchanges: dict[str, Exchange] = {}
+
+    class Router(pb_grpc.DcnServicer):
+        """Hands each stream to the exchange of its variant (the variant is the chunk's run id)."""
+
+        def PushGradients(self, chunks, context):
+            first = next(chunks)
+            return exchanges[first.run_id].inbox.receive(itertools.chain([first], chunks))
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(32), options=protos.channel_options())
+    pb_grpc.add_DcnServicer_to_server(Router(), server)
     port = add_port(server, "127.0.0.1:0")
     server.start()
-    folder = pathlib.Path(args.dir)
     _write_file(folder / f"pod{args.pod}.port", str(port))
     addresses = [f"127.0.0.1:{_wait_file(folder / f'pod{p}.port')}" for p in range(2)]
-    exchange = Exchange("bench", args.pod, addresses, [LeafSpec(s, np.dtype(np.float32)) for s in shapes],
-                        args.chunk_bytes, 300.0, streams=args.streams, compression=args.compression)
-    service.exchange = exchange
-    # Both pods must be able to receive before either sends.
-    _write_file(folder / f"pod{args.pod}.ready", "1")
-    for p in range(2):
-        _wait_file(folder / f"pod{p}.ready")
-    times, idle = [], []
-    sent = 0
+    for v in variants:
+        compression, streams = v.split(":")
+        exchanges[v] = Exchange(v, args.pod, addresses, specs, args.chunk_bytes, 300.0, streams=int(streams),
+                                compression=compression)
+    tcp.barrier()    # both pods can receive now
+
+    times: dict[str, list[float]] = {"raw_tcp": [], "gloo_allreduce": [], **{v: [] for v in variants}}
+    idle: dict[str, list[float]] = {v: [] for v in variants}
+    sent: dict[str, int] = {}
+
+    def timed(name, fn):
+        tcp.barrier()
+        start = time.perf_counter()
+        result = fn()
+        times[name].append(time.perf_counter() - start)
+        return result
+
     for step in range(args.repeats + 1):
-        exchange.inbox.set_next_step(step)
-        start = time.perf_counter()
-        _, stats = exchange.all_reduce(step, leaves)
-        times.append(time.perf_counter() - start)
-        idle.append(stats.idle_s)
-        sent = stats.bytes_sent
-    time.sleep(0.5)   # let the peer finish its last step before this server goes away
-    exchange.close()
+        timed("raw_tcp", tcp.exchange)
+        if gloo is not None:
+            timed("gloo_allreduce", gloo)
+        for v in variants:
+            exchanges[v].inbox.set_next_step(step)
+            _, stats = timed(v, lambda: exchanges[v].all_reduce(step, leaves))
+            idle[v].append(stats.idle_s)
+            sent[v] = stats.bytes_sent
+    tcp.barrier()
+    for ex in exchanges.values():
+        ex.close()
     server.stop(0)
-    return {"times": times[1:], "idle": idle[1:], "bytes_sent": sent}
-
-
-def role_tcp(args) -> dict:
-    nbytes = args.nbytes
-    folder = pathlib.Path(args.dir)
-    if args.pod == 0:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        _write_file(folder / "tcp.port", str(listener.getsockname()[1]))
-        conn, _ = listener.accept()
-    else:
-        conn = socket.create_connection(("127.0.0.1", int(_wait_file(folder / "tcp.port"))))
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    payload = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
-    inbox = bytearray(nbytes)
-    view = memoryview(inbox)
-    times = []
-    for _ in range(args.repeats + 1):
-        start = time.perf_counter()
-        sender = threading.Thread(target=conn.sendall, args=(payload,))
-        sender.start()
-        got = 0
-        while got < nbytes:
-            n = conn.recv_into(view[got:], min(nbytes - got, 4 << 20))
-            if not n:
-                raise SystemExit("peer closed the socket")
-            got += n
-        sender.join()
-        times.append(time.perf_counter() - start)
-    conn.close()
-    return {"times": times[1:]}
-
-
-def role_gloo(args) -> dict:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.pop("XLA_FLAGS", None)
-    import jax
-    import numpy as np
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=2, process_id=args.pod)
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    mesh = Mesh(np.array(jax.devices()), ("pods",))
-    n = args.nbytes // 4
-    local = np.random.default_rng(args.pod).standard_normal((1, n), dtype=np.float32)
-    x = jax.make_array_from_single_device_arrays(
-        (2, n), NamedSharding(mesh, P("pods")), [jax.device_put(local, jax.local_devices()[0])])
-    reduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "pods"), mesh=mesh, in_specs=P("pods"),
-                                   out_specs=P("pods")))
-    times = []
-    for _ in range(args.repeats + 1):
-        start = time.perf_counter()
-        reduce(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    jax.distributed.shutdown()
-    return {"times": times[1:]}
-
-
-ROLES = {"exchange": role_exchange, "tcp": role_tcp, "gloo": role_gloo}
+    if gloo is not None:
+        import jax
+        jax.distributed.shutdown()
+    return {"times": {k: t[1:] for k, t in times.items()}, "idle": {k: t[1:] for k, t in idle.items()},
+            "sent": sent, "gloo_error": gloo_error}
 
 
 # -- the driver ------------------------------------------------------------------------------------
-def _pair(role: str, extra: list[str], timeout_s: float = 600.0) -> list[dict]:
-    """Run `role` in two fresh processes (pod 0 and pod 1); return their JSON results."""
-    with tempfile.TemporaryDirectory() as folder:
-        procs = []
-        for pod in range(2):
-            cmd = [sys.executable, __file__, "--role", role, "--pod", str(pod), "--dir", folder, *extra]
-            env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-            env.pop("XLA_FLAGS", None)
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout_s)
-            if proc.returncode:
-                raise SystemExit(f"{role} pod failed ({proc.returncode}):\n{err[-3000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        return results
-
-
-def _summary(results: list[dict], nbytes: int) -> dict:
-    # A round ends when both sides have everything: the slower side's time counts.
-    per_round = [max(t) for t in zip(*(r["times"] for r in results))]
+def _summary(per_pod: list[list[float]], nbytes: int) -> dict:
+    per_round = [max(t) for t in zip(*per_pod)]     # a round ends when both pods have everything
     median = statistics.median(per_round)
     return {"median_s": round(median, 4), "MB_per_s": round(nbytes / median / 1e6, 1),
             "rounds_s": [round(t, 4) for t in per_round]}
@@ -186,58 +199,65 @@ def _summary(results: list[dict], nbytes: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=sorted(ROLES))
-    parser.add_argument("--pod", type=int, default=0)
-    parser.add_argument("--dir")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--shapes")
-    parser.add_argument("--nbytes", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pod", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--shapes", help=argparse.SUPPRESS)
+    parser.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20)
-    parser.add_argument("--streams", type=int, default=1)
-    parser.add_argument("--compression", default="none")
-    parser.add_argument("--variants", default="none:1,none:2,none:4,bf16:1,int8:1",
-                        help="exchange variants COMPRESSION:STREAMS, comma-separated")
+    parser.add_argument("--variants", default="none:1,none:2,none:4,bf16:4,int8:4",
+                        help="multipod variants COMPRESSION:STREAMS, comma-separated")
     parser.add_argument("--skip-gloo", action="store_true")
     args = parser.parse_args()
-    if args.role:
-        print(json.dumps(ROLES[args.role](args)))
+    if args.pod is not None:
+        print(json.dumps(pod_main(args)))
         return
 
     shapes = leaf_shapes()
-    params = sum(int(__import__("math").prod(s)) for s in shapes)
-    nbytes = params * 4
-    report = {"benchmark": "dcn", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-              "params": params, "leaves": len(shapes), "payload_bytes": nbytes, "repeats": args.repeats,
-              "chunk_bytes": args.chunk_bytes}
-    common = ["--repeats", str(args.repeats), "--nbytes", str(nbytes)]
-    report["raw_tcp"] = _summary(_pair("tcp", common), nbytes)
-    if args.skip_gloo:
-        report["gloo_allreduce"] = None
-    else:
+    nbytes = sum(math.prod(s) for s in shapes) * 4
+    gloo_port = 0
+    if not args.skip_gloo:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            report["gloo_allreduce"] = _summary(_pair("gloo", common + ["--port", str(port)]), nbytes)
-        except SystemExit as exc:
-            report["gloo_allreduce"] = {"error": str(exc)[-500:]}
+            gloo_port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        procs = []
+        for pod in range(2):
+            cmd = [sys.executable, __file__, "--pod", str(pod), "--dir", folder, "--gloo-port", str(gloo_port),
+                   "--shapes", json.dumps(shapes), "--nbytes", str(nbytes), "--repeats", str(args.repeats),
+                   "--chunk-bytes", str(args.chunk_bytes), "--variants", args.variants]
+            env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+            env.pop("XLA_FLAGS", None)
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        results = []
+        for pod, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=1800)
+            if proc.returncode:
+                raise SystemExit(f"pod {pod} failed ({proc.returncode}):\n{err[-3000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+
+    report = {"benchmark": "dcn", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+              "params": nbytes // 4, "leaves": len(shapes), "payload_bytes": nbytes, "repeats": args.repeats,
+              "chunk_bytes": args.chunk_bytes, "load_average": os.getloadavg()}
+    times = lambda name: [r["times"][name] for r in results]
+    report["raw_tcp"] = _summary(times("raw_tcp"), nbytes)
+    if results[0]["times"]["gloo_allreduce"]:
+        report["gloo_allreduce"] = _summary(times("gloo_allreduce"), nbytes)
+    else:
+        report["gloo_allreduce"] = {"error": results[0]["gloo_error"] or "skipped"}
     report["multipod"] = {}
-    for variant in args.variants.split(","):
-        compression, streams = variant.split(":")
-        results = _pair("exchange", common + ["--shapes", json.dumps(shapes), "--streams", streams,
-                                              "--compression", compression,
-                                              "--chunk-bytes", str(args.chunk_bytes)])
-        summary = _summary(results, nbytes)
-        summary["wire_bytes_per_pod"] = results[0]["bytes_sent"]
-        summary["idle_s_median"] = round(statistics.median(results[0]["idle"]), 4)
-        report["multipod"][variant] = summary
+    for v in args.variants.split(","):
+        summary = _summary(times(v), nbytes)
+        summary["wire_bytes_per_pod"] = results[0]["sent"][v]
+        summary["idle_s_median"] = round(statistics.median(results[0]["idle"][v]), 4)
+        report["multipod"][v] = summary
     tcp = report["raw_tcp"]["median_s"]
-    gloo = (report["gloo_allreduce"] or {}).get("median_s")
+    gloo = report["gloo_allreduce"].get("median_s")
     report["ratios"] = {
-        variant: {"vs_raw_tcp_throughput": round(tcp / r["median_s"], 3),
-                  "speedup_vs_gloo": round(gloo / r["median_s"], 3) if gloo else None}
-        for variant, r in report["multipod"].items()}
+        v: {"throughput_vs_raw_tcp": round(tcp / r["median_s"], 3),
+            "speedup_vs_gloo": round(gloo / r["median_s"], 3) if gloo else None}
+        for v, r in report["multipod"].items()}
     print(json.dumps(report, indent=2))
 
 
