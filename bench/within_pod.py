@@ -1,0 +1,116 @@
+"""Benchmark: within-pod layouts of the default model on one simulated 4-device pod.
+
+    python -m bench.within_pod [--config configs/default.toml] [--devices 4] [--steps 5]
+
+For every combination of mesh (data x model), sequence parallelism (on/off; on only where the
+model axis is > 1) and remat policy (none/full/selective), with one microbatch: the compiled
+step's per-device memory (XLA memory analysis), its hardware FLOPs (XLA cost analysis), the
+median step time over --steps steps after a warm-up step, tokens/s, MFU and HFU. Each layout is
+compiled once in a child process with the pod's device count (the same code as `multipod tune`).
+Peak FLOP/s for MFU/HFU: --peak-flops, else measured here with `multipod peak-flops`'s method
+for the same device count. Also the activation bytes the backward pass keeps per remat policy
+(jax's saved residuals for the pod's batch, before XLA's buffer reuse). Prints one JSON object:
+the rows and the ratios derived from them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _ratios(rows: list[dict]) -> dict:
+    by_key = {(r["mesh"], r["sequence_parallel"], r["remat"]): r for r in rows if r["status"] == "ok"}
+    out: dict = {"sequence_parallel_memory": {}, "remat_temp_vs_none": {}, "remat_hw_flops_vs_none": {},
+                 "remat_step_time_vs_none": {}}
+    for (mesh, sp, remat), row in by_key.items():
+        if sp:
+            plain = by_key.get((mesh, False, remat))
+            if plain:
+                out["sequence_parallel_memory"][f"{mesh} remat={remat}"] = {
+                    "peak_on_over_off": row["peak_bytes"] / plain["peak_bytes"],
+                    "temp_on_over_off": row["temp_bytes"] / plain["temp_bytes"],
+                    "step_time_on_over_off": row["step_time_s"] / plain["step_time_s"]}
+        none = by_key.get((mesh, sp, "none"))
+        if remat != "none" and none:
+            key = f"{mesh} sp={'on' if sp else 'off'} {remat}"
+            out["remat_temp_vs_none"][key] = row["temp_bytes"] / none["temp_bytes"]
+            out["remat_hw_flops_vs_none"][key] = row["hardware_flops_per_step"] / none["hardware_flops_per_step"]
+            out["remat_step_time_vs_none"][key] = row["step_time_s"] / none["step_time_s"]
+    return out
+
+
+def saved_activation_bytes(model_cfg, rows: int, seq_len: int) -> dict:
+    """Bytes the backward pass keeps from the forward (jax's saved residuals, parameters excluded)
+    for `rows` sequences, per remat policy: the activation memory remat is about, before XLA's
+    scheduling and buffer reuse. Uses a private jax helper; benchmark-only."""
+    import dataclasses
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from model import abstract_params, loss_sums
+    result = {}
+    for remat in ("none", "full", "selective"):
+        cfg = dataclasses.replace(model_cfg, remat=remat)
+        params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nn.unbox(abstract_params(cfg)))
+        tokens = jnp.zeros((rows, seq_len + 1), jnp.int32)
+        saved = saved_residuals(lambda p: sum(loss_sums(p, tokens, cfg)), params)
+        result[remat] = int(sum(np.prod(aval.shape) * aval.dtype.itemsize
+                                for aval, where in saved if "argument" not in where))
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="TOML config (default: the built-in defaults)")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--peak-flops", type=float)
+    parser.add_argument("--candidate-timeout", type=float, default=900.0)
+    args = parser.parse_args()
+
+    from controller.config import load_config
+    from controller.peak import measure
+    from controller.tune import enumerate_candidates, rank, run_grid
+
+    config = load_config(args.config)
+    batch = config.data.global_batch
+    candidates, skipped = enumerate_candidates(config.model, batch, args.devices, microbatches=[args.microbatches])
+    peak_info = None
+    peak = args.peak_flops
+    if peak is None:  # measured first, close in time to the steps it is the denominator for
+        peak_info = measure(args.devices)
+        peak = peak_info["per_device_flops"]
+    started = time.perf_counter()
+    results, info = run_grid(config, candidates, args.devices, batch, args.steps, None, args.candidate_timeout)
+    tokens = batch * config.data.seq_len
+    model_flops = config.model.flops_per_token(config.data.seq_len) * tokens
+    table = rank(candidates, results, model_flops, tokens, peak, args.devices)
+    keep = ("rank", "mesh", "sequence_parallel", "microbatches", "remat", "status", "error", "step_time_s",
+            "step_times_s", "tokens_per_s", "mfu", "hfu", "peak_bytes", "argument_bytes", "output_bytes",
+            "temp_bytes", "update_peak_bytes", "hardware_flops_per_step", "model_flops_per_step", "compile_s")
+    rows = [{k: r.get(k) for k in keep} for r in table]
+    report = {
+        "benchmark": "within_pod", "devices": args.devices, "device_kind": info.get("device_kind"),
+        "model": {k: getattr(config.model, k) for k in ("d_model", "n_layers", "n_heads", "head_dim", "mlp_dim",
+                                                        "vocab_size")},
+        "param_count": config.model.param_count(), "batch": batch, "seq_len": config.data.seq_len,
+        "steps_timed": args.steps, "peak_flops_per_device": peak, "peak_measurement": peak_info,
+        "skipped": skipped, "wall_s": time.perf_counter() - started,
+        "median_step_time_s_all": statistics.median(r["step_time_s"] for r in rows if r["step_time_s"]),
+        "rows": rows, "ratios": _ratios(rows),
+        "saved_activation_bytes_per_pod_batch": saved_activation_bytes(config.model, batch, config.data.seq_len),
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
