@@ -73,6 +73,11 @@ class LocalPods:
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)   # the worker sets its own device count
         env.pop(TOKEN_ENV, None)
+        # A persistent compilation cache per run: a restarted worker reloads its compiled step
+        # instead of compiling it again, so recovery is quicker.
+        if "JAX_COMPILATION_CACHE_DIR" not in env:
+            env["JAX_COMPILATION_CACHE_DIR"] = str((self.log_dir / ".jax-cache").absolute())
+            env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         cmd = [sys.executable, "-m", "controller.cli", "worker", "--pod-index", str(pod),
                "--listen", listen, "--devices", str(self.device_counts[pod]),
                "--port-file", str(port_file), "--exit-with-parent"]
@@ -117,9 +122,10 @@ class LocalPods:
                 if proc.poll() is not None and not self._stopping.is_set():
                     try:
                         self.restart(pod)
-                    except LaunchError as exc:
+                    except LaunchError as exc:   # e.g. the new worker died while starting
                         print(f"supervisor: {exc}", file=sys.stderr, flush=True)
-                        return
+                        if self.restarts >= self.max_restarts:
+                            return     # out of restarts: the controller reports the dead pod
 
     def restart(self, pod: int) -> None:
         """Start pod `pod` again on its old port (killing the old process first if it still runs,

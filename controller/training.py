@@ -52,15 +52,19 @@ class PodFailure(RunError):
     """A pod died, hung or failed a step: recoverable by restoring every pod to the last
     checkpoint. `pods` are the pods found unresponsive (empty if none could be singled out)."""
 
-    def __init__(self, message: str, pods=()):
+    def __init__(self, message: str, pods=(), hung=()):
         super().__init__(message)
         self.pods = tuple(pods)
+        self.hung = tuple(hung)   # alive but not answering (a dead pod's check is refused at once)
 
 
 class _Spike(Exception):
     def __init__(self, step: int, loss: float, mean: float):
         super().__init__(f"step {step}: loss {loss:.4f} is a spike (recent mean {mean:.4f})")
         self.step, self.loss, self.mean = step, loss, mean
+
+
+HUNG = "no answer"   # how WorkerClient.probe's verdict on a hung (alive, silent) worker begins
 
 
 class _Watchdog:
@@ -86,7 +90,8 @@ class _Watchdog:
                 bad = [i for i in range(len(self.clients)) if missed[i] >= self.misses]
                 if bad:
                     self.failure = PodFailure("; ".join(
-                        f"{self.clients[i].name} is not responding: {verdicts[i]}" for i in bad), bad)
+                        f"{self.clients[i].name} is not responding: {verdicts[i]}" for i in bad), bad,
+                        [i for i in bad if verdicts[i].startswith(HUNG)])
                     return
 
     def stop(self):
@@ -428,7 +433,7 @@ class _Session:
         if bad:
             message = "; ".join(f"{self.clients[i].name} is not responding: {verdicts[i]}" for i in bad) + \
                 f" ({message})"
-        return PodFailure(message, bad)
+        return PodFailure(message, bad, [i for i in bad if verdicts[i].startswith(HUNG)])
 
     # -- checkpoints -------------------------------------------------------------------------
     def _save(self, step: int) -> None:
@@ -514,7 +519,9 @@ class _Session:
                            f"{self.rc.max_restarts}); the last good checkpoint is {last}: continue with --resume")
         self.restarts += 1
         if self.supervisor is not None:
-            for pod in failure.pods:    # a hung worker is killed so that the supervisor restarts it
+            # A hung worker is killed so that the supervisor restarts it; a dead one is already
+            # being restarted (killing it now could hit its new incarnation).
+            for pod in failure.hung:
                 self.supervisor.kill(pod)
         out(f"recovery {self.restarts}/{self.rc.max_restarts}: waiting up to {self.rc.restart_timeout_s:g}s "
             f"for every pod to serve, then restoring {last}")

@@ -3,7 +3,8 @@
 One uninterrupted reference run (with a NaN gradient injected at step 2 and a loss spike at
 step 7, both test-only hooks on pod 0) is compared with
   * a run whose pod 1 is killed with SIGKILL mid-run (the supervisor restarts it, the controller
-    restores every pod to the last checkpoint): same final fingerprint;
+    restores every pod to the last checkpoint), then hung with SIGSTOP (the controller names it
+    and has the supervisor replace it): same final fingerprint;
   * a run resumed from the reference run's checkpoints: same per-step losses, same fingerprint.
 A last run, `multipod train` against workers the test owns, has pod 1 stopped with SIGSTOP: the
 controller must name it within the health deadline, recover once the test (the user's
@@ -28,7 +29,7 @@ import pytest
 from controller.launcher import LocalPods
 from pod_worker import checkpoint
 from protos.transport import Security
-from tests.helpers import ROOT, TINY, cli_env, pid_alive, read_metrics, run_cli
+from tests.helpers import ROOT, TINY, cli_env, pid_alive, read_metrics
 
 STEPS = 10
 COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
@@ -39,6 +40,19 @@ COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", 
           "--set", "run.health_interval_s=1", "--set", "run.health_timeout_s=5")
 
 
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The CLI's environment, with one persistent compilation cache for all the runs here: only
+    the first run compiles the tiny model's step (it saves ~20-40 s per later worker start)."""
+    return dict(cli_env(), JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+def _run(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
 def _final(run_dir: pathlib.Path) -> dict[int, dict]:
     """The last record of every step (a step replayed after a recovery appears twice)."""
     return {r["step"]: r for r in read_metrics(run_dir)}
@@ -46,11 +60,6 @@ def _final(run_dir: pathlib.Path) -> dict[int, dict]:
 
 def _events(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "controller.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: pathlib.Path, step: int, timeout: float = 400) -> None:
@@ -71,10 +80,49 @@ def _current_pid(run_dir: pathlib.Path, pod: int) -> tuple[int, int]:
     return int(found[-1][1]), int(found[-1][0])
 
 
+class _Live:
+    """A CLI process whose stdout/stderr lines are collected as they come."""
+
+    def __init__(self, *args: str, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._seen = 0
+        self._threads = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
+                         threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _pump(stream, lines):
+        for line in stream:
+            lines.append(line)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """The next stdout line (after the ones earlier waits returned) that contains text."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for index in range(self._seen, len(self.out)):
+                if text in self.out[index]:
+                    self._seen = index + 1
+                    return self.out[index]
+            assert self.proc.poll() is None or any(text in l for l in self.out[self._seen:]), \
+                "".join(self.out + self.err)
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not printed within {timeout}s:\n" + "".join(self.out + self.err))
+
+    def finish(self, timeout: float) -> int:
+        code = self.proc.wait(timeout=timeout)
+        for t in self._threads:
+            t.join(timeout=10)
+        return code
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, env):
     run_dir = tmp_path_factory.mktemp("reference")
-    result = run_cli("local", *COMMON, "--run-dir", str(run_dir), timeout=400)
+    result = _run("local", *COMMON, "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir
 
@@ -111,36 +159,46 @@ def test_checkpoints_are_written_and_only_the_last_k_kept(reference):
     assert summary["last_checkpoint"] == str(reference / "checkpoints" / "10")
 
 
-def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(reference, tmp_path):
-    proc = _start("local", *COMMON, "--run-dir", str(tmp_path))
+def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrupted(reference, tmp_path, env):
+    """kill -9 pod 1 mid-run; once the run has recovered, stop the new pod 1 with SIGSTOP: the
+    controller names it, has the supervisor replace it, and recovers again. The run ends with
+    the uninterrupted run's fingerprint."""
+    run = _Live("local", *COMMON, "--run-dir", str(tmp_path), env=env)
     try:
-        _wait_for_step(proc, tmp_path, 3)
+        _wait_for_step(run.proc, tmp_path, 3)
         pid, port = _current_pid(tmp_path, 1)
         os.kill(pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=400)
+        run.wait_for("recovered", 300)
+        hung, hung_port = _current_pid(tmp_path, 1)
+        assert hung != pid and hung_port == port          # restarted on the same port
+        os.kill(hung, signal.SIGSTOP)
+        line = run.wait_for("is not responding", 100)
+        assert f"pod 1 (127.0.0.1:{port}) is not responding" in line
+        code = run.finish(400)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stdout + stderr
-    assert "pod 1" in stdout and "recovered" in stdout
-    new_pid, new_port = _current_pid(tmp_path, 1)
-    assert new_pid != pid and new_port == port          # restarted on the same port
+        if run.proc.poll() is None:
+            run.proc.kill()
+    stdout, stderr = "".join(run.out), "".join(run.err)
+    assert code == 0, stdout + stderr
+    last, last_port = _current_pid(tmp_path, 1)
+    assert last not in (pid, hung) and last_port == port and not pid_alive(hung)
     failures = [e for e in _events(tmp_path) if e["event"] == "pod_failure"]
-    assert failures and "pod 1" in failures[0]["error"]
+    assert len(failures) == 2 and all("pod 1" in f["error"] for f in failures)
+    assert "not responding" in failures[1]["error"]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["restarts"] == 1
+    assert summary["restarts"] == 2
     expected = json.loads((reference / "summary.json").read_text())["fingerprint"]
     assert summary["fingerprint"] == expected
     assert _final(tmp_path)[STEPS - 1]["loss"] == _final(reference)[STEPS - 1]["loss"]
 
 
-def test_resumed_run_equals_the_uninterrupted_run(reference, tmp_path):
+def test_resumed_run_equals_the_uninterrupted_run(reference, tmp_path, env):
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", checkpoints)
     shutil.rmtree(checkpoints / "10")          # as if the run had stopped after step 9's checkpoint
     run_dir = tmp_path / "run"
-    result = run_cli("local", *COMMON, "--resume", "--checkpoint-dir", str(checkpoints), "--run-dir", str(run_dir),
-                     timeout=400)
+    result = _run("local", *COMMON, "--resume", "--checkpoint-dir", str(checkpoints), "--run-dir", str(run_dir),
+                  env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from" in result.stdout and "step 9" in result.stdout
     resumed, original = _final(run_dir), _final(reference)
@@ -153,49 +211,15 @@ def test_resumed_run_equals_the_uninterrupted_run(reference, tmp_path):
         json.loads((reference / "summary.json").read_text())["fingerprint"]
 
 
-class _Live:
-    """A CLI process whose stdout/stderr lines are collected as they come."""
-
-    def __init__(self, *args: str, env: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._threads = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
-                         threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True)]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _pump(stream, lines):
-        for line in stream:
-            lines.append(line)
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.out):
-                if text in line:
-                    return line
-            assert self.proc.poll() is None or any(text in l for l in self.out), "".join(self.out + self.err)
-            time.sleep(0.05)
-        raise AssertionError(f"{text!r} not printed within {timeout}s:\n" + "".join(self.out + self.err))
-
-    def finish(self, timeout: float) -> int:
-        code = self.proc.wait(timeout=timeout)
-        for t in self._threads:
-            t.join(timeout=10)
-        return code
-
-
-def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_restarts(tmp_path):
+def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_restarts(tmp_path, env, monkeypatch):
     """`multipod train` with workers it does not own (the test plays the user's supervisor):
     a hung worker is named within the health deadline; once the user restarts it, the run
     recovers; a failure beyond --max-restarts stops the run with the last good checkpoint intact."""
     token = "token-for-the-remote-test-0123456789"
     run_dir = tmp_path / "run"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"])   # for LocalPods
     with LocalPods(2, 1, tmp_path / "workers", security=Security(token=token)) as pods:
-        env = dict(cli_env(), MULTIPOD_AUTH_TOKEN=token)
+        env = dict(env, MULTIPOD_AUTH_TOKEN=token)
         run = _Live("train", "--workers", ",".join(pods.addresses), "--config", TINY, "--steps", "60",
                     "--checkpoint-every", "3", "--max-restarts", "1", "--run-dir", str(run_dir),
                     "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
