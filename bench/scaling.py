@@ -5,9 +5,9 @@
 Run 1: one pod worker pinned to CPU core 0, per-pod batch B. Run 2: two pod workers, pinned to
 cores 0 and 1, per-pod batch B each (global batch 2B). Same model, same seed; the controller is
 left unpinned. Workers are started with `taskset` (or sched_setaffinity in a fresh interpreter),
-never by forking a process that imported jax. Throughput is the median tokens/s over the steps
-after --warmup; the weak-scaling efficiency is (2-pod throughput / 1-pod throughput) / 2. The
-per-step breakdown is the median of each pod's compute, exchange, idle (waiting on the peer) and
+never by forking a process that imported jax. The two configurations alternate for --rounds
+rounds. Throughput is the median tokens/s over the steps after --warmup; the weak-scaling
+efficiency is (2-pod throughput / 1-pod throughput) / 2. The per-step breakdown is the median of each pod's compute, exchange, idle (waiting on the peer) and
 update time.
 """
 from __future__ import annotations
@@ -100,18 +100,26 @@ def run(cores: list[int], batch: int, seq_len: int, steps: int, settings: list[s
                     p.kill()
 
 
-def summarise(records: list[dict], warmup: int) -> dict:
-    timed = [r for r in records if r["step"] >= warmup]
+def summarise(runs: list[list[dict]], warmup: int) -> dict:
+    """Medians over the timed steps of every run of one configuration."""
+    timed = [r for records in runs for r in records if r["step"] >= warmup]
     med = lambda xs: round(statistics.median(xs), 4)
     pods = len(timed[0]["pods"])
+    per_pod = [{k: med([r["pods"][p][k] for r in timed]) for k in ("compute_s", "exchange_s", "idle_s",
+                                                                    "update_s", "wait_s")}
+               for p in range(pods)]
+    step = med([r["step_time_s"] for r in timed])
+    busy = statistics.mean(p["compute_s"] + p["update_s"] for p in per_pod)
     return {
         "steps_timed": len(timed),
         "tokens_per_step": timed[0]["tokens"],
         "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in timed), 1),
-        "median_step_s": med([r["step_time_s"] for r in timed]),
-        "per_pod": [{k: med([r["pods"][p][k] for r in timed]) for k in ("compute_s", "exchange_s", "idle_s",
-                                                                        "update_s", "wait_s")}
-                    for p in range(pods)],
+        "per_run_median_tokens_per_s": [round(statistics.median(r["tokens_per_s"] for r in rec
+                                                                if r["step"] >= warmup), 1) for rec in runs],
+        "median_step_s": step,
+        "per_pod": per_pod,
+        # compute + update over the step time: the part of a step that one pod alone also spends.
+        "busy_fraction": round(busy / step, 4),
         "dcn_bytes_sent_per_step": timed[0]["dcn_bytes_sent"],
         "loss_last": round(timed[-1]["loss"], 4),
     }
@@ -123,19 +131,28 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating 1-pod / 2-pod runs")
     parser.add_argument("--set", dest="settings", action="append", default=[],
                         help="extra config override for both runs, e.g. dcn.compression=\"bf16\"")
     args = parser.parse_args()
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs at least 2 CPU cores (one per pod)")
-    one = summarise(run([0], args.batch, args.seq_len, args.steps, args.settings), args.warmup)
-    two = summarise(run([0, 1], args.batch, args.seq_len, args.steps, args.settings), args.warmup)
+    # One pod and two pods alternate, round by round, so that other load on the machine
+    # affects both alike.
+    ones, twos = [], []
+    for _ in range(args.rounds):
+        ones.append(run([0], args.batch, args.seq_len, args.steps, args.settings))
+        twos.append(run([0, 1], args.batch, args.seq_len, args.steps, args.settings))
+    one, two = summarise(ones, args.warmup), summarise(twos, args.warmup)
     ratio = two["median_tokens_per_s"] / one["median_tokens_per_s"]
     print(json.dumps({
         "benchmark": "scaling", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "model": MODEL, "per_pod_batch": args.batch, "seq_len": args.seq_len, "settings": args.settings,
-        "one_pod": one, "two_pods": two, "throughput_ratio": round(ratio, 4),
-        "weak_scaling_efficiency": round(ratio / 2, 4),
+        "load_average": os.getloadavg(), "model": MODEL, "per_pod_batch": args.batch, "seq_len": args.seq_len,
+        "settings": args.settings, "rounds": args.rounds, "one_pod": one, "two_pods": two,
+        "throughput_ratio": round(ratio, 4), "weak_scaling_efficiency": round(ratio / 2, 4),
+        # Less sensitive to load that changes between runs: the share of a 2-pod step spent on
+        # the work one pod also does, relative to the same share in the 1-pod run.
+        "busy_fraction_ratio": round(two["busy_fraction"] / one["busy_fraction"], 4),
     }, indent=2))
 
 

@@ -444,8 +444,7 @@ class _Outgoing:
         self.exchange = exchange
         self.step = step
         self.aborted = threading.Event()
-        self.bytes_sent = 0
-        self._lock = threading.Lock()
+        self.bytes_sent = 0         # payload bytes queued for the peers (the step thread counts)
         self._queues: dict[int, list[queue.SimpleQueue]] = {}
         self._turn: dict[int, int] = {}
         self._calls = []
@@ -477,8 +476,6 @@ class _Outgoing:
             data = memoryview(np.ascontiguousarray(wire).view(np.uint8))
             if ex.pacer.active:
                 ex.pacer.wait(len(data), queued_at)
-            with self._lock:
-                self.bytes_sent += len(data)
             header = pb.GradientChunk(
                 protocol_version=protos.PROTOCOL_VERSION, run_id=ex.run_id, from_pod=ex.pod_index,
                 step=self.step, leaf_index=leaf, dtype=codec.dtype_name(wire.dtype),
@@ -500,25 +497,13 @@ class _Outgoing:
         turn = self._turn[peer]
         self._turn[peer] = turn + 1
         qs[turn % len(qs)].put((phase, leaf, offset_elems * wire.dtype.itemsize, wire, scale, time.monotonic()))
+        self.bytes_sent += wire.nbytes
 
     def finish(self) -> None:
         """No more chunks this step: end every stream once its queue is drained."""
         for qs in self._queues.values():
             for q in qs:
                 q.put(_END)
-
-    def wait(self, deadline: float) -> None:
-        """Wait for every peer to acknowledge its streams; ExchangeError naming the peer if not."""
-        for peer, call in self._calls:
-            try:
-                call.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-            except grpc.FutureTimeoutError:
-                raise ExchangeError(f"step {self.step}: pod {peer} did not acknowledge the gradient within "
-                                    f"the DCN deadline") from None
-            except grpc.RpcError as exc:
-                raise ExchangeError(f"step {self.step}: sending the gradient to pod {peer} at "
-                                    f"{self.exchange.peer_addresses[peer]} failed: {exc.code().name}: "
-                                    f"{exc.details()}") from None
 
     def abort(self) -> None:
         self.aborted.set()
@@ -551,6 +536,7 @@ class Exchange:
         self.inbox = Inbox(run_id, pod_index, self.num_pods, leaves, chunk_bytes, compression)
         self.plan = self.inbox.plan
         self.pacer = Pacer(link_gbps, link_latency_ms / 1e3)
+        self._outgoing: _Outgoing | None = None     # the latest step's streams (they may still drain)
         self._channels = {p: open_channel(a) for p, a in enumerate(peer_addresses) if p != pod_index}
         # Chunks go out pre-serialised (see _with_data), so the stream takes bytes as they are.
         self._stubs = {p: c.stream_unary(PUSH_METHOD, request_serializer=None,
@@ -558,6 +544,8 @@ class Exchange:
                        for p, c in self._channels.items()}
 
     def close(self) -> None:
+        if self._outgoing is not None:
+            self._outgoing.abort()
         for channel in self._channels.values():
             channel.close()
 
@@ -582,7 +570,7 @@ class Exchange:
         stats = ExchangeStats()
         deadline = time.monotonic() + self.timeout_s
         state = self.inbox.state(step)
-        out = _Outgoing(self, step, deadline)
+        out = self._outgoing = _Outgoing(self, step, deadline)
         me, peers = self.pod_index, sorted(self._stubs)
         results = []
         try:
@@ -640,7 +628,9 @@ class Exchange:
                 for i, spec in enumerate(plan.leaves):
                     wait(PHASE_GATHER, i)
                     results.append(on_leaf(i, state.output[i].reshape(spec.shape)))
-            out.wait(deadline)
+            # Not waiting for the peers' acknowledgements: every byte they need is queued, and a
+            # peer that does not get it fails its own step (the controller then stops the run).
+            # The streams drain while this pod applies the update.
         except BaseException:
             out.abort()
             raise
