@@ -255,3 +255,25 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
     assert path == run_dir / "checkpoints" / str(step) and step > 0
     assert step in checkpoint.steps(str(run_dir / "checkpoints"))     # intact, ready for --resume
     assert checkpoint.read_metadata(str(path))["step"] == step
+
+
+def test_failed_checkpoints_are_reported_at_once_and_the_run_goes_on(tmp_path, env):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint directory's parent should be\n")
+    run_dir = tmp_path / "run"
+    result = _run("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "4",
+                  "--checkpoint-every", "2", "--checkpoint-dir", str(blocker / "checkpoints"),
+                  "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", "--run-dir", str(run_dir), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for step in (0, 2, 4):
+        assert f"ERROR: checkpoint of step {step} FAILED" in result.stdout, result.stdout
+    assert "The last good checkpoint is still none yet" in result.stdout
+    failed = [e["step"] for e in _events(run_dir) if e["event"] == "checkpoint_failed"]
+    assert failed == [0, 2, 4]
+    # Reported as soon as it is known: step 0's failure comes before the last step's record.
+    lines = result.stdout.splitlines()
+    assert min(i for i, l in enumerate(lines) if "checkpoint of step 0 FAILED" in l) < \
+        max(i for i, l in enumerate(lines) if l.startswith("step "))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failed_checkpoints"] == 3 and summary["last_checkpoint"] is None
+    assert summary["steps"] == 4

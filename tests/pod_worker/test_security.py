@@ -156,6 +156,24 @@ def test_wrong_fields_are_refused_with_invalid_argument(worker):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
 
 
+def test_wrong_pod_index_or_pod_count_is_refused(worker):
+    base = dict(protocol_version=protos.PROTOCOL_VERSION, peer_addresses=[worker.address],
+                config_json=CONFIG.to_json(), run_id="security-test")
+    for fields, code in ((dict(pod_index=3, num_pods=4), grpc.StatusCode.FAILED_PRECONDITION),
+                         (dict(pod_index=0, num_pods=0), grpc.StatusCode.INVALID_ARGUMENT),
+                         (dict(pod_index=0, num_pods=2), grpc.StatusCode.INVALID_ARGUMENT),
+                         (dict(pod_index=0, num_pods=1, run_id=""), grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as info:
+            worker.stub.Configure(pb.ConfigureRequest(**{**base, **fields}), timeout=30)
+        assert info.value.code() == code, (fields, info.value.details())
+
+
+def test_workers_listen_on_loopback_by_default():
+    from controller.cli import build_parser
+    args = build_parser().parse_args(["worker", "--pod-index", "0"])
+    assert args.listen.startswith("127.0.0.1:")
+
+
 def test_oversized_messages_are_refused(worker):
     big = b"\0" * (protos.MAX_MESSAGE_BYTES + 1024)
     with pytest.raises(grpc.RpcError) as info:
