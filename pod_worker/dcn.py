@@ -166,6 +166,7 @@ class _Slot:
         self.seen = [set() for _ in spans]
         self.missing = [math.ceil((b - a) / plan.chunk_elems[i]) for i, (a, b) in enumerate(spans)]
         self.bytes = 0
+        self.unfused: list[list[tuple[int, int]]] = [[] for _ in spans]   # 2 pods: ranges still to add
 
 
 class _StepState:
@@ -176,12 +177,15 @@ class _StepState:
         self.errors: dict[int, str] = {}       # pod -> why its part of the step failed
         self.slots: dict[tuple[int, int], _Slot] = {}
         peers = [p for p in range(plan.num_pods) if p != pod]
-        # N > 2: the all-gather writes every owner's reduced slice straight into the result.
-        self.output = None if plan.whole else [np.empty(l.size, l.dtype) for l in plan.leaves]
+        # The result. 2 pods: the peer's chunks are added to this pod's own values as they arrive
+        # (own + peer == peer + own bitwise: IEEE addition commutes), so the sum is done when the
+        # last chunk lands. N > 2: the all-gather writes every owner's reduced slice into it.
+        self.output = [np.empty(l.size, l.dtype) for l in plan.leaves]
+        self.own: list[np.ndarray | None] = [None] * len(plan.leaves)   # 2 pods: this pod's values
         for phase in plan.phases():
             for peer in peers:
                 spans = [plan.span(phase, peer, pod, i) for i in range(len(plan.leaves))]
-                if phase == PHASE_GATHER:
+                if phase in (PHASE_GATHER, PHASE_WHOLE):
                     targets = [self.output[i][a:b] for i, (a, b) in enumerate(spans)]
                 else:
                     targets = [np.empty(b - a, l.dtype) for (a, b), l in zip(spans, plan.leaves)]
@@ -275,7 +279,14 @@ class Inbox:
         if index in slot.seen[leaf]:
             raise InvalidChunk(f"leaf {leaf}: duplicate chunk at offset {chunk.offset} from pod {chunk.from_pod}")
         slot.seen[leaf].add(index)
-        return state, slot, leaf, slot.targets[leaf][elem - start:elem - start + count], wire
+        own = None
+        if chunk.phase == PHASE_WHOLE:
+            own = state.own[leaf]
+            if own is None:     # this pod's own values are not there yet: the step adds them later
+                slot.unfused[leaf].append((elem, elem + count))
+            else:
+                own = own[elem:elem + count]
+        return state, slot, leaf, slot.targets[leaf][elem - start:elem - start + count], wire, own
 
     def receive(self, chunks) -> pb.PushAck:
         """Consume one peer stream. Raises InvalidChunk for anything malformed; a refused chunk
@@ -299,10 +310,16 @@ class Inbox:
                     continue
                 with self._cond:
                     data = chunk.data   # every access to a bytes field copies it: once only
-                    state, slot, leaf, target, wire = self._accept(chunk, len(data))
+                    state, slot, leaf, target, wire, own = self._accept(chunk, len(data))
                     touched[(chunk.step, chunk.from_pod)] = state
                 # Decode outside the lock: the chunk's place is reserved for this stream alone.
-                self.plan.codec.decode_into(np.frombuffer(data, wire), chunk.scale, target)
+                values = np.frombuffer(data, wire)
+                if own is not None and self.plan.codec.compression == "none":
+                    np.add(own, values, out=target)     # decode and sum in one pass
+                else:
+                    self.plan.codec.decode_into(values, chunk.scale, target)
+                    if own is not None:
+                        target += own
                 with self._cond:
                     slot.bytes += len(data)
                     slot.missing[leaf] -= 1
@@ -322,6 +339,11 @@ class Inbox:
                     state.errors.setdefault(peer, f"its stream broke off after {nbytes} bytes ({why})")
                 self._cond.notify_all()
             raise
+
+    def set_own(self, step: int, leaf: int, values: np.ndarray) -> None:
+        """2 pods: this pod's own (decoded) values of `leaf`, for peers' chunks to be added to."""
+        with self._cond:
+            self._state(step).own[leaf] = values
 
     def fail(self, step: int, pod: int, why: str) -> None:
         """Record that the exchange of `step` with `pod` failed (e.g. sending to it)."""
@@ -584,18 +606,24 @@ class Exchange:
                 own = []
                 for i, leaf in enumerate(leaves):
                     values = np.asarray(leaf).reshape(-1)    # waits for this leaf's copy only
-                    mine = values if plan.codec.compression == "none" else np.empty(values.size, values.dtype)
                     send = lambda a, w, s, i=i: [out.put(p, PHASE_WHOLE, i, a, w, s) for p in peers]
-                    self._encode(values, i, 0, values.size, send,
-                                 None if plan.codec.compression == "none" else mine)
+                    if plan.codec.compression == "none":
+                        mine = values
+                        self.inbox.set_own(step, i, mine)
+                        self._encode(values, i, 0, values.size, send, None)
+                    else:
+                        mine = np.empty(values.size, values.dtype)
+                        self._encode(values, i, 0, values.size, send, mine)
+                        self.inbox.set_own(step, i, mine)
                     own.append(mine)
                 out.finish()
+                (peer,) = peers
                 for i, spec in enumerate(plan.leaves):
-                    got = wait(PHASE_WHOLE, i)
-                    got[me] = own[i]
-                    total = np.add(got[0], got[1])
-                    for p in range(2, self.num_pods):
-                        total += got[p]
+                    wait(PHASE_WHOLE, i)
+                    total = state.output[i]
+                    # Chunks that arrived before this pod's own values: add them now.
+                    for a, b in state.slots[(PHASE_WHOLE, peer)].unfused[i]:
+                        total[a:b] += own[i][a:b]
                     results.append(on_leaf(i, total.reshape(spec.shape)))
             else:
                 own = []

@@ -112,6 +112,29 @@ def test_float32_sum_equals_pod_order_reference_to_the_bit(pods_factory, num_pod
         assert sum(sent) == 2 * (num_pods - 1) * total
 
 
+def test_two_pods_sum_exactly_whether_chunks_arrive_before_or_after_own_values(pods_factory):
+    # Pod 1 streams its whole gradient before pod 0 starts: pod 0 adds its own values after the
+    # fact, pod 1 adds each arriving chunk at once. Both must give the pod-order sum.
+    pods = pods_factory(2, streams=2)
+    grads = gradients(2, seed=11)
+    expected = pod_order_sum(grads)
+    for ex in pods.exchanges:
+        ex.inbox.set_next_step(0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        late = pool.submit(pods.exchanges[1].all_reduce, 0, grads[1])
+        slot = pods.exchanges[0].inbox.state(0).slots[(PHASE_WHOLE, 1)]
+        deadline = time.monotonic() + 30
+        while any(slot.missing) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(slot.missing)
+        assert sum(len(r) for r in slot.unfused) > 0     # the after-the-fact path is exercised
+        first, _ = pods.exchanges[0].all_reduce(0, grads[0])
+        second, _ = late.result(timeout=30)
+    for summed in (first, second):
+        for got, want in zip(summed, expected):
+            assert_bitwise(np.asarray(got), want)
+
+
 def test_a_different_summation_order_would_be_detected():
     # Guards the reference above: float32 addition order matters for these values.
     grads = gradients(4)
