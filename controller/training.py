@@ -309,6 +309,9 @@ class _Session:
         if self.resume:
             start = self._restore(directory=self.ckpt_dir)
             out(f"resumed from {self.last_good[1]} (step {start}, data position {start + self.data_offset})")
+            if start > self.rc.steps:
+                raise ConfigError("run.steps", f"{self.rc.steps} is behind the checkpoint's step {start}; "
+                                  f"resume with --steps {start} or more")
         else:
             start = int(r0.step)
             self._save(start)      # a baseline to recover to before the first periodic checkpoint
