@@ -86,7 +86,7 @@ class LocalPods:
         else:
             cmd.append("--insecure-no-auth")
         for flag, value in (("--tls-cert", self.security.tls_cert), ("--tls-key", self.security.tls_key),
-                            ("--tls-ca", self.security.tls_ca)):
+                            ("--tls-ca", self.security.tls_ca), ("--tls-server-name", self.security.tls_server_name)):
             if value:
                 cmd += [flag, value]
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
