@@ -66,6 +66,51 @@ def saved_activation_bytes(model_cfg, rows: int, seq_len: int) -> dict:
     return result
 
 
+_INTERLEAVED = r"""
+import json, statistics, sys, time
+spec = json.loads(sys.stdin.read())
+from pod_worker.main import set_device_count
+set_device_count(spec["devices"])
+import jax, numpy as np
+from controller.config import Config
+from controller.tune import Candidate, candidate_config
+from pod_worker.trainer import PodTrainer
+base = Config.from_json(spec["config"])
+rows, seq = spec["batch"], base.data.seq_len
+tokens = np.random.RandomState(0).randint(0, base.model.vocab_size, size=(rows, seq + 1)).astype(np.int32)
+trainers = []
+for fields in spec["candidates"]:
+    t = PodTrainer(candidate_config(base, Candidate(**fields)).validate())
+    t.compile_for(tokens.shape)
+    batch = t.put_batch(tokens)
+    t.apply(t.gradients(batch, rows * seq)[0])  # warm-up
+    trainers.append((t, batch))
+times = [[] for _ in trainers]
+for _ in range(spec["rounds"]):  # round-robin: a load change on the machine hits every layout alike
+    for i, (t, batch) in enumerate(trainers):
+        t0 = time.perf_counter()
+        t.apply(t.gradients(batch, rows * seq)[0])
+        times[i].append(time.perf_counter() - t0)
+print(json.dumps(times))
+"""
+
+
+def interleaved_step_times(config, candidates, devices: int, batch: int, rounds: int) -> list[list[float]]:
+    """Step times of every candidate, all compiled in one process and timed round-robin."""
+    import dataclasses
+    import os
+    import subprocess
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    spec = {"config": config.to_json(), "devices": devices, "batch": batch, "rounds": rounds,
+            "candidates": [dataclasses.asdict(c) for c in candidates]}
+    result = subprocess.run([sys.executable, "-c", _INTERLEAVED], input=json.dumps(spec), capture_output=True,
+                            text=True, env=env, timeout=3600)
+    if result.returncode != 0:
+        raise RuntimeError(f"interleaved timing failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="TOML config (default: the built-in defaults)")
@@ -74,6 +119,9 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--peak-flops", type=float)
     parser.add_argument("--candidate-timeout", type=float, default=900.0)
+    parser.add_argument("--interleaved-rounds", type=int, default=0,
+                        help="also time every layout round-robin in one process for N rounds (robust to a "
+                             "shared machine's load changes)")
     args = parser.parse_args()
 
     from controller.config import load_config
@@ -108,6 +156,17 @@ def main() -> int:
         "rows": rows, "ratios": _ratios(rows),
         "saved_activation_bytes_per_pod_batch": saved_activation_bytes(config.model, batch, config.data.seq_len),
     }
+    if args.interleaved_rounds:
+        times = interleaved_step_times(config, candidates, args.devices, batch, args.interleaved_rounds)
+        medians = {c.label(): statistics.median(t) for c, t in zip(candidates, times)}
+        fastest = min(medians.values())
+        report["interleaved"] = {
+            "rounds": args.interleaved_rounds,
+            "rows": [{"layout": c.label(), "step_times_s": t, "median_s": medians[c.label()],
+                      "tokens_per_s": tokens / medians[c.label()],
+                      "mfu": model_flops / medians[c.label()] / (peak * args.devices),
+                      "relative_to_fastest": medians[c.label()] / fastest}
+                     for c, t in sorted(zip(candidates, times), key=lambda ct: medians[ct[0].label()])]}
     print(json.dumps(report, indent=1))
     return 0
 
