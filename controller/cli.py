@@ -95,6 +95,9 @@ def _train(args, addresses_fn) -> int:
     from pod_worker.main import security_from_args
     from protos.transport import set_default_security
     config = resolve_config(args)
+    if args.resume and not (args.run_dir or config.run.checkpoint_dir):
+        from controller.config import ConfigError
+        raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
     security = security_from_args(args)
     if args.command == "local" and not security.token:
         # Local workers still authenticate: a fresh secret per run, handed over in their environment.

@@ -167,3 +167,9 @@ def test_save_of_the_wrong_step_is_refused(worker, tmp_path):
     with pytest.raises(grpc.RpcError) as info:
         worker.stub.Save(pb.SaveRequest(step=worker.step + 5, directory=str(tmp_path)), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "save requested for step" in info.value.details()
+
+
+def test_resume_without_saying_which_run_is_refused():
+    from tests.helpers import run_cli
+    result = run_cli("local", "--config", TINY, "--resume", timeout=60)
+    assert result.returncode == 2 and "--resume" in result.stderr and "--run-dir" in result.stderr
