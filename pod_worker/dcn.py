@@ -25,7 +25,7 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import ml_dtypes
@@ -408,10 +408,10 @@ class Pacer:
 
 @dataclass
 class ExchangeStats:
-    bytes_sent: int = 0        # payload bytes this pod put on the wire this step
+    """What one step's exchange cost this pod."""
+    bytes_sent: int = 0        # payload bytes this pod put on the wire this step (after encoding)
     bytes_received: int = 0
     idle_s: float = 0.0        # time the step thread sat waiting on peers' chunks
-    extra: dict = field(default_factory=dict)
 
 
 _END = object()
@@ -510,6 +510,8 @@ class _Outgoing:
         exc = future.exception()
         if exc is not None:
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
+            # The step may already be done here (acks drain after it): then the peer fails its own.
+            log.warning("step %d: sending the gradient to pod %d failed: %s", self.step, peer, detail)
             self.exchange.inbox.fail(self.step, peer, f"sending to it at {self.exchange.peer_addresses[peer]} "
                                                       f"failed ({detail})")
 
