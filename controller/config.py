@@ -132,8 +132,9 @@ class RunConfig:
     spike_threshold: float = 3.0  # a spike: loss > threshold x mean of the last spike_window losses
     spike_window: int = 10
     skip_batches: int = 0         # on rewind, skip this many batches after the checkpoint
-    # TEST ONLY: poison pod debug_poison_pod's gradient with NaN at debug_nan_step, or inflate its
-    # reported loss 1000x at debug_spike_step (-1: off). For exercising the health policy.
+    # TEST ONLY, for exercising the health policy (-1: off): pod debug_poison_pod's gradient is
+    # NaN at step debug_nan_step; the controller records a 1000x loss for the step that trains
+    # on batch debug_spike_step (a "bad batch": skipped batches do not spike again).
     debug_poison_pod: int = -1
     debug_nan_step: int = -1
     debug_spike_step: int = -1

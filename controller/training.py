@@ -414,6 +414,8 @@ class _Session:
             self.skipped_steps.add(step)
         record.update(skipped_steps=len(self.skipped_steps), restarts=self.restarts,
                       data_index=step + self.data_offset)
+        if record["data_index"] == self.rc.debug_spike_step:
+            record["loss"] *= 1000.0    # TEST ONLY: this batch "causes" a loss spike
         self.metrics.write(record)
         self.records[step] = record
         self.progress.update(record)

@@ -87,7 +87,6 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         self._failed_step: int | None = None
         self._state = "idle"
         self._peers: list[str] = []
-        self._spike_fired = False   # TEST ONLY: run.debug_spike_step fires once per process
         self._epoch = 0     # bumped by Restore: steps queued before it belong to an abandoned timeline
         self._writer = checkpoint.Writer()
 
@@ -198,12 +197,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             self._state = f"stepping {request.step}"
         try:
             run = self.config.run
-            nan = request.step == run.debug_nan_step
-            spike = request.step == run.debug_spike_step and not self._spike_fired
-            if self.pod_index == run.debug_poison_pod and (nan or spike):   # TEST ONLY hooks
-                self._spike_fired |= spike
-                reply = self._run_step(_Poisoned(trainer, nan, spike), request, on_device,
-                                       time.perf_counter() - wait_start)
+            if self.pod_index == run.debug_poison_pod and request.step == run.debug_nan_step:   # TEST ONLY
+                reply = self._run_step(_Poisoned(trainer), request, on_device, time.perf_counter() - wait_start)
             else:
                 reply = self._run_step(trainer, request, on_device, time.perf_counter() - wait_start)
             return reply
@@ -383,25 +378,21 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
 
 
 class _Poisoned:
-    """TEST ONLY (run.debug_nan_step / run.debug_spike_step with run.debug_poison_pod): a view of
-    the trainer whose gradient at one step is poisoned with NaN, or whose reported loss at one
-    step is inflated 1000x (once per process), so tests can exercise the health policy without a
-    real divergence."""
+    """TEST ONLY (run.debug_nan_step with run.debug_poison_pod): a view of the trainer whose
+    gradient is poisoned with NaN, so tests can exercise skip-on-non-finite without a real
+    divergence."""
 
-    def __init__(self, trainer: PodTrainer, nan: bool, spike: bool):
-        self._trainer, self._nan, self._spike = trainer, nan, spike
+    def __init__(self, trainer: PodTrainer):
+        self._trainer = trainer
 
     def __getattr__(self, name):
         return getattr(self._trainer, name)
 
     def gradients(self, *args, **kwargs):
         grads, ce, z = self._trainer.gradients(*args, **kwargs)
-        if self._nan:
-            grads = list(grads) if isinstance(grads, (list, tuple)) else grads
-            first = grads[0]
-            grads[0] = first * np.float32(np.nan) if not isinstance(first, np.ndarray) else np.full_like(first, np.nan)
-        if self._spike:
-            ce *= 1000.0
+        grads = list(grads)
+        first = grads[0]
+        grads[0] = first * np.float32(np.nan) if not isinstance(first, np.ndarray) else np.full_like(first, np.nan)
         return grads, ce, z
 
 
