@@ -104,6 +104,9 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             raise _invalid(f"num_pods={request.num_pods} but {len(request.peer_addresses)} peer addresses")
         if request.pod_index >= request.num_pods:
             raise _invalid(f"pod_index {request.pod_index} >= num_pods {request.num_pods}")
+        if request.num_pods > MAX_PODS:
+            raise _invalid(f"num_pods={request.num_pods}: a worker serves at most {MAX_PODS} pods "
+                           f"(RPC_THREADS={RPC_THREADS} in pod_worker/server.py)")
         if not request.run_id:
             raise _invalid("run_id is empty")
         config = Config.from_json(request.config_json)
@@ -396,7 +399,15 @@ class _Poisoned:
         return grads, ce, z
 
 
-def start_server(pod_index: int, listen: str, security: Security | None = None, max_workers: int = 16):
+# Handler threads of one worker. A step occupies one thread per incoming DCN stream: 2 steps in
+# flight x (pods - 1) peers x at most max(1, 6 // (pods - 1)) streams, plus 2 Step calls and a few
+# status/health calls, so this many threads serve up to MAX_PODS pods without a stream ever
+# waiting for a free thread (which could deadlock the exchange).
+RPC_THREADS = 64
+MAX_PODS = (RPC_THREADS - 4) // 2 + 1
+
+
+def start_server(pod_index: int, listen: str, security: Security | None = None, max_workers: int = RPC_THREADS):
     """Build and start one pod's server; returns (server, service, health servicer, bound port)."""
     shutdown = threading.Event()
     service = PodWorkerService(pod_index, shutdown)
@@ -417,7 +428,7 @@ def start_server(pod_index: int, listen: str, security: Security | None = None, 
 
 
 def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_parent: bool = False,
-          max_workers: int = 16, security: Security | None = None) -> None:
+          max_workers: int = RPC_THREADS, security: Security | None = None) -> None:
     """Serve one pod until Shutdown is called, the process is signalled, or (with
     exit_with_parent) the process that started it is gone."""
     server, service, health_servicer, port = start_server(pod_index, listen, security, max_workers)

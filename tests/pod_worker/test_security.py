@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import protos
+from pod_worker.server import MAX_PODS
 from controller.config import load_config
 from pod_worker.server import start_server
 from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
@@ -162,7 +163,10 @@ def test_wrong_pod_index_or_pod_count_is_refused(worker):
     for fields, code in ((dict(pod_index=3, num_pods=4), grpc.StatusCode.FAILED_PRECONDITION),
                          (dict(pod_index=0, num_pods=0), grpc.StatusCode.INVALID_ARGUMENT),
                          (dict(pod_index=0, num_pods=2), grpc.StatusCode.INVALID_ARGUMENT),
-                         (dict(pod_index=0, num_pods=1, run_id=""), grpc.StatusCode.INVALID_ARGUMENT)):
+                         (dict(pod_index=0, num_pods=1, run_id=""), grpc.StatusCode.INVALID_ARGUMENT),
+                         # More pods than the worker's handler threads can serve without deadlock.
+                         (dict(pod_index=0, num_pods=MAX_PODS + 1,
+                               peer_addresses=[worker.address] * (MAX_PODS + 1)), grpc.StatusCode.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as info:
             worker.stub.Configure(pb.ConfigureRequest(**{**base, **fields}), timeout=30)
         assert info.value.code() == code, (fields, info.value.details())
