@@ -11,22 +11,23 @@ from tests.helpers import TINY, pid_alive, read_metrics, run_cli, worker_pids
 STEPS = 20
 
 
-@pytest.fixture(scope="module")
-def two_pods(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("two_pods")
-    result = run_cli("local", "--pods", "2", "--devices-per-pod", "2", "--config", TINY,
+def _local_run(tmp_path_factory, pods: int):
+    """`multipod local` with `pods` pods of 2 devices each, same seed and steps for every run."""
+    run_dir = tmp_path_factory.mktemp(f"pods{pods}")
+    result = run_cli("local", "--pods", str(pods), "--devices-per-pod", "2", "--config", TINY,
                      "--steps", str(STEPS), "--seed", "5", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir, result
+
+
+@pytest.fixture(scope="module")
+def two_pods(tmp_path_factory):
+    return _local_run(tmp_path_factory, 2)
 
 
 @pytest.fixture(scope="module")
 def one_pod(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("one_pod")
-    result = run_cli("local", "--pods", "1", "--devices-per-pod", "2", "--config", TINY,
-                     "--steps", str(STEPS), "--seed", "5", "--run-dir", str(run_dir))
-    assert result.returncode == 0, result.stdout + result.stderr
-    return run_dir, result
+    return _local_run(tmp_path_factory, 1)
 
 
 def test_two_pods_train_with_identical_parameters(two_pods):
