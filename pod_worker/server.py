@@ -64,8 +64,6 @@ def _handler(method):
         except ExchangeError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # a bug or a resource error: report it, keep serving
-            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortedError":
-                raise
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
     wrapper.__name__ = method.__name__
