@@ -9,10 +9,9 @@ Save of the same state. step_s: one training step, for scale. Medians over --rep
 """
 from __future__ import annotations
 
-import os
+from multipod.pod_worker.devices import simulate_cpu_devices
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulate_cpu_devices(2, overwrite=False)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -22,11 +21,15 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-import protos  # noqa: E402
-from controller.config import load_config  # noqa: E402
-from pod_worker.server import start_server  # noqa: E402
-from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc  # noqa: E402
-from protos.transport import Security, open_channel  # noqa: E402
+from multipod import protos  # noqa: E402
+from multipod.controller.config import load_config  # noqa: E402
+from multipod.pod_worker.server import start_server  # noqa: E402
+from multipod.protos import (
+    codec,  # noqa: E402
+    multipod_pb2 as pb,
+    multipod_pb2_grpc as pb_grpc,
+)
+from multipod.protos.transport import Security, open_channel  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +44,7 @@ def main() -> None:
     channel = open_channel(address, Security())
     stub = pb_grpc.PodWorkerStub(channel)
     stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1,
-                                       peer_addresses=[address], config_json=config.to_json(), run_id="bench"),
+                                       peer_addresses=[address], config_json=config.worker_config().to_json(), run_id="bench"),
                    timeout=600)
     step = 0
 

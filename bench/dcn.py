@@ -37,8 +37,9 @@ MODEL = dict(d_model=512, n_layers=8, n_heads=8, head_dim=64, mlp_dim=1536, voca
 
 def leaf_shapes() -> list[tuple[int, ...]]:
     import jax
-    from model import abstract_params
-    from model.config import ModelConfig
+
+    from multipod.model import abstract_params
+    from multipod.model.config import ModelConfig
     return [tuple(l.shape) for l in jax.tree.leaves(abstract_params(ModelConfig(**MODEL)))]
 
 
@@ -117,10 +118,10 @@ def pod_main(args) -> dict:
     import grpc
     import numpy as np
 
-    import protos
-    from pod_worker.dcn import Exchange, LeafSpec
-    from protos import multipod_pb2_grpc as pb_grpc
-    from protos.transport import add_port
+    from multipod import protos
+    from multipod.pod_worker.dcn import Exchange, LeafSpec
+    from multipod.protos import multipod_pb2_grpc as pb_grpc
+    from multipod.protos.transport import add_port
 
     folder = pathlib.Path(args.dir)
     gloo = None

@@ -56,7 +56,7 @@ def start_workers(cores: list[int], folder: pathlib.Path) -> tuple[list[subproce
     procs, addresses = [], []
     for pod, core in enumerate(cores):
         port_file = folder / f"pod{pod}.port"
-        cmd = [sys.executable, "-m", "controller.cli", "worker", "--pod-index", str(pod), "--listen", "127.0.0.1:0",
+        cmd = [sys.executable, "-m", "multipod.cli", "worker", "--pod-index", str(pod), "--listen", "127.0.0.1:0",
                "--devices", "1", "--port-file", str(port_file), "--exit-with-parent"]
         log = open(folder / f"worker-{pod}.log", "w")
         procs.append(subprocess.Popen(_pinned(core, cmd), stdout=log, stderr=subprocess.STDOUT, env=_env(),
@@ -82,7 +82,7 @@ def run(cores: list[int], batch: int, seq_len: int, steps: int, settings: list[s
             overrides = [*MODEL, f"data.seq_len={seq_len}", f"data.global_batch={batch * len(cores)}",
                          "optimizer.warmup_steps=2", "run.sample_tokens=0", "run.eval_batches=0",
                          "run.step_timeout_s=600", *settings]
-            cmd = [sys.executable, "-m", "controller.cli", "train", "--workers", ",".join(addresses),
+            cmd = [sys.executable, "-m", "multipod.cli", "train", "--workers", ",".join(addresses),
                    "--steps", str(steps), "--seed", "1", "--run-dir", str(folder / "run")]
             for o in overrides:
                 cmd += ["--set", o]

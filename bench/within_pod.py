@@ -54,7 +54,7 @@ def saved_activation_bytes(model_cfg, rows: int, seq_len: int) -> dict:
     import numpy as np
     from jax._src.ad_checkpoint import saved_residuals
 
-    from model import abstract_params, loss_sums
+    from multipod.model import abstract_params, loss_sums
     result = {}
     for remat in ("none", "full", "selective"):
         cfg = dataclasses.replace(model_cfg, remat=remat)
@@ -69,18 +69,18 @@ def saved_activation_bytes(model_cfg, rows: int, seq_len: int) -> dict:
 _INTERLEAVED = r"""
 import json, statistics, sys, time
 spec = json.loads(sys.stdin.read())
-from pod_worker.main import set_device_count
+from multipod.pod_worker.main import set_device_count
 set_device_count(spec["devices"])
 import jax, numpy as np
-from controller.config import Config
-from controller.tune import Candidate, candidate_config
-from pod_worker.trainer import PodTrainer
+from multipod.controller.config import Config
+from multipod.controller.tune import Candidate, candidate_config
+from multipod.pod_worker.trainer import PodTrainer
 base = Config.from_json(spec["config"])
 rows, seq = spec["batch"], base.data.seq_len
 tokens = np.random.RandomState(0).randint(0, base.model.vocab_size, size=(rows, seq + 1)).astype(np.int32)
 trainers = []
 for fields in spec["candidates"]:
-    t = PodTrainer(candidate_config(base, Candidate(**fields)).validate())
+    t = PodTrainer(candidate_config(base, Candidate(**fields)).validate().worker_config())
     t.compile_for(tokens.shape)
     batch = t.put_batch(tokens)
     t.apply(t.gradients(batch, rows * seq)[0])  # warm-up
@@ -124,9 +124,9 @@ def main() -> int:
                              "shared machine's load changes)")
     args = parser.parse_args()
 
-    from controller.config import load_config
-    from controller.peak import measure
-    from controller.tune import enumerate_candidates, rank, run_grid
+    from multipod.controller.config import load_config
+    from multipod.controller.peak import measure
+    from multipod.controller.tune import enumerate_candidates, rank, run_grid
 
     config = load_config(args.config)
     batch = config.data.global_batch

@@ -1,7 +1,7 @@
-"""The `multipod` command: worker, train, local, peak-flops, tune.
+"""The controller's commands of `multipod`: train, local, peak-flops, tune (the entry module,
+multipod.cli, adds `worker` from the worker side).
 
-Kept free of jax imports at module level: `multipod worker` must set the simulated device count
-before jax initialises.
+Kept free of jax imports at module level: `multipod --help` needs only the standard library.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import json
 import pathlib
 import secrets
 import sys
+
+from multipod.protos.cli_flags import add_security_arguments, security_from_args
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -34,18 +36,11 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-spike", choices=("none", "rewind"),
                         help="on a loss spike, rewind to the checkpoint before it (run.on_spike)")
     parser.add_argument("--skip-batches", type=int, help="batches to skip after a rewind (run.skip_batches)")
-    from pod_worker.main import add_security_arguments
     add_security_arguments(parser)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from pod_worker.main import add_arguments as add_worker_arguments
-    parser = argparse.ArgumentParser(prog="multipod", description="Multi-pod language-model training on JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    worker = sub.add_parser("worker", help="serve one pod")
-    add_worker_arguments(worker)
-
+def add_commands(sub) -> None:
+    """Add the controller's commands to the `multipod` subparsers."""
     train = sub.add_parser("train", help="run the controller against running pod workers")
     train.add_argument("--workers", required=True, help="HOST:PORT of every pod worker, comma-separated, in pod order")
     _add_train_options(train)
@@ -59,15 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     peak.add_argument("--devices", type=int, default=1, help="simulated devices sharing this machine (default 1)")
     peak.add_argument("--size", type=int, default=1024, help="matmul size")
 
-    from controller.tune import add_arguments as add_tune_arguments
+    from multipod.controller.tune import add_arguments as add_tune_arguments
     tune = sub.add_parser("tune", help="search one pod's layout (mesh, sequence parallelism, microbatches, remat)")
     add_tune_arguments(tune)
-    return parser
 
 
 def resolve_config(args: argparse.Namespace):
     """Defaults <- --config <- --set <- the dedicated flags (--steps, --seed, --data, --peak-flops)."""
-    from controller.config import load_config
+    from multipod.controller.config import load_config
     overrides = list(args.overrides)
     for flag, key in (("steps", "run.steps"), ("seed", "run.seed"), ("peak_flops", "run.peak_flops"),
                       ("checkpoint_every", "run.checkpoint_every"), ("max_restarts", "run.max_restarts"),
@@ -90,13 +84,12 @@ def _run_dir(args: argparse.Namespace) -> pathlib.Path:
 
 
 def _train(args, addresses_fn) -> int:
-    from controller.training import print_summary, run_training
-    from controller.metrics import out
-    from pod_worker.main import security_from_args
-    from protos.transport import set_default_security
+    from multipod.controller.metrics import out
+    from multipod.controller.training import print_summary, run_training
+    from multipod.protos.transport import set_default_security
     config = resolve_config(args)
     if args.resume and not (args.run_dir or config.run.checkpoint_dir):
-        from controller.config import ConfigError
+        from multipod.controller.config import ConfigError
         raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
     security = security_from_args(args)
     if args.command == "local" and not security.token:
@@ -106,7 +99,7 @@ def _train(args, addresses_fn) -> int:
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     out(f"run directory: {run_dir}")
-    context = addresses_fn(run_dir)
+    context = addresses_fn(run_dir, config)
     with context as addresses:
         summary = run_training(config, addresses, run_dir, resume=args.resume,
                                supervisor=getattr(context, "pods", None))
@@ -126,15 +119,14 @@ class _Fixed:
 
 
 class _Local:
-    def __init__(self, args, run_dir):
-        from controller.launcher import LocalPods
-        config = resolve_config(args)
+    def __init__(self, args, run_dir, config):
+        from multipod.controller.launcher import LocalPods
         # Supervised: a worker that dies is started again on its port (run.max_restarts in all).
         self.pods = LocalPods(args.pods, args.devices_per_pod, run_dir, supervise=True,
                               max_restarts=config.run.max_restarts)
 
     def __enter__(self):
-        from controller.metrics import out
+        from multipod.controller.metrics import out
         self.pods.__enter__()
         out(f"started {self.pods.num_pods} pod worker(s) with {self.pods.devices_per_pod} simulated device(s) each: "
             + ", ".join(self.pods.addresses) + f" (logs in {self.pods.log_dir})")
@@ -145,30 +137,25 @@ class _Local:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "worker":
-        from pod_worker.main import run
-        return run(args)
-
-    from controller.client import WorkerError
-    from controller.config import ConfigError
-    from controller.data import DataError
-    from controller.launcher import LaunchError
-    from controller.training import RunError
+def run(args: argparse.Namespace) -> int:
+    """Run one controller command; returns the exit code (errors are printed, not raised)."""
+    from multipod.controller.client import WorkerError
+    from multipod.controller.config import ConfigError
+    from multipod.controller.data import DataError
+    from multipod.controller.launcher import LaunchError
+    from multipod.controller.training import RunError
     try:
         if args.command == "train":
             addresses = [a.strip() for a in args.workers.split(",") if a.strip()]
-            return _train(args, lambda run_dir: _Fixed(addresses))
+            return _train(args, lambda run_dir, config: _Fixed(addresses))
         if args.command == "local":
-            return _train(args, lambda run_dir: _Local(args, run_dir))
+            return _train(args, lambda run_dir, config: _Local(args, run_dir, config))
         if args.command == "tune":
-            from controller.tune import main as tune_main
+            from multipod.controller.tune import main as tune_main
             return tune_main(args)
         if args.command == "peak-flops":
-            from controller.metrics import store_measured_peak
-            from controller.peak import measure
+            from multipod.controller.metrics import store_measured_peak
+            from multipod.controller.peak import measure
             result = measure(args.devices, args.size)
             path = store_measured_peak(result["device_kind"], result["devices"], result["per_device_flops"])
             print(json.dumps(result))
@@ -184,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: workers stopped", file=sys.stderr)
         return 130
-    parser.error(f"unknown command {args.command}")
+    print(f"error: unknown command {args.command}", file=sys.stderr)
     return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,8 +7,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from protos.transport import open_channel
+from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod.protos.transport import open_channel
 
 
 class WorkerError(RuntimeError):
@@ -78,7 +78,7 @@ class WorkerClient:
         except grpc.RpcError as exc:
             raise self._error(method, exc) from None
 
-    def call_async(self, method: str, request, timeout_s: float) -> "PendingCall":
+    def call_async(self, method: str, request, timeout_s: float) -> PendingCall:
         return PendingCall(self, method, getattr(self.stub, method).future(request, timeout=timeout_s))
 
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:

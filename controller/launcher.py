@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from protos.transport import TOKEN_ENV, Security, default_security
+from multipod.protos.transport import TOKEN_ENV, Security, default_security
 
 
 class LaunchError(RuntimeError):
@@ -52,7 +52,7 @@ class LocalPods:
         self._stopping = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="supervisor") if supervise else None
 
-    def __enter__(self) -> "LocalPods":
+    def __enter__(self) -> LocalPods:
         try:
             self.start()
         except BaseException:
@@ -78,7 +78,7 @@ class LocalPods:
         if "JAX_COMPILATION_CACHE_DIR" not in env:
             env["JAX_COMPILATION_CACHE_DIR"] = str((self.log_dir / ".jax-cache").absolute())
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        cmd = [sys.executable, "-m", "controller.cli", "worker", "--pod-index", str(pod),
+        cmd = [sys.executable, "-m", "multipod.cli", "worker", "--pod-index", str(pod),
                "--listen", listen, "--devices", str(self.device_counts[pod]),
                "--port-file", str(port_file), "--exit-with-parent"]
         if self.security.token:

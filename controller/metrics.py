@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
-
 def peak_cache() -> pathlib.Path:
     """Where `multipod peak-flops` keeps its measurements (MULTIPOD_PEAK_FILE overrides)."""
     override = os.environ.get("MULTIPOD_PEAK_FILE")

@@ -20,14 +20,14 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
-import protos
-from controller.client import WorkerClient, WorkerError
-from controller.config import Config, ConfigError
-from controller.data import Batches, decode_tokens, encode_text, load_corpus, shard
-from controller.metrics import MetricsLog, ProgressLine, load_measured_peak, mfu, out
-from protos import codec, multipod_pb2 as pb
+from multipod import protos
+from multipod.controller import faults
+from multipod.controller.client import WorkerClient, WorkerError
+from multipod.controller.config import Config, ConfigError
+from multipod.controller.data import Batches, decode_tokens, encode_text, load_corpus, shard
+from multipod.controller.metrics import MetricsLog, ProgressLine, load_measured_peak, mfu, out
+from multipod.protos import codec, multipod_pb2 as pb
 
 
 class RunError(RuntimeError):
@@ -136,7 +136,7 @@ def configure(clients: list[WorkerClient], config: Config, run_id: str,
     targets = [c for c in clients if only is None or c.pod_index in only]
     request = lambda c: pb.ConfigureRequest(
         protocol_version=protos.PROTOCOL_VERSION, pod_index=c.pod_index, num_pods=len(clients),
-        peer_addresses=addresses, config_json=config.to_json(), run_id=run_id)
+        peer_addresses=addresses, worker_config_json=config.worker_config().to_json(), run_id=run_id)
     replies = _parallel(lambda c: c.call("Configure", request(c), config.run.configure_timeout_s), targets)
     checks = [("protocol version", lambda r: r.protocol_version), ("mesh shape (data, model)", lambda r: tuple(r.mesh_shape)),
               ("device count", lambda r: r.num_devices), ("config hash", lambda r: r.config_hash),
@@ -414,8 +414,8 @@ class _Session:
             self.skipped_steps.add(step)
         record.update(skipped_steps=len(self.skipped_steps), restarts=self.restarts,
                       data_index=step + self.data_offset)
-        if record["data_index"] == self.rc.debug_spike_step:
-            record["loss"] *= 1000.0    # TEST ONLY: this batch "causes" a loss spike
+        if record["data_index"] == faults.spike_batch():
+            record["loss"] *= faults.SPIKE_FACTOR    # test hook: this batch "causes" a loss spike
         self.metrics.write(record)
         self.records[step] = record
         self.progress.update(record)
@@ -445,6 +445,7 @@ class _Session:
         """Start an asynchronous checkpoint of the state after `step` steps on pod 0 (every
         pod's state is identical); its outcome is collected by _finish_saves."""
         meta = {"data_offset": self.data_offset, "data_position": step + self.data_offset,
+                "data_path": self.config.data.path,
                 "seed": self.rc.seed, "run_id": self.base_run_id, "num_pods": len(self.clients),
                 "saved_at": time.time()}
         request = pb.SaveRequest(step=step, directory=self.ckpt_dir, metadata_json=json.dumps(meta),
@@ -456,7 +457,7 @@ class _Session:
                 raise self._diagnose(f"checkpoint of step {step}: {exc}") from None
             self._save_failed(step, str(exc))
             return
-        wait = self.clients[0].call_async("Save", pb.SaveRequest(step=step, directory=self.ckpt_dir, wait=True),
+        wait = self.clients[0].call_async("WaitSave", pb.WaitSaveRequest(step=step, directory=self.ckpt_dir),
                                           CHECKPOINT_TIMEOUT_S)
         self.pending_saves.append((step, reply.path, wait))
         self.event("checkpoint_started", step=step, path=reply.path)
@@ -506,6 +507,9 @@ class _Session:
         meta = json.loads(replies[0].metadata_json)
         step = int(replies[0].step)
         if directory is not None:
+            if meta.get("data_path", "") != self.config.data.path:
+                raise ConfigError("data.path", f"checkpoint {path} was trained on {meta.get('data_path') or 'the default corpus'!r}, "
+                                  f"this run reads {self.config.data.path or 'the default corpus'!r}")
             self.data_offset = int(meta.get("data_offset", 0))
         self.last_good = (step, path)
         self.event("restored", step=step, path=path, data_offset=self.data_offset, fingerprint=replies[0].fingerprint)

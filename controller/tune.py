@@ -155,7 +155,7 @@ def enumerate_candidates(model_cfg, per_pod_batch: int, devices: int, meshes=Non
 
 def candidate_config(base, candidate: Candidate):
     """The run config with a candidate's layout applied."""
-    from controller.config import MeshConfig
+    from multipod.controller.config import MeshConfig
     model = dataclasses.replace(base.model, sequence_parallel=candidate.sequence_parallel,
                                 microbatches=candidate.microbatches, remat=candidate.remat)
     return dataclasses.replace(base, model=model, mesh=MeshConfig(data=candidate.data, model=candidate.model))
@@ -192,16 +192,16 @@ def config_toml(config, header: list[str]) -> str:
 # -- the child: compile and time candidates on the pod's devices -------------------------------
 def _child_main() -> int:
     spec = json.loads(sys.stdin.readline())
-    from pod_worker.main import set_device_count
+    from multipod.pod_worker.devices import simulate_cpu_devices
     if spec["devices"]:
-        set_device_count(spec["devices"])
+        simulate_cpu_devices(spec["devices"])
 
     import jax
     import numpy as np
 
-    from controller.config import Config
-    from pod_worker import programs
-    from pod_worker.trainer import PodTrainer
+    from multipod.controller.config import Config
+    from multipod.pod_worker import programs
+    from multipod.pod_worker.trainer import PodTrainer
 
     def emit(**fields):
         print(json.dumps(fields), flush=True)
@@ -219,7 +219,7 @@ def _child_main() -> int:
             config = candidate_config(base, candidate).validate()
             programs.check_microbatches(rows, candidate.microbatches)  # fail before building anything
             start = time.perf_counter()
-            trainer = PodTrainer(config, devices=jax.devices()[:spec["devices"] or None])
+            trainer = PodTrainer(config.worker_config(), devices=jax.devices()[:spec["devices"] or None])
             trainer.compile_for(tokens.shape)
             result["compile_s"] = time.perf_counter() - start
             stats = trainer.compiled_stats()
@@ -256,7 +256,7 @@ class _Child:
     def __init__(self, spec: dict):
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # the child sets the pod's device count itself
-        self.proc = subprocess.Popen([sys.executable, "-m", "controller.tune", "--child"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "multipod.controller.tune", "--child"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
@@ -434,8 +434,8 @@ def print_table(table: list[dict], title: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run `multipod tune`; returns the exit code (0: a best candidate was written)."""
-    from controller.config import ConfigError, load_config
-    from controller.metrics import load_measured_peak, out
+    from multipod.controller.config import ConfigError, load_config
+    from multipod.controller.metrics import load_measured_peak, out
     overrides = list(args.overrides)
     if args.global_batch is not None:
         overrides.append(f"data.global_batch={args.global_batch}")
@@ -468,7 +468,7 @@ def main(args: argparse.Namespace) -> int:
     if peak is None and info:
         peak = load_measured_peak(info["device_kind"], args.devices)
         if peak is None:
-            from controller.peak import measure
+            from multipod.controller.peak import measure
             out("measuring the devices' peak FLOP/s for MFU/HFU (store one with `multipod peak-flops`)")
             peak = measure(args.devices)["per_device_flops"]
     tokens_per_step = per_pod * config.data.seq_len

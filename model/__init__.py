@@ -2,10 +2,10 @@
 
 Sharding lives in `model.partitioning`; the model itself only names logical axes.
 """
-from model.config import ConfigError, ModelConfig
-from model.generate import generate
-from model.loss import loss_sums, token_losses
-from model.transformer import Transformer, abstract_params, init_params
+from multipod.model.config import ConfigError, ModelConfig
+from multipod.model.generate import generate
+from multipod.model.loss import loss_sums, token_losses
+from multipod.model.transformer import Transformer, abstract_params, init_params
 
 __all__ = [
     "ConfigError",

@@ -1,7 +1,7 @@
 """Model hyperparameters, their validation, and derived size/FLOP figures."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 
@@ -85,17 +85,6 @@ class ModelConfig:
                               f"must be true or false, got {self.sequence_parallel!r}")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError("model.remat", f"must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
-        """Build from a mapping (e.g. a parsed config file), rejecting unknown keys."""
-        known = {f.name for f in fields(cls)}
-        for key in values:
-            if key not in known:
-                raise ConfigError(f"model.{key}", "unknown field")
-        config = cls(**values)
-        config.validate()
-        return config
 
     @property
     def compute_dtype(self):

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import ModelConfig
-from model.transformer import Transformer
+from multipod.model.config import ModelConfig
+from multipod.model.transformer import Transformer
 
 
 @functools.lru_cache(maxsize=8)

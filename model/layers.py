@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from model.config import ModelConfig
+from multipod.model.config import ModelConfig
 
 # Logical names of activations (see partitioning.logical_rules for their mesh mapping).
 # RESIDUAL is the region tensor parallelism leaves replicated (residual stream, norms); its

@@ -4,8 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model.config import ModelConfig
-from model.transformer import Transformer
+from multipod.model.config import ModelConfig
+from multipod.model.transformer import Transformer
 
 
 def token_losses(logits: jax.Array, targets: jax.Array,

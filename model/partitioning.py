@@ -28,7 +28,7 @@ rules or no mesh are active (so plain single-device `apply` needs nothing).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import flax.linen as nn
 import jax

@@ -7,8 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import ModelConfig
-from model.layers import GATHERED, LOGITS, RESIDUAL, ParallelBlock, RMSNorm, constrain, remat_policy
+from multipod.model.config import ModelConfig
+from multipod.model.layers import GATHERED, LOGITS, RESIDUAL, ParallelBlock, RMSNorm, constrain, remat_policy
 
 # Shape of the dummy input used to create parameters; no parameter depends on it.
 _INIT_TOKENS_SHAPE = (1, 1)

@@ -20,11 +20,6 @@ import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
 
-# Config values a checkpoint must agree on to be resumed bitwise: anything that changes the
-# model's shapes, the optimizer's maths, or which batch comes at which step.
-COMPATIBLE_KEYS = ("model", "optimizer", "data.seq_len", "data.global_batch", "data.path", "run.seed")
-
-
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt or does not fit this run; the message says which."""
 
@@ -120,38 +115,27 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
-def _lookup(tree: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return "<missing>"
-        tree = tree[part]
-    return tree
+def check_compatible(path: str, metadata: dict, state_key: dict) -> None:
+    """CheckpointError naming every value the checkpoint at `path` disagrees on, among those the
+    pod's state depends on (WorkerConfig.state_key: model, optimizer, schedule, seed, batch shape)."""
+    saved = metadata.get("state_key")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path} has no state key in its metadata; it was not written by "
+                              f"this version of multipod")
+    have, want = _flatten("", saved), _flatten("", state_key)
+    differences = [f"{name}: checkpoint has {have.get(name, '<missing>')!r}, this run has {want.get(name, '<missing>')!r}"
+                   for name in sorted(set(have) | set(want)) if have.get(name, "<missing>") != want.get(name, "<missing>")]
+    if differences:
+        raise CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(differences))
 
 
 def _flatten(prefix: str, value) -> dict:
     if isinstance(value, dict):
         out = {}
         for key, inner in value.items():
-            out.update(_flatten(f"{prefix}.{key}", inner))
+            out.update(_flatten(f"{prefix}.{key}" if prefix else key, inner))
         return out
     return {prefix: value}
-
-
-def check_compatible(path: str, metadata: dict, config: dict) -> None:
-    """CheckpointError naming every config value the checkpoint at `path` disagrees on."""
-    saved = metadata.get("config")
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"checkpoint {path} has no config in its metadata; it was not written by multipod")
-    differences = []
-    for key in COMPATIBLE_KEYS:
-        have = _flatten(key, _lookup(saved, key))
-        want = _flatten(key, _lookup(config, key))
-        for name in sorted(set(have) | set(want)):
-            if have.get(name, "<missing>") != want.get(name, "<missing>"):
-                differences.append(f"{name}: checkpoint has {have.get(name, '<missing>')!r}, "
-                                   f"this run has {want.get(name, '<missing>')!r}")
-    if differences:
-        raise CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(differences))
 
 
 class Writer:

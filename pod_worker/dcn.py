@@ -31,16 +31,17 @@ import grpc
 import ml_dtypes
 import numpy as np
 
-import protos
-from protos import codec, multipod_pb2 as pb
-from protos.transport import open_channel
+from multipod import protos
+from multipod.pod_worker.config import COMPRESSIONS, effective_streams
+from multipod.protos import codec, multipod_pb2 as pb
+from multipod.protos.transport import open_channel
 
 log = logging.getLogger(__name__)
 
-PHASE_WHOLE = 0      # 2 pods: the whole gradient
-PHASE_REDUCE = 1     # N > 2: the receiver's slice of the sender's gradient (reduce-scatter)
-PHASE_GATHER = 2     # N > 2: the sender's reduced slice (all-gather)
-COMPRESSIONS = ("none", "bf16", "int8")
+# The wire enum (protos/multipod.proto DcnPhase), under short names.
+PHASE_WHOLE = pb.DCN_PHASE_WHOLE      # 2 pods: the whole gradient
+PHASE_REDUCE = pb.DCN_PHASE_REDUCE_SCATTER     # N > 2: the receiver's slice of the sender's gradient
+PHASE_GATHER = pb.DCN_PHASE_ALL_GATHER     # N > 2: the sender's reduced slice
 
 
 class InvalidChunk(ValueError):
@@ -462,7 +463,7 @@ class _Outgoing:
     """This step's streams to the peers: `streams` gRPC client streams per peer, fed by queues
     that gRPC's own threads drain."""
 
-    def __init__(self, exchange: "Exchange", step: int, deadline: float):
+    def __init__(self, exchange: Exchange, step: int, deadline: float):
         self.exchange = exchange
         self.step = step
         self.aborted = threading.Event()
@@ -553,10 +554,9 @@ class Exchange:
         self.num_pods = len(peer_addresses)
         self.peer_addresses = peer_addresses
         self.timeout_s = timeout_s
-        # A stream's handler holds one of the peer's server threads until the stream ends, and a
-        # peer may already stream the next step: keep 2 steps' streams, (N - 1) peers each, well
-        # inside the server's thread pool (16), so a handler never waits for a free thread.
-        self.streams = max(1, min(streams, 6 // max(1, self.num_pods - 1)))
+        # A stream's handler holds one of the peer's server threads until the stream ends
+        # (pod_worker/config.py effective_streams says how many fit).
+        self.streams = effective_streams(streams, self.num_pods)
         self.inbox = Inbox(run_id, pod_index, self.num_pods, leaves, chunk_bytes, compression)
         self.plan = self.inbox.plan
         self.pacer = Pacer(link_gbps, link_latency_ms / 1e3)

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from model import ConfigError, ModelConfig, loss_sums
-from model.partitioning import rules_for
+from multipod.model import ConfigError, ModelConfig, loss_sums
+from multipod.model.partitioning import rules_for
 
 
 def check_microbatches(rows: int, k: int) -> None:

@@ -18,16 +18,20 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import protos
-from controller.config import Config, ConfigError
-from pod_worker import checkpoint
-from pod_worker.checkpoint import CheckpointError
-from pod_worker.dcn import Exchange, ExchangeError, InvalidChunk
-from pod_worker.trainer import PodTrainer
-from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from protos.transport import MalformedMessage, Security, add_port, server_interceptors
+from multipod import protos
+from multipod.model import ConfigError
+from multipod.pod_worker import checkpoint, faults
+from multipod.pod_worker.checkpoint import CheckpointError
+from multipod.pod_worker.config import WorkerConfig
+from multipod.pod_worker.dcn import Exchange, ExchangeError, InvalidChunk
+from multipod.pod_worker.trainer import PodTrainer
+from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod.protos.transport import MalformedMessage, Security, add_port, server_interceptors
 
 log = logging.getLogger(__name__)
+
+# How long a request waits for the pod when its RPC carries no deadline (the controller always sets one).
+DEFAULT_WAIT_S = 120.0
 
 
 class RequestError(Exception):
@@ -78,12 +82,12 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         self.shutdown_event = shutdown_event
         self.trainer: PodTrainer | None = None
         self.exchange: Exchange | None = None
-        self.config: Config | None = None
+        self.config: WorkerConfig | None = None
         self.num_pods = 0
         self._cond = threading.Condition()   # guards trainer.step / _failed_step / _busy
         self._busy = False
         self._failed_step: int | None = None
-        self._state = "idle"
+        self._state = pb.WORKER_STATE_IDLE
         self._peers: list[str] = []
         self._epoch = 0     # bumped by Restore: steps queued before it belong to an abandoned timeline
         self._writer = checkpoint.Writer()
@@ -107,18 +111,18 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
                            f"(RPC_THREADS={RPC_THREADS} in pod_worker/server.py)")
         if not request.run_id:
             raise _invalid("run_id is empty")
-        config = Config.from_json(request.config_json)
+        config = WorkerConfig.from_json(request.worker_config_json)
         with self._cond:
             if self._busy:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "a step is running")
-            self._state = "configuring"
+            self._state = pb.WORKER_STATE_CONFIGURING
         try:
             trainer = PodTrainer(config)
-            per_pod = config.data.global_batch // request.num_pods
-            trainer.compile_for((per_pod, config.data.seq_len + 1))
+            per_pod = config.train.global_batch // request.num_pods
+            trainer.compile_for((per_pod, config.train.seq_len + 1))
         except Exception:
             with self._cond:
-                self._state = "configured" if self.trainer else "idle"
+                self._state = pb.WORKER_STATE_READY if self.trainer else pb.WORKER_STATE_IDLE
             raise
         if self.exchange is not None:
             self.exchange.close()
@@ -128,7 +132,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             self.trainer, self.exchange, self.config = trainer, exchange, config
             self.num_pods = request.num_pods
             self._failed_step = None
-            self._state = "configured"
+            self._state = pb.WORKER_STATE_READY
             self._cond.notify_all()
         import jax
         return pb.ConfigureReply(
@@ -138,7 +142,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             param_count=sum(s.nbytes // s.dtype.itemsize for s in trainer.leaf_specs),
             device_kind=jax.devices()[0].device_kind, step=trainer.step, **_accounting(trainer))
 
-    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: Config) -> Exchange:
+    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig) -> Exchange:
         return Exchange(run_id, self.pod_index, self._peers, trainer.leaf_specs, config.dcn.chunk_bytes,
                         config.dcn.timeout_s, dcn=config.dcn)
 
@@ -152,7 +156,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         tokens = codec.decode(payload, max_bytes=protos.MAX_MESSAGE_BYTES)
         if tokens.dtype != np.int32 or tokens.ndim != 2:
             raise _invalid(f"tokens must be a 2-d int32 array, got {tokens.ndim}-d {tokens.dtype}")
-        want_cols = config.data.seq_len + 1
+        want_cols = config.train.seq_len + 1
         if tokens.shape[1] != want_cols or (rows is not None and tokens.shape[0] != rows):
             raise _invalid(f"tokens shape {tokens.shape} != expected ({rows if rows is not None else 'B'}, {want_cols})")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= config.model.vocab_size):
@@ -162,7 +166,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
     @_handler
     def Step(self, request: pb.StepRequest, context) -> pb.StepReply:
         trainer = self._require_trainer()
-        rows = self.config.data.global_batch // self.num_pods
+        rows = self.config.train.global_batch // self.num_pods
         tokens = self._decode_tokens(request.tokens, rows)
         if request.global_tokens <= 0:
             raise _invalid("global_tokens must be positive")
@@ -173,7 +177,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         on_device = trainer.put_batch(tokens)
         wait_start = time.perf_counter()
         remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else self.config.run.step_timeout_s)
+        deadline = time.monotonic() + (remaining if remaining is not None else DEFAULT_WAIT_S)
         with self._cond:
             epoch = self._epoch
             while self._busy or trainer.step != request.step:
@@ -195,10 +199,9 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
                                        f"pod {self.pod_index} still at step {trainer.step}, step {request.step} timed out waiting")
                 self._cond.wait(min(left, 1.0))
             self._busy = True
-            self._state = f"stepping {request.step}"
+            self._state = pb.WORKER_STATE_STEPPING
         try:
-            run = self.config.run
-            if self.pod_index == run.debug_poison_pod and request.step == run.debug_nan_step:   # TEST ONLY
+            if faults.nan_gradient_at(self.pod_index, request.step):   # test hook (pod_worker/faults.py)
                 reply = self._run_step(_Poisoned(trainer), request, on_device, time.perf_counter() - wait_start)
             else:
                 reply = self._run_step(trainer, request, on_device, time.perf_counter() - wait_start)
@@ -210,7 +213,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         finally:
             with self._cond:
                 self._busy = False
-                self._state = "configured"
+                self._state = pb.WORKER_STATE_READY
                 self._cond.notify_all()
 
     def _run_step(self, trainer: PodTrainer, request, on_device, wait_s: float) -> pb.StepReply:
@@ -254,7 +257,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
 
     @_handler
     def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateReply:
-        from model import generate
+        from multipod.model import generate
         trainer = self._require_trainer()
         prompt = codec.decode(request.prompt, max_bytes=1 << 20)
         vocab = self.config.model.vocab_size
@@ -275,7 +278,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
     def _wait_idle(self, context) -> None:
         """Wait (under self._cond) until no step runs, within the RPC's deadline."""
         remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else self.config.run.step_timeout_s)
+        deadline = time.monotonic() + (remaining if remaining is not None else DEFAULT_WAIT_S)
         while self._busy:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -287,16 +290,6 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         trainer = self._require_trainer()
         if not request.directory:
             raise _invalid("directory is empty")
-        if request.wait:   # report how the background save of `step` went
-            remaining = context.time_remaining()
-            try:
-                path = self._writer.wait(request.directory, int(request.step),
-                                         max(0.0, (remaining if remaining is not None else 60.0) - 0.5))
-            except KeyError as exc:
-                raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc.args[0])) from None
-            except TimeoutError as exc:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
-            return pb.SaveReply(path=str(path))
         try:
             metadata = json.loads(request.metadata_json or "{}")
         except ValueError:
@@ -310,7 +303,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             # Host copies: the only part the step loop waits for; the write runs in the background.
             state = trainer.host_state()
             fp = trainer.fingerprint()
-        metadata.setdefault("config", self.config.to_dict())
+        metadata["worker_config"] = self.config.to_dict()
+        metadata["state_key"] = self.config.state_key()
         keep = int(request.keep) or None
         path = self._writer.submit(request.directory, state, fp, json.dumps(metadata), keep)
         if request.background:
@@ -320,16 +314,32 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         return pb.SaveReply(path=str(path), fingerprint=fp)
 
     @_handler
+    def WaitSave(self, request: pb.WaitSaveRequest, context) -> pb.SaveReply:
+        """How the background save of `step` went (waits for it within the RPC's deadline)."""
+        self._require_trainer()
+        if not request.directory:
+            raise _invalid("directory is empty")
+        remaining = context.time_remaining()
+        try:
+            path = self._writer.wait(request.directory, int(request.step),
+                                     max(0.0, (remaining if remaining is not None else 60.0) - 0.5))
+        except KeyError as exc:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc.args[0])) from None
+        except TimeoutError as exc:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+        return pb.SaveReply(path=str(path))
+
+    @_handler
     def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         trainer = self._require_trainer()
         if bool(request.path) == bool(request.directory):
             raise _invalid("give exactly one of path (a checkpoint) or directory (restore its newest checkpoint)")
         path = str(request.path) if request.path else str(checkpoint.latest(request.directory))
         metadata = checkpoint.read_metadata(path)
-        checkpoint.check_compatible(path, metadata, self.config.to_dict())
+        checkpoint.check_compatible(path, metadata, self.config.state_key())
         with self._cond:
             self._wait_idle(context)
-            self._state = "restoring"
+            self._state = pb.WORKER_STATE_RESTORING
             try:
                 state, metadata = checkpoint.restore(path, trainer.host_state())
                 if int(state["step"]) != int(metadata.get("step", -1)):
@@ -337,7 +347,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
                                           f"metadata says {metadata.get('step')}")
                 trainer.load_state(state["params"], state["opt_state"], state["step"])
             finally:
-                self._state = "configured"
+                self._state = pb.WORKER_STATE_READY
             fp = trainer.fingerprint()
             if metadata.get("fingerprint") != fp:
                 # The arrays read back are not the ones written: a corrupt checkpoint.
@@ -379,9 +389,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
 
 
 class _Poisoned:
-    """TEST ONLY (run.debug_nan_step with run.debug_poison_pod): a view of the trainer whose
-    gradient is poisoned with NaN, so tests can exercise skip-on-non-finite without a real
-    divergence."""
+    """Test hook (pod_worker/faults.py): a view of the trainer whose gradient is NaN."""
 
     def __init__(self, trainer: PodTrainer):
         self._trainer = trainer
@@ -391,10 +399,7 @@ class _Poisoned:
 
     def gradients(self, *args, **kwargs):
         grads, ce, z = self._trainer.gradients(*args, **kwargs)
-        grads = list(grads)
-        first = grads[0]
-        grads[0] = first * np.float32(np.nan) if not isinstance(first, np.ndarray) else np.full_like(first, np.nan)
-        return grads, ce, z
+        return faults.poison(grads), ce, z
 
 
 # Handler threads of one worker. A step occupies one thread per incoming DCN stream: 2 steps in

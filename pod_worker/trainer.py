@@ -19,31 +19,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from controller.config import Config
-from model import abstract_params, init_params
-from model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
-from pod_worker import programs
-from pod_worker.dcn import LeafSpec
+from multipod.model import abstract_params, init_params
+from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
+from multipod.pod_worker import programs
+from multipod.pod_worker.config import OptimizerConfig, WorkerConfig
+from multipod.pod_worker.dcn import LeafSpec
 
 log = logging.getLogger(__name__)
 
 
-def make_schedule(config: Config):
-    """Linear warmup to the peak learning rate, then cosine decay to min_lr_ratio of it."""
-    opt = config.optimizer
-    decay = opt.decay_steps or config.run.steps
+def make_schedule(opt: OptimizerConfig, schedule_steps: int):
+    """Linear warmup to the peak learning rate, then cosine decay over schedule_steps to
+    min_lr_ratio of it."""
+    decay = schedule_steps
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=opt.learning_rate, warmup_steps=opt.warmup_steps,
         decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.learning_rate * opt.min_lr_ratio)
 
 
-def make_optimizer(config: Config) -> optax.GradientTransformation:
+def make_optimizer(opt: OptimizerConfig, schedule_steps: int) -> optax.GradientTransformation:
     """AdamW (no weight decay on 1-d params such as norm scales), after global-norm clipping."""
-    opt = config.optimizer
     parts = []
     if opt.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(opt.clip_norm))
-    parts.append(optax.adamw(make_schedule(config), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+    parts.append(optax.adamw(make_schedule(opt, schedule_steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
                              weight_decay=opt.weight_decay,
                              mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
     return optax.chain(*parts)
@@ -68,14 +67,14 @@ class StepResult:
 class PodTrainer:
     """Parameters, optimizer state and compiled programs of one pod."""
 
-    def __init__(self, config: Config, devices=None):
+    def __init__(self, config: WorkerConfig, devices=None):
         self.config = config
         devices = list(devices if devices is not None else jax.devices())
         self.mesh_shape = config.mesh.resolve(len(devices))
         self.mesh = make_mesh(*self.mesh_shape, devices=devices)
         self.num_devices = len(devices)
-        self.tx = make_optimizer(config)
-        self.schedule = make_schedule(config)
+        self.tx = make_optimizer(config.optimizer, config.schedule_steps)
+        self.schedule = make_schedule(config.optimizer, config.schedule_steps)
         self.step = 0
 
         self.param_sharding = param_shardings(abstract_params(config.model), self.mesh)
@@ -83,7 +82,7 @@ class PodTrainer:
         self.scalar_sharding = replicated(self.mesh)
         # Identical on every pod: a pure function of the seed, computed locally, never transferred.
         with activate_rules(self.mesh):
-            self.params = init_params(config.model, config.run.seed, shardings=self.param_sharding)
+            self.params = init_params(config.model, config.train.seed, shardings=self.param_sharding)
         opt_abstract = jax.eval_shape(self.tx.init, self.params)
         # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
         # need an explicit replicated sharding or jit's in_shardings refuses them.

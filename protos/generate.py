@@ -1,4 +1,4 @@
-"""Regenerate the gRPC stubs from multipod.proto: `python -m protos.generate`.
+"""Regenerate the gRPC stubs from multipod.proto: `python -m multipod.protos.generate`.
 
 The stubs are committed; tests/protos/test_stubs.py checks that regenerating changes nothing.
 """
@@ -30,7 +30,7 @@ def generate(out_dir: pathlib.Path) -> None:
     # protoc writes an absolute import ("import multipod_pb2"); the stubs live in a package.
     grpc_file = out_dir / "multipod_pb2_grpc.py"
     text = grpc_file.read_text()
-    grpc_file.write_text(re.sub(r"^import multipod_pb2 as", "from protos import multipod_pb2 as",
+    grpc_file.write_text(re.sub(r"^import multipod_pb2 as", "from multipod.protos import multipod_pb2 as",
                                 text, flags=re.M))
 
 

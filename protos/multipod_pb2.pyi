@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,21 +7,47 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_IDLE: _ClassVar[WorkerState]
+    WORKER_STATE_CONFIGURING: _ClassVar[WorkerState]
+    WORKER_STATE_READY: _ClassVar[WorkerState]
+    WORKER_STATE_STEPPING: _ClassVar[WorkerState]
+    WORKER_STATE_RESTORING: _ClassVar[WorkerState]
+    WORKER_STATE_FAILED: _ClassVar[WorkerState]
+
+class DcnPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DCN_PHASE_WHOLE: _ClassVar[DcnPhase]
+    DCN_PHASE_REDUCE_SCATTER: _ClassVar[DcnPhase]
+    DCN_PHASE_ALL_GATHER: _ClassVar[DcnPhase]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_IDLE: WorkerState
+WORKER_STATE_CONFIGURING: WorkerState
+WORKER_STATE_READY: WorkerState
+WORKER_STATE_STEPPING: WorkerState
+WORKER_STATE_RESTORING: WorkerState
+WORKER_STATE_FAILED: WorkerState
+DCN_PHASE_WHOLE: DcnPhase
+DCN_PHASE_REDUCE_SCATTER: DcnPhase
+DCN_PHASE_ALL_GATHER: DcnPhase
+
 class ConfigureRequest(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "config_json", "run_id")
+    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PODS_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
-    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     num_pods: int
     peer_addresses: _containers.RepeatedScalarFieldContainer[str]
-    config_json: str
+    worker_config_json: str
     run_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., config_json: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
     __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes")
@@ -109,20 +136,26 @@ class StepReply(_message.Message):
     def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("step", "directory", "metadata_json", "background", "wait", "keep")
+    __slots__ = ("step", "directory", "metadata_json", "background", "keep")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     BACKGROUND_FIELD_NUMBER: _ClassVar[int]
-    WAIT_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     directory: str
     metadata_json: str
     background: bool
-    wait: bool
     keep: int
-    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ..., metadata_json: _Optional[str] = ..., background: _Optional[bool] = ..., wait: _Optional[bool] = ..., keep: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ..., metadata_json: _Optional[str] = ..., background: _Optional[bool] = ..., keep: _Optional[int] = ...) -> None: ...
+
+class WaitSaveRequest(_message.Message):
+    __slots__ = ("step", "directory")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    directory: str
+    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ...) -> None: ...
 
 class SaveReply(_message.Message):
     __slots__ = ("path", "fingerprint", "pending")
@@ -206,9 +239,9 @@ class StatusReply(_message.Message):
     configured: bool
     step: int
     num_devices: int
-    state: str
+    state: WorkerState
     pid: int
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
@@ -241,10 +274,10 @@ class GradientChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     data: bytes
-    phase: int
+    phase: DcnPhase
     scale: float
     last: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[int] = ..., scale: _Optional[float] = ..., last: _Optional[bool] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[_Union[DcnPhase, str]] = ..., scale: _Optional[float] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks", "bytes")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import multipod_pb2 as multipod__pb2
+from multipod.protos import multipod_pb2 as multipod__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -50,6 +50,11 @@ class PodWorkerStub:
         self.Save = channel.unary_unary(
                 '/multipod.PodWorker/Save',
                 request_serializer=multipod__pb2.SaveRequest.SerializeToString,
+                response_deserializer=multipod__pb2.SaveReply.FromString,
+                _registered_method=True)
+        self.WaitSave = channel.unary_unary(
+                '/multipod.PodWorker/WaitSave',
+                request_serializer=multipod__pb2.WaitSaveRequest.SerializeToString,
                 response_deserializer=multipod__pb2.SaveReply.FromString,
                 _registered_method=True)
         self.Restore = channel.unary_unary(
@@ -103,6 +108,13 @@ class PodWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitSave(self, request, context):
+        """Wait for a background save (Save with background=true) to finish and report how it went.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Restore(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -149,6 +161,11 @@ def add_PodWorkerServicer_to_server(servicer, server):
             'Save': grpc.unary_unary_rpc_method_handler(
                     servicer.Save,
                     request_deserializer=multipod__pb2.SaveRequest.FromString,
+                    response_serializer=multipod__pb2.SaveReply.SerializeToString,
+            ),
+            'WaitSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitSave,
+                    request_deserializer=multipod__pb2.WaitSaveRequest.FromString,
                     response_serializer=multipod__pb2.SaveReply.SerializeToString,
             ),
             'Restore': grpc.unary_unary_rpc_method_handler(
@@ -260,6 +277,33 @@ class PodWorker:
             target,
             '/multipod.PodWorker/Save',
             multipod__pb2.SaveRequest.SerializeToString,
+            multipod__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/multipod.PodWorker/WaitSave',
+            multipod__pb2.WaitSaveRequest.SerializeToString,
             multipod__pb2.SaveReply.FromString,
             options,
             channel_credentials,

@@ -25,7 +25,7 @@ import pathlib
 
 import grpc
 
-from protos import channel_options
+from multipod.protos import channel_options
 
 TOKEN_HEADER = "x-multipod-token"
 TOKEN_ENV = "MULTIPOD_AUTH_TOKEN"
@@ -51,7 +51,7 @@ class Security:
     tls_ca: str = ""              # PEM CA: with it, peers must present a certificate it signed
     tls_server_name: str = ""     # expected name in the server's certificate (default: the host)
 
-    def validate(self) -> "Security":
+    def validate(self) -> Security:
         if self.token and len(self.token) < MIN_TOKEN_CHARS:
             raise SecurityError(f"--auth-token must be at least {MIN_TOKEN_CHARS} characters")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -68,7 +68,7 @@ class Security:
 
     @classmethod
     def from_args(cls, token: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                  tls_ca: str | None = None, tls_server_name: str | None = None) -> "Security":
+                  tls_ca: str | None = None, tls_server_name: str | None = None) -> Security:
         """From CLI values; the token falls back to $MULTIPOD_AUTH_TOKEN."""
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         return cls(token=token.strip(), tls_cert=tls_cert or "", tls_key=tls_key or "", tls_ca=tls_ca or "",

@@ -3,7 +3,6 @@
 XLA reads the flag when jax initialises its backend, so it must be set before any test module
 imports jax. Worker subprocesses started by tests set their own device count.
 """
-import os
+from multipod.pod_worker.devices import simulate_cpu_devices
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulate_cpu_devices(4, overwrite=False)

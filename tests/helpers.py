@@ -16,13 +16,12 @@ def cli_env() -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["MULTIPOD_PEAK_FILE"] = str(ROOT / ".no-such-peak-file.json")  # MFU stays null unless asked
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
 def run_cli(*args: str, timeout: float = 240, cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
     """`multipod ARGS` in a fresh process (the same code as the console script)."""
-    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "multipod.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=cli_env(), cwd=cwd or ROOT, stdin=subprocess.DEVNULL)
 
 
@@ -50,3 +49,14 @@ def pid_alive(pid: int) -> bool:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def tiny_worker_config():
+    """The worker's part of configs/tiny.toml, built without the controller (tests/unit/controller
+    checks that it equals the controller's projection of that file)."""
+    from multipod.model import ModelConfig
+    from multipod.pod_worker.config import OptimizerConfig, TrainShape, WorkerConfig
+    return WorkerConfig(
+        model=ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8, mlp_dim=64, max_seq_len=32),
+        optimizer=OptimizerConfig(learning_rate=3e-2, warmup_steps=2),
+        train=TrainShape(seed=0, total_steps=20, seq_len=32, global_batch=8)).validate()

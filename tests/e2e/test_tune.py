@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from controller.config import ModelConfig, load_config
-from controller.tune import Candidate, config_toml, enumerate_candidates, parse_bytes
+from multipod.controller.config import ModelConfig, load_config
+from multipod.controller.tune import Candidate, config_toml, enumerate_candidates, parse_bytes
 from tests.helpers import TINY, read_metrics, run_cli
 
 

@@ -20,23 +20,21 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-
 import threading
+import time
 
 import pytest
 
-from controller.launcher import LocalPods
-from pod_worker import checkpoint
-from protos.transport import Security
+from multipod.controller.launcher import LocalPods
+from multipod.pod_worker import checkpoint
+from multipod.protos.transport import Security
 from tests.helpers import ROOT, TINY, cli_env, pid_alive, read_metrics
 
 STEPS = 10
 COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
           "--checkpoint-every", "3", "--on-spike", "rewind", "--skip-batches", "2",
           "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", "--set", "run.keep_checkpoints=3",
-          "--set", "run.spike_window=3", "--set", "run.debug_poison_pod=0", "--set", "run.debug_nan_step=2",
-          "--set", "run.debug_spike_step=7", "--set", "dcn.timeout_s=10", "--set", "run.step_timeout_s=60",
+          "--set", "run.spike_window=3", "--set", "dcn.timeout_s=10", "--set", "run.step_timeout_s=60",
           "--set", "run.health_interval_s=1", "--set", "run.health_timeout_s=5")
 
 
@@ -55,7 +53,7 @@ class _FakeClient:
 
 
 def _watch(clients):
-    from controller.training import _Watchdog
+    from multipod.controller.training import _Watchdog
     dog = _Watchdog(clients, interval_s=0.01, timeout_s=0.01)
     deadline = time.monotonic() + 10
     while dog.failure is None and time.monotonic() < deadline:
@@ -81,12 +79,15 @@ def test_watchdog_names_a_pod_after_two_missed_health_checks_and_tells_hung_from
 def env(tmp_path_factory):
     """The CLI's environment, with one persistent compilation cache for all the runs here: only
     the first run compiles the tiny model's step (it saves ~20-40 s per later worker start)."""
+    # The test hooks (pod_worker/faults.py, controller/faults.py): pod 0's gradient is NaN at step
+    # 2, and the step that trains on batch 7 records a loss spike.
     return dict(cli_env(), JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                MULTIPOD_TEST_NAN_GRADIENT="0:2", MULTIPOD_TEST_SPIKE_BATCH="7")
 
 
 def _run(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "multipod.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
@@ -121,7 +122,7 @@ class _Live:
     """A CLI process whose stdout/stderr lines are collected as they come."""
 
     def __init__(self, *args: str, env: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "multipod.cli", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
         self.out: list[str] = []
         self.err: list[str] = []

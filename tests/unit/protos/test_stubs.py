@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from protos import generate
+from multipod.protos import generate
 
 
 def test_regenerating_stubs_changes_nothing(tmp_path: pathlib.Path):
@@ -12,12 +12,12 @@ def test_regenerating_stubs_changes_nothing(tmp_path: pathlib.Path):
     for name in generate.STUBS:
         committed = (generate.PROTO_DIR / name).read_text()
         fresh = (tmp_path / name).read_text()
-        assert fresh == committed, (f"{name} is stale: run `python -m protos.generate` "
+        assert fresh == committed, (f"{name} is stale: run `python -m multipod.protos.generate` "
                                     f"(with the grpcio-tools version pinned in pyproject.toml)")
 
 
 def test_services_are_complete():
-    from protos import multipod_pb2 as pb
+    from multipod.protos import multipod_pb2 as pb
     worker = pb.DESCRIPTOR.services_by_name["PodWorker"]
     assert {m.name for m in worker.methods} >= {"Configure", "Step", "Save", "Restore", "Evaluate",
                                                  "Status", "Shutdown"}

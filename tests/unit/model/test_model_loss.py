@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import Transformer, loss_sums, token_losses
+from multipod.model import Transformer, loss_sums, token_losses
 
 
 def _np_logsumexp(x):

@@ -1,7 +1,7 @@
 """Shared fixtures for the model tests: a tiny config and its params (built once)."""
 import pytest
 
-from model import ModelConfig, init_params
+from multipod.model import ModelConfig, init_params
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,11 @@ import grpc
 import numpy as np
 import pytest
 
-import protos
-from pod_worker.dcn import (PHASE_REDUCE, PHASE_WHOLE, Exchange, ExchangeError, LeafSpec, Pacer, Plan,
-                            WireCodec)
-from pod_worker.server import PodWorkerService
-from protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from protos.transport import add_port, open_channel
+from multipod import protos
+from multipod.pod_worker.dcn import PHASE_REDUCE, PHASE_WHOLE, Exchange, ExchangeError, LeafSpec, Pacer, Plan, WireCodec
+from multipod.pod_worker.server import PodWorkerService
+from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod.protos.transport import add_port, open_channel
 
 RUN = "test-run"
 # Small chunks so that leaves span several chunks; one leaf smaller than the pod count.

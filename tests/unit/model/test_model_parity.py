@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from model import abstract_params, init_params, loss_sums
-from model import partitioning
+from multipod.model import abstract_params, init_params, loss_sums, partitioning
 
 
 def _loss_and_grads(config):

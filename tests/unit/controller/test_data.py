@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from controller.data import Batches, DataError, corpus_files, decode_tokens, encode_text, load_corpus, shard
+from multipod.controller.data import Batches, DataError, corpus_files, decode_tokens, encode_text, load_corpus, shard
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from protos import codec
+from multipod.protos import codec
 
 
 @pytest.mark.parametrize("array", [

@@ -1,7 +1,8 @@
 """Config loading: TOML + overrides, validation errors that name the field, JSON round trip."""
 import pytest
 
-from controller.config import Config, ConfigError, load_config, parse_override
+from multipod.controller.config import Config, ConfigError, load_config, parse_override
+from multipod.pod_worker.config import WorkerConfig
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -9,7 +10,9 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 def test_defaults_validate_and_round_trip_through_json():
     config = load_config()
     assert Config.from_json(config.to_json()) == config
-    assert config.config_hash() == Config.from_json(config.to_json()).config_hash()
+    worker = config.worker_config()
+    assert WorkerConfig.from_json(worker.to_json()) == worker
+    assert worker.config_hash() == WorkerConfig.from_json(worker.to_json()).config_hash()
 
 
 def test_toml_file_and_overrides_layer_in_order(tmp_path):
@@ -70,3 +73,15 @@ def test_mesh_resolution():
         config.mesh.resolve(3)
     with pytest.raises(ConfigError, match="mesh.data"):
         load_config(None, ["mesh.data=3", "mesh.model=1"]).mesh.resolve(4)
+
+
+def test_tiny_worker_config_helper_matches_the_controllers_projection():
+    from tests.helpers import TINY, tiny_worker_config
+    assert load_config(TINY).worker_config() == tiny_worker_config()
+
+
+def test_worker_config_carries_the_run_shape_and_nothing_of_the_controller():
+    config = load_config(None, ["run.steps=33", "run.seed=5", "data.seq_len=64", "data.global_batch=4"])
+    worker = config.worker_config()
+    assert (worker.train.total_steps, worker.train.seed, worker.train.seq_len, worker.train.global_batch) == (33, 5, 64, 4)
+    assert "path" not in worker.to_json() and "eval_batches" not in worker.to_json()

@@ -8,7 +8,7 @@ from tests.helpers import ROOT, TINY, cli_env, pid_alive, worker_pids
 
 
 def test_ctrl_c_stops_everything(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "local", "--pods", "2", "--devices-per-pod", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "multipod.cli", "local", "--pods", "2", "--devices-per-pod", "1",
                              "--config", TINY, "--steps", "100000", "--run-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT)
     try:

@@ -2,6 +2,7 @@
 checkpoint holds, and clear errors for corrupt, incompatible, missing and failed checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -10,16 +11,15 @@ import grpc
 import numpy as np
 import pytest
 
-import protos
-from controller.config import load_config
-from pod_worker import checkpoint
-from pod_worker.server import start_server
-from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from protos.transport import Security, open_channel
-from tests.helpers import TINY
+from multipod import protos
+from multipod.pod_worker import checkpoint
+from multipod.pod_worker.server import start_server
+from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod.protos.transport import Security, open_channel
+from tests.helpers import tiny_worker_config
 
-CONFIG = load_config(TINY, ["run.sample_tokens=0"])
-ROWS, COLS = CONFIG.data.global_batch, CONFIG.data.seq_len + 1
+CONFIG = tiny_worker_config()
+ROWS, COLS = CONFIG.train.global_batch, CONFIG.train.seq_len + 1
 
 
 class Worker:
@@ -30,7 +30,7 @@ class Worker:
         self.stub = pb_grpc.PodWorkerStub(self.channel)
         self.stub.Configure(pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[self.address],
-            config_json=CONFIG.to_json(), run_id="checkpoint-test"), timeout=300)
+            worker_config_json=CONFIG.to_json(), run_id="checkpoint-test"), timeout=300)
 
     @property
     def step(self) -> int:
@@ -48,7 +48,7 @@ class Worker:
         reply = self.stub.Save(pb.SaveRequest(step=step, directory=str(directory), background=True, keep=keep,
                                               metadata_json=json.dumps(meta or {"data_position": step})), timeout=60)
         assert reply.pending
-        self.stub.Save(pb.SaveRequest(step=step, directory=str(directory), wait=True), timeout=120)
+        self.stub.WaitSave(pb.WaitSaveRequest(step=step, directory=str(directory)), timeout=120)
         return reply
 
     def fingerprint(self) -> str:
@@ -71,14 +71,14 @@ def test_background_save_lets_the_pod_step_on_and_holds_the_state_it_was_asked_f
     assert reply.pending and reply.fingerprint == worker.fingerprint()
     worker.train()                  # the pod steps while the checkpoint is being written
     after = worker.fingerprint()
-    done = worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), wait=True), timeout=120)
+    done = worker.stub.WaitSave(pb.WaitSaveRequest(step=step, directory=str(tmp_path)), timeout=120)
     assert pathlib.Path(done.path) == tmp_path / str(step)
     restored = worker.stub.Restore(pb.RestoreRequest(path=done.path), timeout=120)
     assert restored.step == step and restored.fingerprint == reply.fingerprint != after
     meta = json.loads(restored.metadata_json)
     # Parameters + optimizer state (the fingerprint covers both), step, data position, config.
     assert meta["step"] == step and meta["data_position"] == step and meta["fingerprint"] == reply.fingerprint
-    assert meta["config"] == CONFIG.to_dict()
+    assert meta["worker_config"] == CONFIG.to_dict() and meta["state_key"] == CONFIG.state_key()
 
 
 def test_keeps_the_last_k(worker, tmp_path):
@@ -126,13 +126,15 @@ def test_corrupt_checkpoint_gets_a_clear_error(worker, tmp_path):
 
 
 def test_incompatible_checkpoint_names_what_does_not_match(worker, tmp_path):
-    other = load_config(TINY, ["model.d_model=64", "run.seed=3"]).to_dict()
+    other = dataclasses.replace(CONFIG, model=dataclasses.replace(CONFIG.model, d_model=64),
+                                train=dataclasses.replace(CONFIG.train, seed=3, total_steps=99))
     state = worker.service.trainer.host_state()
-    checkpoint.save(str(tmp_path), state, worker.fingerprint(), json.dumps({"config": other}))
+    checkpoint.save(str(tmp_path), state, worker.fingerprint(), json.dumps({"state_key": other.state_key()}))
     error = _restore_error(worker, path=str(tmp_path / str(state["step"])))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "model.d_model: checkpoint has 64, this run has 32" in error.details()
-    assert "run.seed: checkpoint has 3, this run has 0" in error.details()
+    assert "seed: checkpoint has 3, this run has 0" in error.details()
+    assert "schedule_steps: checkpoint has 99, this run has 20" in error.details()
 
 
 def test_missing_checkpoint_gets_a_clear_error(worker, tmp_path):
@@ -155,7 +157,7 @@ def test_failed_save_is_reported_and_never_replaces_the_last_good_one(worker, tm
     reply = worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), background=True), timeout=60)
     assert reply.pending
     with pytest.raises(grpc.RpcError) as info:
-        worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), wait=True), timeout=60)
+        worker.stub.WaitSave(pb.WaitSaveRequest(step=step, directory=str(tmp_path)), timeout=60)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"checkpoint of step {step}" in info.value.details() and "No space left" in info.value.details()
     assert checkpoint.latest(str(tmp_path)) == good
@@ -167,9 +169,3 @@ def test_save_of_the_wrong_step_is_refused(worker, tmp_path):
     with pytest.raises(grpc.RpcError) as info:
         worker.stub.Save(pb.SaveRequest(step=worker.step + 5, directory=str(tmp_path)), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "save requested for step" in info.value.details()
-
-
-def test_resume_without_saying_which_run_is_refused():
-    from tests.helpers import run_cli
-    result = run_cli("local", "--config", TINY, "--resume", timeout=60)
-    assert result.returncode == 2 and "--resume" in result.stderr and "--run-dir" in result.stderr

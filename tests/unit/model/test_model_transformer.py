@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from model import Transformer, abstract_params, init_params
-from model import partitioning
+from multipod.model import Transformer, abstract_params, init_params, partitioning
 
 
 def _tokens(shape, seed=0):

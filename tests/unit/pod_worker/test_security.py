@@ -12,17 +12,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import protos
-from pod_worker.server import MAX_PODS
-from controller.config import load_config
-from pod_worker.server import start_server
-from protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from protos.transport import TOKEN_HEADER, Security, SecurityError, open_channel
-from tests.helpers import TINY, cli_env
+from multipod import protos
+from multipod.pod_worker.server import MAX_PODS, start_server
+from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod.protos.transport import TOKEN_HEADER, Security, SecurityError, open_channel
+from tests.helpers import cli_env, tiny_worker_config
 
 TOKEN = "correct-horse-battery-staple-42"
-CONFIG = load_config(TINY, ["run.sample_tokens=0"])
-ROWS, COLS = CONFIG.data.global_batch, CONFIG.data.seq_len + 1
+CONFIG = tiny_worker_config()
+ROWS, COLS = CONFIG.train.global_batch, CONFIG.train.seq_len + 1
 # Unary methods that refuse garbage (Shutdown/Status accept any parseable bytes by design: an
 # empty request; Save/Restore touch the file system and are covered by the checkpoint tests).
 FUZZED = {"Step": pb.StepRequest, "Configure": pb.ConfigureRequest, "Evaluate": pb.EvaluateRequest,
@@ -40,7 +38,7 @@ class Worker:
         self.stub = pb_grpc.PodWorkerStub(self.good)
         self.stub.Configure(pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[self.address],
-            config_json=CONFIG.to_json(), run_id="security-test"), timeout=300)
+            worker_config_json=CONFIG.to_json(), run_id="security-test"), timeout=300)
         self.step = 0
 
     def train_one_step(self) -> pb.StepReply:
@@ -159,7 +157,7 @@ def test_wrong_fields_are_refused_with_invalid_argument(worker):
 
 def test_wrong_pod_index_or_pod_count_is_refused(worker):
     base = dict(protocol_version=protos.PROTOCOL_VERSION, peer_addresses=[worker.address],
-                config_json=CONFIG.to_json(), run_id="security-test")
+                worker_config_json=CONFIG.to_json(), run_id="security-test")
     for fields, code in ((dict(pod_index=3, num_pods=4), grpc.StatusCode.FAILED_PRECONDITION),
                          (dict(pod_index=0, num_pods=0), grpc.StatusCode.INVALID_ARGUMENT),
                          (dict(pod_index=0, num_pods=2), grpc.StatusCode.INVALID_ARGUMENT),
@@ -173,7 +171,7 @@ def test_wrong_pod_index_or_pod_count_is_refused(worker):
 
 
 def test_workers_listen_on_loopback_by_default():
-    from controller.cli import build_parser
+    from multipod.cli import build_parser
     args = build_parser().parse_args(["worker", "--pod-index", "0"])
     assert args.listen.startswith("127.0.0.1:")
 
@@ -247,7 +245,7 @@ def test_bad_security_settings_are_named():
 def test_worker_without_a_token_refuses_to_start():
     env = cli_env()
     env.pop("MULTIPOD_AUTH_TOKEN", None)
-    result = subprocess.run([sys.executable, "-m", "controller.cli", "worker", "--pod-index", "0",
+    result = subprocess.run([sys.executable, "-m", "multipod.cli", "worker", "--pod-index", "0",
                              "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode != 0
     assert "no auth token" in result.stderr and "MULTIPOD_AUTH_TOKEN" in result.stderr

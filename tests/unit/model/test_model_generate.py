@@ -3,8 +3,8 @@ import jax
 import numpy as np
 import pytest
 
-from model import Transformer, generate
-from model.generate import _step_fn
+from multipod.model import Transformer, generate
+from multipod.model.generate import _step_fn
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import time
 import grpc
 import pytest
 
-import protos
-from controller.launcher import LocalPods
-from protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod import protos
+from multipod.controller.launcher import LocalPods
+from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from tests.helpers import TINY, run_cli
 
 
@@ -62,16 +62,21 @@ def test_wrong_protocol_version_is_refused_and_the_worker_keeps_serving(mismatch
     stub = pb_grpc.PodWorkerStub(channel)
     with pytest.raises(grpc.RpcError) as info:
         stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION + 1, pod_index=1, num_pods=2,
-                                           peer_addresses=mismatched_pods.addresses, config_json="{}",
+                                           peer_addresses=mismatched_pods.addresses, worker_config_json="{}",
                                            run_id="x"), timeout=30)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "protocol version mismatch" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION, pod_index=1, num_pods=2,
                                            peer_addresses=mismatched_pods.addresses,
-                                           config_json='{"model": {"d_model": "big"}}', run_id="x"), timeout=30)
+                                           worker_config_json='{"model": {"d_model": "big"}}', run_id="x"), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "model.d_model" in info.value.details()
     status = stub.Status(pb.StatusRequest(), timeout=10)
     assert status.pod_index == 1 and status.pid > 0
     channel.close()
+
+
+def test_resume_without_saying_which_run_is_refused():
+    result = run_cli("local", "--config", TINY, "--resume", timeout=60)
+    assert result.returncode == 2 and "--resume" in result.stderr and "--run-dir" in result.stderr

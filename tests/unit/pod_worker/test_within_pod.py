@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ConfigError, ModelConfig, abstract_params, init_params
-from model import partitioning
-from model.layers import SAVED_BY_SELECTIVE, remat_policy
-from pod_worker import programs
+from multipod.model import ConfigError, ModelConfig, abstract_params, init_params, partitioning
+from multipod.model.layers import SAVED_BY_SELECTIVE, remat_policy
+from multipod.pod_worker import programs
 
 # Long enough sequences that attention scores (T^2) matter next to the other activations.
 SEQ = 64

@@ -1,0 +1,34 @@
+"""Fault injection for tests, outside the production config: the worker reads it from its
+environment here and nowhere else, and it is never part of the config or its hash.
+
+MULTIPOD_TEST_NAN_GRADIENT="POD:STEP" makes pod POD's gradient NaN at step STEP, so tests can
+exercise skip-on-non-finite without a real divergence. Tests set it on the process that starts the
+workers (LocalPods passes its environment on).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+NAN_GRADIENT_ENV = "MULTIPOD_TEST_NAN_GRADIENT"
+
+
+def nan_gradient_at(pod_index: int, step: int) -> bool:
+    """Whether the test hook asks for a NaN gradient on this pod at this step."""
+    value = os.environ.get(NAN_GRADIENT_ENV, "")
+    if not value:
+        return False
+    try:
+        pod, at = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{NAN_GRADIENT_ENV} must look like POD:STEP, got {value!r}") from None
+    return pod == pod_index and at == step
+
+
+def poison(grads: list) -> list:
+    """The gradient leaves with the first one replaced by NaN (device or host arrays)."""
+    grads = list(grads)
+    first = grads[0]
+    grads[0] = np.full_like(first, np.nan) if isinstance(first, np.ndarray) else first * np.float32(np.nan)
+    return grads
