@@ -201,11 +201,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
             self._busy = True
             self._state = pb.WORKER_STATE_STEPPING
         try:
-            if faults.nan_gradient_at(self.pod_index, request.step):   # test hook (pod_worker/faults.py)
-                reply = self._run_step(_Poisoned(trainer), request, on_device, time.perf_counter() - wait_start)
-            else:
-                reply = self._run_step(trainer, request, on_device, time.perf_counter() - wait_start)
-            return reply
+            return self._run_step(trainer, request, on_device, time.perf_counter() - wait_start)
         except BaseException:
             with self._cond:
                 self._failed_step = request.step
@@ -219,29 +215,24 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
     def _run_step(self, trainer: PodTrainer, request, on_device, wait_s: float) -> pb.StepReply:
         exchange = self.exchange
         exchange.inbox.set_next_step(request.step)
-        t0 = time.perf_counter()
-        grads, ce, z = trainer.gradients(on_device, request.global_tokens)
-        t1 = time.perf_counter()
+        all_reduce = None
         if self.num_pods > 1:
             # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum -> host->device.
-            summed, stats = exchange.all_reduce(request.step, grads, on_leaf=trainer.put_leaf)
-        else:
-            summed, stats = grads, None     # one pod: the gradient never leaves the device
-        t2 = time.perf_counter()
-        result = trainer.apply(summed)
+            all_reduce = lambda grads: exchange.all_reduce(request.step, grads, on_leaf=trainer.put_leaf)
+        if faults.nan_gradient_at(self.pod_index, request.step):   # test hook (pod_worker/faults.py)
+            all_reduce = faults.poisoned(all_reduce)
+        outcome = trainer.train_step(on_device, request.global_tokens, all_reduce)
         exchange.inbox.set_next_step(trainer.step)
-        t3 = time.perf_counter()
-        fp = trainer.fingerprint()
-        t4 = time.perf_counter()
+        link = outcome.link
         return pb.StepReply(
-            step=request.step, pod_index=self.pod_index, loss_sum=ce + z, z_loss_sum=z,
-            tokens=int(on_device.shape[0] * (on_device.shape[1] - 1)), grad_norm=result.grad_norm,
-            learning_rate=result.learning_rate, skipped=result.skipped, fingerprint=fp,
-            timings=pb.StepTimings(wait_s=wait_s, compute_s=t1 - t0, exchange_s=t2 - t1,
-                                   update_s=t3 - t2, fingerprint_s=t4 - t3,
-                                   idle_s=stats.idle_s if stats else 0.0),
-            dcn_bytes_sent=stats.bytes_sent if stats else 0,
-            dcn_bytes_received=stats.bytes_received if stats else 0)
+            step=request.step, pod_index=self.pod_index, loss_sum=outcome.loss_sum, z_loss_sum=outcome.z_loss_sum,
+            tokens=outcome.tokens, grad_norm=outcome.grad_norm, learning_rate=outcome.learning_rate,
+            skipped=outcome.skipped, fingerprint=outcome.fingerprint,
+            timings=pb.StepTimings(wait_s=wait_s, compute_s=outcome.compute_s, exchange_s=outcome.exchange_s,
+                                   update_s=outcome.update_s, fingerprint_s=outcome.fingerprint_s,
+                                   idle_s=link.idle_s if link else 0.0),
+            dcn_bytes_sent=link.bytes_sent if link else 0,
+            dcn_bytes_received=link.bytes_received if link else 0)
 
     @_handler
     def Evaluate(self, request: pb.EvaluateRequest, context) -> pb.EvaluateReply:
@@ -386,20 +377,6 @@ class PodWorkerService(pb_grpc.PodWorkerServicer, pb_grpc.DcnServicer):
         if exchange is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"pod {self.pod_index} is not configured")
         return exchange.inbox.receive(request_iterator)
-
-
-class _Poisoned:
-    """Test hook (pod_worker/faults.py): a view of the trainer whose gradient is NaN."""
-
-    def __init__(self, trainer: PodTrainer):
-        self._trainer = trainer
-
-    def __getattr__(self, name):
-        return getattr(self._trainer, name)
-
-    def gradients(self, *args, **kwargs):
-        grads, ce, z = self._trainer.gradients(*args, **kwargs)
-        return faults.poison(grads), ce, z
 
 
 # Handler threads of one worker. A step occupies one thread per incoming DCN stream: 2 steps in

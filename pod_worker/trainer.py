@@ -64,6 +64,23 @@ class StepResult:
     learning_rate: float
 
 
+@dataclass
+class StepOutcome:
+    """What one training step did on this pod, and how long each part took."""
+    loss_sum: float           # cross-entropy + z-loss, summed over this pod's target tokens
+    z_loss_sum: float
+    tokens: int               # target tokens in this pod's shard
+    grad_norm: float          # global norm of the summed (all-pod) gradient
+    learning_rate: float
+    skipped: bool             # the update was skipped (non-finite summed gradient)
+    fingerprint: str
+    compute_s: float
+    exchange_s: float
+    update_s: float
+    fingerprint_s: float
+    link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
+
+
 class PodTrainer:
     """Parameters, optimizer state and compiled programs of one pod."""
 
@@ -165,6 +182,26 @@ class PodTrainer:
         for leaf in leaves:     # start every device->host copy before waiting on any of them
             leaf.copy_to_host_async()
         return leaves, float(ce), float(z)
+
+    def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None) -> StepOutcome:
+        """The per-step core: gradients -> exchange -> update -> fingerprint.
+
+        all_reduce(grads) -> (summed, stats) sums the pods' gradient leaves in pod order (the DCN
+        exchange); None for a single pod, whose gradient never leaves the device. The state
+        changes only if every part succeeds."""
+        t0 = time.perf_counter()
+        grads, ce, z = self.gradients(batch, global_tokens)
+        t1 = time.perf_counter()
+        summed, link = all_reduce(grads) if all_reduce is not None else (grads, None)
+        t2 = time.perf_counter()
+        result = self.apply(summed)
+        t3 = time.perf_counter()
+        fp = self.fingerprint()
+        t4 = time.perf_counter()
+        return StepOutcome(loss_sum=ce + z, z_loss_sum=z, tokens=int(batch.shape[0] * (batch.shape[1] - 1)),
+                           grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
+                           fingerprint=fp, compute_s=t1 - t0, exchange_s=t2 - t1, update_s=t3 - t2,
+                           fingerprint_s=t4 - t3, link=link)
 
     def put_leaf(self, index: int, value: np.ndarray) -> jax.Array:
         """Start the host->device transfer of one summed gradient leaf (asynchronous)."""
