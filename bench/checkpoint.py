@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 from multipod import protos  # noqa: E402
 from multipod.controller.config import load_config  # noqa: E402
 from multipod.pod_worker.server import start_server  # noqa: E402
-from multipod.protos import (
-    codec,  # noqa: E402
+from multipod.protos import (  # noqa: E402
+    codec,
     multipod_pb2 as pb,
     multipod_pb2_grpc as pb_grpc,
 )
@@ -44,7 +44,8 @@ def main() -> None:
     channel = open_channel(address, Security())
     stub = pb_grpc.PodWorkerStub(channel)
     stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1,
-                                       peer_addresses=[address], config_json=config.worker_config().to_json(), run_id="bench"),
+                                       peer_addresses=[address], run_id="bench",
+                                       worker_config_json=config.worker_config().to_json()),
                    timeout=600)
     step = 0
 
@@ -64,7 +65,7 @@ def main() -> None:
             t0 = time.perf_counter()
             stub.Save(pb.SaveRequest(step=step, directory=root, background=True, keep=2), timeout=600)
             t1 = time.perf_counter()
-            stub.Save(pb.SaveRequest(step=step, directory=root, wait=True), timeout=600)
+            stub.WaitSave(pb.WaitSaveRequest(step=step, directory=root), timeout=600)
             t2 = time.perf_counter()
             stall.append(t1 - t0)
             write.append(t2 - t1)

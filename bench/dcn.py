@@ -176,7 +176,7 @@ def pod_main(args) -> dict:
             timed("gloo_allreduce", gloo)
         for v in variants:
             exchanges[v].inbox.set_next_step(step)
-            _, stats = timed(v, lambda: exchanges[v].all_reduce(step, leaves))
+            _, stats = timed(v, lambda v=v, step=step: exchanges[v].all_reduce(step, leaves))
             idle[v].append(stats.idle_s)
             sent[v] = stats.bytes_sent
     tcp.barrier()

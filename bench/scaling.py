@@ -7,8 +7,8 @@ cores 0 and 1, per-pod batch B each (global batch 2B). Same model, same seed; th
 left unpinned. Workers are started with `taskset` (or sched_setaffinity in a fresh interpreter),
 never by forking a process that imported jax. The two configurations alternate for --rounds
 rounds. Throughput is the median tokens/s over the steps after --warmup; the weak-scaling
-efficiency is (2-pod throughput / 1-pod throughput) / 2. The per-step breakdown is the median of each pod's compute, exchange, idle (waiting on the peer) and
-update time.
+efficiency is (2-pod throughput / 1-pod throughput) / 2. The per-step breakdown is the median of
+each pod's compute, exchange, idle (waiting on the peer) and update time.
 """
 from __future__ import annotations
 

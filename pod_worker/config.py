@@ -129,7 +129,8 @@ class WorkerConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
         if self.train.seq_len > self.model.max_seq_len:
-            raise ConfigError("train.seq_len", f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+            raise ConfigError("train.seq_len",
+                              f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         return self
 
     @property

@@ -336,7 +336,7 @@ class Inbox:
             # Refused chunks and streams the peer broke off (gRPC raises on iteration).
             why = str(exc) if isinstance(exc, InvalidChunk) else f"{type(exc).__name__} {exc}".strip()
             with self._cond:
-                for (step, peer), state in touched.items():
+                for (_step, peer), state in touched.items():
                     state.errors.setdefault(peer, f"its stream broke off after {nbytes} bytes ({why})")
                 self._cond.notify_all()
             raise

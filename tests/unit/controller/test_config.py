@@ -83,5 +83,6 @@ def test_tiny_worker_config_helper_matches_the_controllers_projection():
 def test_worker_config_carries_the_run_shape_and_nothing_of_the_controller():
     config = load_config(None, ["run.steps=33", "run.seed=5", "data.seq_len=64", "data.global_batch=4"])
     worker = config.worker_config()
-    assert (worker.train.total_steps, worker.train.seed, worker.train.seq_len, worker.train.global_batch) == (33, 5, 64, 4)
+    shape = worker.train
+    assert (shape.total_steps, shape.seed, shape.seq_len, shape.global_batch) == (33, 5, 64, 4)
     assert "path" not in worker.to_json() and "eval_batches" not in worker.to_json()
