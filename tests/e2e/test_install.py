@@ -1,0 +1,47 @@
+"""The installed distribution: everything under one `multipod` namespace, the console script works.
+
+Builds the wheel (no network: --no-build-isolation with this environment's setuptools), installs it
+without dependencies into a fresh virtual environment, and looks from a neutral directory.
+"""
+import subprocess
+import sys
+import zipfile
+
+from tests.helpers import ROOT
+
+
+def _run(*cmd, cwd, timeout=300):
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_the_wheel_exposes_only_the_multipod_namespace(tmp_path):
+    dist = tmp_path / "dist"
+    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, ROOT,
+                 cwd=tmp_path)
+    assert built.returncode == 0, built.stdout + built.stderr
+    wheel = next(dist.glob("multipod-*.whl"))
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"multipod"}
+
+    venv = tmp_path / "venv"
+    made = _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    installed = _run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+
+    neutral = tmp_path / "neutral"
+    neutral.mkdir()
+    for name in ("model", "controller", "protos", "pod_worker"):
+        result = _run(python, "-c", f"import {name}", cwd=neutral)
+        assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, (name, result.stderr)
+    # Found (not imported: the dependencies are not installed here) under the namespace.
+    found = _run(python, "-c", "import importlib.util as u; print(u.find_spec('multipod.model').origin, "
+                 "u.find_spec('multipod.controller.training').origin)", cwd=neutral)
+    assert found.returncode == 0 and str(venv) in found.stdout, found.stderr
+    # The console script needs only the standard library to print its help.
+    helped = _run(venv / "bin" / "multipod", "--help", cwd=neutral)
+    assert helped.returncode == 0, helped.stderr
+    for command in ("worker", "train", "local", "tune", "peak-flops"):
+        assert command in helped.stdout

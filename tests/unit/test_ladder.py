@@ -1,0 +1,67 @@
+"""The package ladder (docs/architecture.md), read from the source: which package may import which.
+
+model and protos import nothing of ours (protos only itself); pod_worker imports model and protos;
+the controller imports model, protos and, of pod_worker, only the schema it publishes
+(pod_worker/config.py). The root cli.py is the one entry module that knows both sides.
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = ("model", "protos", "pod_worker", "controller")
+ALLOWED = {
+    "model": {"model"},
+    "protos": {"protos"},
+    "pod_worker": {"model", "protos", "pod_worker"},
+    "controller": {"model", "protos", "controller", "pod_worker.config"},
+}
+
+
+def _our_imports(path: pathlib.Path) -> set[str]:
+    """Every multipod module the file imports (at any depth: lazy imports count too), without the
+    `multipod.` prefix; a name imported from a package counts as that submodule if it is one."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: relative import; use multipod.<package> imports")
+    ours = set()
+    for name in found:
+        if name.startswith("multipod."):
+            ours.add(name.removeprefix("multipod."))
+        elif name.split(".")[0] in PACKAGES:
+            raise AssertionError(f"{path}: imports {name} without the multipod namespace")
+    return ours
+
+
+def _allowed(name: str, rules: set[str]) -> bool:
+    # "pod_worker.config.WorkerConfig" is allowed by "pod_worker.config"; "protos.codec" by "protos".
+    return any(name == rule or name.startswith(rule + ".") for rule in rules)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_imports_only_what_the_ladder_allows(package):
+    violations = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in _our_imports(path):
+            target = name.split(".")[0]
+            if target == "cli" or not _allowed(name, ALLOWED[package]):
+                violations.append(f"{path.relative_to(ROOT)} imports multipod.{name}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_checker_catches_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from multipod.pod_worker.server import start_server\n")
+    names = _our_imports(bad)
+    assert names == {"pod_worker.server.start_server"}
+    assert not _allowed("pod_worker.server.start_server", ALLOWED["controller"])
+    assert _allowed("pod_worker.config.WorkerConfig", ALLOWED["controller"])
+    (tmp_path / "bare.py").write_text("import controller\n")
+    with pytest.raises(AssertionError, match="without the multipod namespace"):
+        _our_imports(tmp_path / "bare.py")
