@@ -55,55 +55,57 @@ def saved_activation_bytes(model_cfg, rows: int, seq_len: int) -> dict:
     from jax._src.ad_checkpoint import saved_residuals
 
     from multipod.model import abstract_params, loss_sums
+    from multipod.model.config import REMAT_POLICIES
     result = {}
-    for remat in ("none", "full", "selective"):
+    for remat in REMAT_POLICIES:
         cfg = dataclasses.replace(model_cfg, remat=remat)
         params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nn.unbox(abstract_params(cfg)))
         tokens = jnp.zeros((rows, seq_len + 1), jnp.int32)
-        saved = saved_residuals(lambda p: sum(loss_sums(p, tokens, cfg)), params)
+        saved = saved_residuals(lambda p, tokens=tokens, cfg=cfg: sum(loss_sums(p, tokens, cfg)), params)
         result[remat] = int(sum(np.prod(aval.shape) * aval.dtype.itemsize
                                 for aval, where in saved if "argument" not in where))
     return result
 
 
 _INTERLEAVED = r"""
-import json, statistics, sys, time
+import json, sys, time
 spec = json.loads(sys.stdin.read())
-from multipod.pod_worker.main import set_device_count
-set_device_count(spec["devices"])
-import jax, numpy as np
-from multipod.controller.config import Config
-from multipod.controller.tune import Candidate, candidate_config
+from multipod.pod_worker.devices import simulate_cpu_devices
+simulate_cpu_devices(spec["devices"])
+from multipod.pod_worker.config import WorkerConfig
+from multipod.pod_worker.layout_probe import random_tokens
 from multipod.pod_worker.trainer import PodTrainer
-base = Config.from_json(spec["config"])
-rows, seq = spec["batch"], base.data.seq_len
-tokens = np.random.RandomState(0).randint(0, base.model.vocab_size, size=(rows, seq + 1)).astype(np.int32)
 trainers = []
-for fields in spec["candidates"]:
-    t = PodTrainer(candidate_config(base, Candidate(**fields)).validate().worker_config())
+for worker_json in spec["candidates"]:
+    config = WorkerConfig.from_json(worker_json)
+    tokens = random_tokens(config.model.vocab_size, spec["batch"], config.train.seq_len)
+    global_tokens = config.train.global_batch * config.train.seq_len
+    t = PodTrainer(config)
     t.compile_for(tokens.shape)
     batch = t.put_batch(tokens)
-    t.apply(t.gradients(batch, rows * seq)[0])  # warm-up
-    trainers.append((t, batch))
+    t.train_step(batch, global_tokens)  # warm-up
+    trainers.append((t, batch, global_tokens))
 times = [[] for _ in trainers]
 for _ in range(spec["rounds"]):  # round-robin: a load change on the machine hits every layout alike
-    for i, (t, batch) in enumerate(trainers):
+    for i, (t, batch, global_tokens) in enumerate(trainers):
         t0 = time.perf_counter()
-        t.apply(t.gradients(batch, rows * seq)[0])
+        t.train_step(batch, global_tokens)
         times[i].append(time.perf_counter() - t0)
 print(json.dumps(times))
 """
 
 
 def interleaved_step_times(config, candidates, devices: int, batch: int, rounds: int) -> list[list[float]]:
-    """Step times of every candidate, all compiled in one process and timed round-robin."""
-    import dataclasses
+    """Step times of every candidate (the trainer's own step), all compiled in one process with the
+    pod's device count and timed round-robin. The child gets each layout's WorkerConfig as JSON."""
     import os
     import subprocess
+
+    from multipod.controller.tune_grid import candidate_worker_json
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    spec = {"config": config.to_json(), "devices": devices, "batch": batch, "rounds": rounds,
-            "candidates": [dataclasses.asdict(c) for c in candidates]}
+    spec = {"devices": devices, "batch": batch, "rounds": rounds,
+            "candidates": [candidate_worker_json(config, c) for c in candidates]}
     result = subprocess.run([sys.executable, "-c", _INTERLEAVED], input=json.dumps(spec), capture_output=True,
                             text=True, env=env, timeout=3600)
     if result.returncode != 0:
@@ -125,8 +127,11 @@ def main() -> int:
     args = parser.parse_args()
 
     from multipod.controller.config import load_config
+    from multipod.controller.metrics import mfu
     from multipod.controller.peak import measure
-    from multipod.controller.tune import enumerate_candidates, rank, run_grid
+    from multipod.controller.tune_grid import enumerate_candidates
+    from multipod.controller.tune_runner import run_grid
+    from multipod.controller.tune_table import rank
 
     config = load_config(args.config)
     batch = config.data.global_batch
@@ -139,8 +144,8 @@ def main() -> int:
     started = time.perf_counter()
     results, info = run_grid(config, candidates, args.devices, batch, args.steps, None, args.candidate_timeout)
     tokens = batch * config.data.seq_len
-    model_flops = config.model.flops_per_token(config.data.seq_len) * tokens
-    table = rank(candidates, results, model_flops, tokens, peak, args.devices)
+    flops_per_token = config.model.flops_per_token(config.data.seq_len)
+    table = rank(candidates, results, flops_per_token, tokens, peak, args.devices)
     keep = ("rank", "mesh", "sequence_parallel", "microbatches", "remat", "status", "error", "step_time_s",
             "step_times_s", "tokens_per_s", "mfu", "hfu", "peak_bytes", "argument_bytes", "output_bytes",
             "temp_bytes", "update_peak_bytes", "hardware_flops_per_step", "model_flops_per_step", "compile_s")
@@ -164,7 +169,7 @@ def main() -> int:
             "rounds": args.interleaved_rounds,
             "rows": [{"layout": c.label(), "step_times_s": t, "median_s": medians[c.label()],
                       "tokens_per_s": tokens / medians[c.label()],
-                      "mfu": model_flops / medians[c.label()] / (peak * args.devices),
+                      "mfu": mfu(tokens / medians[c.label()], flops_per_token, peak, args.devices),
                       "relative_to_fastest": medians[c.label()] / fastest}
                      for c, t in sorted(zip(candidates, times), key=lambda ct: medians[ct[0].label()])]}
     print(json.dumps(report, indent=1))
