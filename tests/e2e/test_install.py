@@ -3,6 +3,7 @@
 Builds the wheel (no network: --no-build-isolation with this environment's setuptools), installs it
 without dependencies into a fresh virtual environment, and looks from a neutral directory.
 """
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,8 +17,12 @@ def _run(*cmd, cwd, timeout=300):
 
 
 def test_the_wheel_exposes_only_the_multipod_namespace(tmp_path):
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache"))
     dist = tmp_path / "dist"
-    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, ROOT,
+    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, source,
                  cwd=tmp_path)
     assert built.returncode == 0, built.stdout + built.stderr
     wheel = next(dist.glob("multipod-*.whl"))
