@@ -30,7 +30,8 @@ def _manager(root: pathlib.Path, max_to_keep: int | None = None, create: bool = 
     return ocp.CheckpointManager(root, options=options)
 
 
-def save(directory: str, state: dict, fingerprint: str, metadata_json: str, max_to_keep: int | None = None) -> pathlib.Path:
+def save(directory: str, state: dict, fingerprint: str, metadata_json: str,
+         max_to_keep: int | None = None) -> pathlib.Path:
     """Write `state` (host arrays) as checkpoint `<directory>/<step>`, keeping the newest
     `max_to_keep`; returns its path. Synchronous: Writer runs it in the background."""
     root = pathlib.Path(directory).absolute()
@@ -123,8 +124,9 @@ def check_compatible(path: str, metadata: dict, state_key: dict) -> None:
         raise CheckpointError(f"checkpoint {path} has no state key in its metadata; it was not written by "
                               f"this version of multipod")
     have, want = _flatten("", saved), _flatten("", state_key)
-    differences = [f"{name}: checkpoint has {have.get(name, '<missing>')!r}, this run has {want.get(name, '<missing>')!r}"
-                   for name in sorted(set(have) | set(want)) if have.get(name, "<missing>") != want.get(name, "<missing>")]
+    missing = "<missing>"
+    differences = [f"{name}: checkpoint has {have.get(name, missing)!r}, this run has {want.get(name, missing)!r}"
+                   for name in sorted(set(have) | set(want)) if have.get(name, missing) != want.get(name, missing)]
     if differences:
         raise CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(differences))
 

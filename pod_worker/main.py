@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--devices must be >= 0")
     if args.devices:
         simulate_cpu_devices(args.devices)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s pod{args.pod_index} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s pod{args.pod_index} %(levelname)s %(name)s: %(message)s")
     from multipod.protos.transport import SecurityError, set_default_security
     try:
         security = security_from_args(args)
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if not security.token:
         logging.getLogger(__name__).warning("serving WITHOUT authentication (--insecure-no-auth)")
     set_default_security(security)   # the worker's DCN links carry the same credentials
-    from multipod.pod_worker.server import serve
+    from multipod.pod_worker.lifecycle import serve
     serve(args.pod_index, args.listen, port_file=args.port_file, exit_with_parent=args.exit_with_parent,
           security=security)
     return 0

@@ -52,7 +52,7 @@ class Worker:
         return reply
 
     def fingerprint(self) -> str:
-        return self.service.trainer.fingerprint()
+        return self.service.pod.trainer.fingerprint()
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,7 @@ def test_background_save_lets_the_pod_step_on_and_holds_the_state_it_was_asked_f
     assert pathlib.Path(done.path) == tmp_path / str(step)
     restored = worker.stub.Restore(pb.RestoreRequest(path=done.path), timeout=120)
     assert restored.step == step and restored.fingerprint == reply.fingerprint != after
+    assert worker.fingerprint() == restored.fingerprint     # the state loaded is the one verified
     meta = json.loads(restored.metadata_json)
     # Parameters + optimizer state (the fingerprint covers both), step, data position, config.
     assert meta["step"] == step and meta["data_position"] == step and meta["fingerprint"] == reply.fingerprint
@@ -128,7 +129,7 @@ def test_corrupt_checkpoint_gets_a_clear_error(worker, tmp_path):
 def test_incompatible_checkpoint_names_what_does_not_match(worker, tmp_path):
     other = dataclasses.replace(CONFIG, model=dataclasses.replace(CONFIG.model, d_model=64),
                                 train=dataclasses.replace(CONFIG.train, seed=3, total_steps=99))
-    state = worker.service.trainer.host_state()
+    state = worker.service.pod.trainer.host_state()
     checkpoint.save(str(tmp_path), state, worker.fingerprint(), json.dumps({"state_key": other.state_key()}))
     error = _restore_error(worker, path=str(tmp_path / str(state["step"])))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -12,7 +12,8 @@ import pytest
 
 from multipod import protos
 from multipod.pod_worker.dcn import PHASE_REDUCE, PHASE_WHOLE, Exchange, ExchangeError, LeafSpec, Pacer, Plan, WireCodec
-from multipod.pod_worker.server import PodWorkerService
+from multipod.pod_worker.pod import Pod
+from multipod.pod_worker.server import DcnService
 from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.transport import add_port, open_channel
 
@@ -24,14 +25,14 @@ LEAVES = [LeafSpec((5, 7), np.dtype(np.float32)), LeafSpec((3,), np.dtype(np.flo
 
 
 class Pods:
-    """n Dcn servers (the real PodWorkerService), each with an Exchange, on loopback."""
+    """n Dcn servers (the real DcnService over a Pod), each with an Exchange, on loopback."""
 
     def __init__(self, n: int, timeout_s: float = 10.0, **kwargs):
         self.servers, self.services, addresses = [], [], []
         for i in range(n):
             server = grpc.server(concurrent.futures.ThreadPoolExecutor(16), options=protos.channel_options())
-            service = PodWorkerService(i, threading.Event())
-            pb_grpc.add_DcnServicer_to_server(service, server)
+            service = Pod(i)
+            pb_grpc.add_DcnServicer_to_server(DcnService(service), server)
             port = add_port(server, "127.0.0.1:0")
             server.start()
             self.servers.append(server)
@@ -319,6 +320,6 @@ def test_slow_link_exchange_still_sums_exactly(pods_factory):
     pods = pods_factory(2, link_gbps=0.01, link_latency_ms=5.0)
     grads = gradients(2)
     expected = pod_order_sum(grads)
-    for summed, stats in pods.all_reduce(0, grads):
+    for summed, _stats in pods.all_reduce(0, grads):
         for got, want in zip(summed, expected):
             assert_bitwise(np.asarray(got), want)

@@ -1,0 +1,45 @@
+"""The worker process's life: start the server, announce the port, run until told to stop (the
+Shutdown RPC, SIGTERM, Ctrl-C, or the parent process going away), then stop in order."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from multipod.pod_worker.server import RPC_THREADS, start_server
+from multipod.protos.transport import Security
+
+log = logging.getLogger(__name__)
+
+
+def write_port_file(port_file: str, port: int) -> None:
+    """Write the bound port atomically: whoever polls the file never reads half of it."""
+    tmp = f"{port_file}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, port_file)
+
+
+def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_parent: bool = False,
+          max_workers: int = RPC_THREADS, security: Security | None = None) -> None:
+    """Serve one pod until Shutdown is called, the process is signalled, or (with
+    exit_with_parent) the process that started it is gone."""
+    server, service, health_servicer, port = start_server(pod_index, listen, security, max_workers)
+    shutdown = service.shutdown_event
+    host = listen.rsplit(":", 1)[0]
+    log.info("pod %d serving on %s:%d (pid %d)", pod_index, host, port, os.getpid())
+    if port_file:   # written last: whoever waits on it may connect at once
+        write_port_file(port_file, port)
+    parent = os.getppid()
+    signal.signal(signal.SIGTERM, lambda *_: shutdown.set())
+    try:
+        while not shutdown.wait(0.5):
+            if exit_with_parent and os.getppid() != parent:
+                log.warning("parent process %d is gone; shutting down", parent)
+                break
+    except KeyboardInterrupt:
+        pass
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=2.0).wait(5.0)
+    service.pod.close()
+    log.info("pod %d stopped", pod_index)

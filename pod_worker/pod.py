@@ -1,0 +1,226 @@
+"""One pod's domain logic, without the transport: configure (-> trainer + DCN exchange), step,
+save and wait for a save, restore, evaluate, generate, status.
+
+Refusals are the typed errors of pod_worker/errors.py (the gRPC adapter in server.py maps them
+to status codes); when a step may run is the Sequencer's decision (pod_worker/sequencer.py).
+Guarantees kept here: a failed step or restore leaves the state as it was; a restore starts a new
+timeline (steps queued before it are refused), with a fresh DCN exchange if given a new run id.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from multipod.pod_worker import checkpoint, faults
+from multipod.pod_worker.checkpoint import CheckpointError
+from multipod.pod_worker.config import WorkerConfig
+from multipod.pod_worker.dcn import Exchange
+from multipod.pod_worker.errors import CorruptCheckpoint, InvalidRequest, NotReady, SaveNotFound, SavePending
+from multipod.pod_worker.sequencer import Sequencer
+from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
+from multipod.protos import multipod_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What Configure built. Replaced as a whole, never changed in place, so one request sees one
+    consistent setup; `epoch` is the sequencer's timeline it belongs to."""
+    trainer: PodTrainer
+    config: WorkerConfig
+    num_pods: int
+    epoch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStarted:
+    path: pathlib.Path
+    fingerprint: str
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    path: str
+    step: int
+    fingerprint: str
+    metadata: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class PodStatus:
+    configured: bool
+    step: int
+    state: int      # pb.WorkerState
+
+
+class Pod:
+    """All state of one pod worker: the trainer, the DCN exchange, the checkpoint writer and the
+    step sequencer. Thread-safe: the gRPC adapter calls it from many handler threads."""
+
+    def __init__(self, pod_index: int):
+        self.pod_index = pod_index
+        self.seq = Sequencer(f"pod {pod_index}")
+        # Swapped only inside a sequencer hold (no step runs then); PushGradients reads it unlocked.
+        self.exchange: Exchange | None = None
+        self._setup: Setup | None = None
+        self._peers: list[str] = []
+        self._writer = checkpoint.Writer()
+
+    @property
+    def trainer(self) -> PodTrainer | None:
+        setup = self._setup
+        return setup.trainer if setup else None
+
+    def setup(self) -> Setup:
+        """The current setup; NotReady if the pod is not configured."""
+        setup = self._setup
+        if setup is None:
+            raise NotReady(f"pod {self.pod_index} is not configured")
+        return setup
+
+    # -- configure -----------------------------------------------------------------------------
+    def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> PodTrainer:
+        """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id`;
+        refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
+        refused from now on."""
+        with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
+            trainer = PodTrainer(config)
+            trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
+            if self.exchange is not None:
+                self.exchange.close()
+            self._peers = list(peers)
+            self.exchange = self._new_exchange(run_id, trainer, config)
+            epoch = self.seq.reset(trainer.step, "reconfigured")
+            self._setup = Setup(trainer, config, num_pods, epoch)
+        return trainer
+
+    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig) -> Exchange:
+        return Exchange(run_id, self.pod_index, self._peers, trainer.leaf_specs, config.dcn.chunk_bytes,
+                        config.dcn.timeout_s, dcn=config.dcn)
+
+    # -- step ----------------------------------------------------------------------------------
+    def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
+             is_active: Callable[[], bool]) -> tuple[StepOutcome, float]:
+        """Run training step `step` on this pod's shard (validated against `setup`) once the steps
+        before it are done; returns the outcome and the seconds spent waiting for them. The
+        sequencer's errors say why a step cannot run; a step that fails leaves the state as it
+        was and refuses later steps until the pod is restored or reconfigured."""
+        trainer = setup.trainer
+        self.seq.check_not_done(step)
+        # The shard goes to the devices now, while an earlier step may still be computing.
+        on_device = trainer.put_batch(tokens)
+        wait_start = time.perf_counter()
+        self.seq.begin_step(step, setup.epoch, deadline, is_active)
+        wait_s = time.perf_counter() - wait_start
+        ok = False
+        try:
+            outcome = self._train(setup, step, on_device, global_tokens)
+            ok = True
+        finally:
+            self.seq.finish_step(step, trainer.step, ok)
+        return outcome, wait_s
+
+    def _train(self, setup: Setup, step: int, on_device, global_tokens: int) -> StepOutcome:
+        trainer, exchange = setup.trainer, self.exchange
+        exchange.inbox.set_next_step(step)
+        all_reduce = None
+        if setup.num_pods > 1:
+            # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum -> host->device.
+            all_reduce = lambda grads: exchange.all_reduce(step, grads, on_leaf=trainer.put_leaf)
+        if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
+            all_reduce = faults.poisoned(all_reduce)
+        outcome = trainer.train_step(on_device, global_tokens, all_reduce)
+        exchange.inbox.set_next_step(trainer.step)
+        return outcome
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def start_save(self, step: int, directory: str, metadata: dict, keep: int, deadline: float) -> SaveStarted:
+        """Copy the state after `step` steps to the host (waiting until `deadline` for a running
+        step: Busy) and start writing it in the background; the pod may step on at once."""
+        self.setup()
+        with self.seq.hold("a save's host copy", deadline):
+            setup = self.setup()
+            trainer = setup.trainer
+            if step != trainer.step:
+                raise InvalidRequest(f"save requested for step {step}, pod {self.pod_index} is at step {trainer.step}")
+            state = trainer.host_state()
+            fp = trainer.fingerprint()
+        metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key())
+        path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
+        return SaveStarted(path, fp, int(state["step"]))
+
+    def wait_save(self, directory: str, step: int, timeout_s: float) -> pathlib.Path:
+        """The path of the finished save of `step`: SavePending if still being written after
+        timeout_s, SaveNotFound if never started here, CheckpointError if it failed."""
+        self.setup()
+        try:
+            return self._writer.wait(directory, step, max(0.0, timeout_s))
+        except KeyError as exc:
+            raise SaveNotFound(str(exc.args[0])) from None
+        except TimeoutError as exc:
+            raise SavePending(str(exc)) from None
+
+    def restore(self, path: str | None, directory: str | None, run_id: str, deadline: float) -> Restored:
+        """Load checkpoint `path`, or the newest one under `directory`, waiting until `deadline`
+        for a running step (Busy). A new timeline starts at its step: steps that arrived before
+        are refused; with `run_id`, the DCN exchange starts afresh under it. A checkpoint that
+        does not fit, cannot be read, or is corrupt changes nothing."""
+        setup = self.setup()
+        path = path or str(checkpoint.latest(directory))
+        metadata = checkpoint.read_metadata(path)
+        checkpoint.check_compatible(path, metadata, setup.config.state_key())
+        with self.seq.hold("a restore", deadline, state=pb.WORKER_STATE_RESTORING):
+            setup = self.setup()
+            trainer = setup.trainer
+            state, metadata = checkpoint.restore(path, trainer.host_state())
+            if int(state["step"]) != int(metadata.get("step", -1)):
+                raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
+                                      f"metadata says {metadata.get('step')}")
+            # Checked on the arrays read back, before they replace the state: a corrupt
+            # checkpoint leaves the pod as it was.
+            fp = fingerprint(state["params"], state["opt_state"])
+            if metadata.get("fingerprint") != fp:
+                raise CorruptCheckpoint(f"checkpoint {path} is corrupt: the restored state's fingerprint {fp} "
+                                        f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
+            trainer.load_state(state["params"], state["opt_state"], state["step"])
+            if run_id:
+                # A fresh DCN inbox under a new run id: nothing a peer sent before the restore
+                # (streams of the abandoned timeline) can be taken for a step of the new one.
+                self.exchange.close()
+                self.exchange = self._new_exchange(run_id, trainer, setup.config)
+            self.exchange.inbox.set_next_step(trainer.step)
+            epoch = self.seq.reset(trainer.step, "restored to a checkpoint")
+            self._setup = dataclasses.replace(setup, epoch=epoch)
+        return Restored(path=path, step=trainer.step, fingerprint=fp, metadata=metadata)
+
+    # -- using the state -----------------------------------------------------------------------
+    def evaluate(self, tokens: np.ndarray, deadline: float) -> tuple[float, int]:
+        """Loss sum and target-token count of `tokens` under the current parameters (between
+        steps: waits until `deadline` for a running one)."""
+        with self.seq.hold("an evaluation", deadline):
+            return self.setup().trainer.evaluate(tokens)
+
+    def generate(self, prompt: np.ndarray, num_tokens: int, temperature: float, seed: int,
+                 deadline: float) -> np.ndarray:
+        """Sample `num_tokens` after `prompt` from a host copy of the current parameters."""
+        from multipod.model import generate
+        with self.seq.hold("a copy of the parameters", deadline):
+            setup = self.setup()
+            params = setup.trainer.host_state()["params"]
+        return np.asarray(generate(params, setup.config.model, prompt, num_tokens, temperature, seed), np.int32)
+
+    def status(self) -> PodStatus:
+        """What the pod is doing; never waits."""
+        trainer = self.trainer
+        return PodStatus(configured=trainer is not None, step=trainer.step if trainer else 0, state=self.seq.state)
+
+    def close(self) -> None:
+        """Let pending checkpoint writes finish (bounded) and close the DCN exchange."""
+        self._writer.close()
+        if self.exchange is not None:
+            self.exchange.close()
