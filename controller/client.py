@@ -2,7 +2,9 @@
 name the pod and its address."""
 from __future__ import annotations
 
+import enum
 import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,6 +19,27 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = code
+
+
+class Verdict(enum.Enum):
+    """What one health check found. HUNG and DEAD are told apart by the gRPC status, never by text:
+    a hung worker (alive, silent) lets the check's deadline expire; a dead or restarting one
+    refuses the connection at once."""
+    SERVING = "serving"
+    HUNG = "hung"                 # the check's deadline expired
+    DEAD = "dead"                 # refused, unavailable or otherwise failed: dead or restarting
+    NOT_SERVING = "not serving"   # answered, but not SERVING
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One health check's verdict, and a human-readable detail for messages."""
+    verdict: Verdict
+    detail: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.verdict is Verdict.SERVING
 
 
 class WorkerClient:
@@ -59,16 +82,19 @@ class WorkerClient:
             if left <= 0:
                 raise WorkerError(f"{self.name} did not serve again within {timeout_s:g}s (last: {why})",
                                   grpc.StatusCode.UNAVAILABLE)
-            why = self.probe(min(probe_s, left))
-            if why is None:
+            probe = self.probe(min(probe_s, left))
+            if probe.serving:
                 return
+            why = probe.detail
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _error(self, what: str, exc: grpc.RpcError) -> WorkerError:
         code = exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else str(exc)
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and not details.startswith("pod"):
-            details = f"no answer within the deadline ({details})"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # Workers answer their own internal waits with ABORTED or FAILED_PRECONDITION, so this
+            # code always means that this call's own deadline passed.
+            details = f"no answer within the call's deadline ({details})"
         return WorkerError(f"{self.name}: {what} failed: {code.name if code else '?'}: {details}", code)
 
     def call(self, method: str, request, timeout_s: float):
@@ -79,24 +105,27 @@ class WorkerClient:
             raise self._error(method, exc) from None
 
     def call_async(self, method: str, request, timeout_s: float) -> PendingCall:
+        """Start a unary call with a deadline; the PendingCall's result() raises WorkerError."""
         return PendingCall(self, method, getattr(self.stub, method).future(request, timeout=timeout_s))
 
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
+        """The worker's Status reply (configured?, step, state)."""
         return self.call("Status", pb.StatusRequest(), timeout_s)
 
-    def probe(self, timeout_s: float) -> str | None:
-        """One health check with a deadline: None if the worker answers SERVING, else why not
-        (a hung worker's check times out; a dead one's is refused)."""
+    def probe(self, timeout_s: float) -> Probe:
+        """One health check with a deadline. HUNG if the deadline expires (alive but silent),
+        DEAD if the check is refused or fails, NOT_SERVING if the worker says so."""
         try:
             reply = self.health.Check(health_pb2.HealthCheckRequest(service="multipod.PodWorker"),
                                       timeout=timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return f"no answer to its health check within {timeout_s:g}s (hung or overloaded)"
-            return f"health check failed: {exc.code().name} (dead or restarting)"
+                return Probe(Verdict.HUNG, f"no answer to its health check within {timeout_s:g}s (hung or overloaded)")
+            return Probe(Verdict.DEAD, f"health check failed: {exc.code().name} (dead or restarting)")
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-        return None
+            return Probe(Verdict.NOT_SERVING,
+                         f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+        return Probe(Verdict.SERVING)
 
 
 class PendingCall:

@@ -1,0 +1,199 @@
+"""The pods as one cluster: connect, configure (and check that the pods agree), the watchdog, and
+the diagnosis that names failed pods. Everything here talks to the pods through client objects
+with the WorkerClient interface, so tests can pass fakes."""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import uuid
+from typing import TYPE_CHECKING
+
+from multipod import protos
+from multipod.controller.client import Probe, Verdict, WorkerClient
+from multipod.controller.errors import PodFailure, RunError
+from multipod.protos import multipod_pb2 as pb
+
+if TYPE_CHECKING:
+    from multipod.controller.config import Config
+
+# What the pods must agree on. A freshly configured pod starts from the seed's initial state,
+# so a restarted pod's step and fingerprint are compared with a survivor's first reply as well.
+AGREEMENT = (("protocol version", lambda r: r.protocol_version),
+             ("mesh shape (data, model)", lambda r: tuple(r.mesh_shape)),
+             ("device count", lambda r: r.num_devices),
+             ("config hash", lambda r: r.config_hash),
+             ("initial step", lambda r: r.step),
+             ("initial state fingerprint", lambda r: r.fingerprint))
+
+
+def parallel(fn, items):
+    """Run fn over items in threads; return results in order, raising the first error (or a
+    RunError listing all of them if several failed)."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(items))) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        errors, results = [], []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            if len(errors) == 1:
+                raise errors[0]
+            raise RunError("; ".join(str(e) for e in errors))
+        return results
+
+
+def failure_from_probes(clients, probes: list[Probe], bad: list[int], context: str = "") -> PodFailure:
+    """A PodFailure naming the pods in `bad` with their verdicts; hung ones are told by the enum."""
+    message = "; ".join(f"{clients[i].name} is not responding: {probes[i].detail}" for i in bad)
+    if context:
+        message = f"{message} ({context})" if message else context
+    return PodFailure(message, bad, [i for i in bad if probes[i].verdict is Verdict.HUNG])
+
+
+class Watchdog:
+    """Probes every pod's health service on a background thread; a pod that misses `misses`
+    checks in a row (each with its own deadline) is reported by name in `failure`."""
+
+    def __init__(self, clients, interval_s: float, timeout_s: float, misses: int = 2):
+        self.clients, self.interval_s, self.timeout_s, self.misses = clients, interval_s, timeout_s, misses
+        self.failure: PodFailure | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="watchdog")
+        self._thread.start()
+
+    def _run(self) -> None:
+        missed = [0] * len(self.clients)
+        with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
+            while not self._stop.wait(self.interval_s):
+                probes = list(pool.map(lambda c: c.probe(self.timeout_s), self.clients))
+                if self._stop.is_set():
+                    return
+                for i, probe in enumerate(probes):
+                    missed[i] = 0 if probe.serving else missed[i] + 1
+                bad = [i for i in range(len(self.clients)) if missed[i] >= self.misses]
+                if bad:   # one miss is forgiven: a busy pod may answer one check late
+                    self.failure = failure_from_probes(self.clients, probes, bad)
+                    return
+
+    def stop(self) -> None:
+        """Stop probing (the thread ends after its current round)."""
+        self._stop.set()
+
+
+class Cluster:
+    """The run's pods: their clients, the replies of the first configure (the reference a
+    restarted pod must match), and the run id under which their DCN links are set up (a new
+    generation after every restore, so stale links are never mixed with new ones)."""
+
+    def __init__(self, clients: list, config: Config):
+        self.clients = clients
+        self.config = config
+        self.base_run_id = uuid.uuid4().hex
+        self.generation = 0
+        self.first_replies: list[pb.ConfigureReply] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.clients)
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.base_run_id}.{self.generation}"
+
+    def next_generation(self) -> str:
+        """A new run id for the pods' DCN links (before every restore)."""
+        self.generation += 1
+        return self.run_id
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    def _configure(self, targets: list) -> list[pb.ConfigureReply]:
+        addresses = [c.address for c in self.clients]
+        worker_json = self.config.worker_config().to_json()
+        request = lambda c: pb.ConfigureRequest(
+            protocol_version=protos.PROTOCOL_VERSION, pod_index=c.pod_index, num_pods=len(self.clients),
+            peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id)
+        timeout = self.config.run.configure_timeout_s
+        return parallel(lambda c: c.call("Configure", request(c), timeout), targets)
+
+    def configure(self) -> list[pb.ConfigureReply]:
+        """Configure every pod and refuse pods that disagree on protocol, mesh, config or state;
+        the replies are kept as the reference for pods restarted later."""
+        from multipod.controller.config import ConfigError
+        replies = self._configure(self.clients)
+        for what, get in AGREEMENT:
+            values = [get(r) for r in replies]
+            if len(set(values)) > 1:
+                detail = ", ".join(f"{c.name} has {v}" for c, v in zip(self.clients, values))
+                raise RunError(f"pods disagree on {what}: {detail}. Every pod must run the same "
+                               f"multipod version with the same device count and mesh.")
+        data_axis = replies[0].mesh_shape[0]
+        global_batch = self.config.data.global_batch
+        per_pod = global_batch // len(self.clients)
+        if per_pod % data_axis:
+            raise ConfigError("data.global_batch", f"{global_batch} split over {len(self.clients)} pods gives "
+                              f"{per_pod} rows per pod, not a multiple of the data axis ({data_axis})")
+        self.first_replies = list(replies)
+        return replies
+
+    def configure_restarted(self, pods: list[int]) -> list[pb.ConfigureReply]:
+        """Configure the restarted `pods` and refuse them (RunError naming them) unless their
+        replies match the first reply of a pod that stayed up (pod 0's if none did)."""
+        if self.first_replies is None:
+            raise RunError("configure_restarted before the first configure")
+        targets = [c for c in self.clients if c.pod_index in pods]
+        replies = self._configure(targets)
+        survivors = [c.pod_index for c in self.clients if c.pod_index not in pods]
+        ref_pod = survivors[0] if survivors else 0
+        reference, ref_name = self.first_replies[ref_pod], self.clients[ref_pod].name
+        for what, get in AGREEMENT:
+            bad = [(c, get(r)) for c, r in zip(targets, replies) if get(r) != get(reference)]
+            if bad:
+                detail = ", ".join(f"{c.name} has {v}" for c, v in bad)
+                raise RunError(f"restarted pod(s) disagree with {ref_name}"
+                               f"{' (which stayed up)' if survivors else ''} on {what}: {detail}, "
+                               f"{ref_name} has {get(reference)}. A restarted worker must run the same "
+                               f"multipod version with the same device count and mesh.")
+        return replies
+
+    def probe_all(self) -> list[Probe]:
+        """One health check of every pod, in parallel, each with the health deadline."""
+        timeout = self.config.run.health_timeout_s
+        return parallel(lambda c: c.probe(timeout), self.clients)
+
+    def diagnose(self, message: str) -> PodFailure:
+        """Probe every pod and name the ones that do not answer, with `message` as context."""
+        probes = self.probe_all()
+        bad = [i for i, probe in enumerate(probes) if not probe.serving]
+        return failure_from_probes(self.clients, probes, bad, message)
+
+    def watchdog(self) -> Watchdog:
+        """A watchdog over every pod, started."""
+        run = self.config.run
+        return Watchdog(self.clients, run.health_interval_s, run.health_timeout_s)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Wait until every pod serves again (WorkerError naming one that does not)."""
+        parallel(lambda c: c.wait_serving(timeout_s), self.clients)
+
+    def unconfigured(self) -> list[int]:
+        """The pods that are not configured (restarted since the last configure)."""
+        timeout = self.config.run.health_timeout_s
+        statuses = parallel(lambda c: c.status(timeout), self.clients)
+        return [c.pod_index for c, s in zip(self.clients, statuses) if not s.configured]
+
+
+def connect(addresses: list[str], config: Config) -> Cluster:
+    """A Cluster of clients for every pod, each checked for readiness within the deadline."""
+    clients = [WorkerClient(i, a) for i, a in enumerate(addresses)]
+    try:
+        parallel(lambda c: c.wait_ready(config.run.connect_timeout_s), clients)
+    except Exception:
+        for client in clients:
+            client.close()
+        raise
+    return Cluster(clients, config)
