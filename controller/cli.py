@@ -32,7 +32,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (run.checkpoint_every)")
     parser.add_argument("--checkpoint-dir", help="checkpoint directory, readable by every pod "
                         "(run.checkpoint_dir; default RUN_DIR/checkpoints)")
-    parser.add_argument("--max-restarts", type=int, help="recoveries from failed pods before giving up (run.max_restarts)")
+    parser.add_argument("--max-restarts", type=int,
+                        help="recoveries from failed pods before giving up (run.max_restarts)")
     parser.add_argument("--on-spike", choices=("none", "rewind"),
                         help="on a loss spike, rewind to the checkpoint before it (run.on_spike)")
     parser.add_argument("--skip-batches", type=int, help="batches to skip after a rewind (run.skip_batches)")
@@ -85,7 +86,8 @@ def _run_dir(args: argparse.Namespace) -> pathlib.Path:
 
 def _train(args, addresses_fn) -> int:
     from multipod.controller.metrics import out
-    from multipod.controller.training import print_summary, run_training
+    from multipod.controller.summary import print_summary
+    from multipod.controller.training import run_training
     from multipod.protos.transport import set_default_security
     config = resolve_config(args)
     if args.resume and not (args.run_dir or config.run.checkpoint_dir):
@@ -142,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
     from multipod.controller.client import WorkerError
     from multipod.controller.config import ConfigError
     from multipod.controller.data import DataError
+    from multipod.controller.errors import RunError
     from multipod.controller.launcher import LaunchError
-    from multipod.controller.training import RunError
     try:
         if args.command == "train":
             addresses = [a.strip() for a in args.workers.split(",") if a.strip()]

@@ -8,9 +8,14 @@ the controller build the next batches ahead of time.
 from __future__ import annotations
 
 import pathlib
+import queue
 import sysconfig
+import threading
 
 import numpy as np
+
+from multipod.controller.errors import RunError
+from multipod.protos import codec
 
 # The last slice of the corpus is held out for evaluation.
 EVAL_FRACTION = 0.02
@@ -23,6 +28,7 @@ class DataError(ValueError):
 
 
 def default_corpus_root() -> pathlib.Path:
+    """The running Python's standard library."""
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -91,9 +97,59 @@ def shard(batch: np.ndarray, num_pods: int) -> list[np.ndarray]:
     return np.split(batch, num_pods)
 
 
+class Prefetcher:
+    """Builds the encoded per-pod shards of steps start..stop-1 on a background thread, `depth`
+    steps ahead, so the step loop never waits for data. Step s trains on batch s + offset (the
+    offset grows when a loss-spike rewind skips batches). `batches` is anything with batch(i)."""
+
+    def __init__(self, batches, num_pods: int, start: int, stop: int, depth: int = 4, offset: int = 0):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(batches, num_pods, start, stop, offset),
+                                        daemon=True, name="prefetch")
+        self._thread.start()
+
+    def _run(self, batches, num_pods: int, start: int, stop: int, offset: int) -> None:
+        for step in range(start, stop):
+            try:
+                item = (step, [codec.encode(s) for s in shard(batches.batch(step + offset), num_pods)])
+            except Exception as exc:   # handed to the loop, which raises it: not a silent stall
+                item = (step, exc)
+            # Short waits on a full queue, so that close() is noticed soon.
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item[1], Exception):
+                return
+
+    def next(self, timeout_s: float = 60.0) -> tuple[int, list[bytes]]:
+        """(step, encoded shards) of the next step; RunError if none comes within timeout_s."""
+        try:
+            step, shards = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RunError(f"the data pipeline produced no batch within {timeout_s:g}s") from None
+        if isinstance(shards, Exception):
+            raise shards
+        return step, shards
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, join_s: float = 1.0) -> None:
+        """Stop the producer thread (waiting up to join_s for it to end)."""
+        self._stop.set()
+        self._thread.join(timeout=join_s)
+
+
 def encode_text(text: str) -> np.ndarray:
+    """UTF-8 bytes of text as int32 tokens."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
 
 def decode_tokens(tokens) -> str:
+    """Byte tokens back to text (invalid UTF-8 replaced)."""
     return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")

@@ -5,7 +5,7 @@ parent watch) even when the controller itself is killed.
 
 LocalPods also supervises its workers: a worker that dies is started again on the same port (so
 its peers' addresses stay valid), up to `max_restarts` times; the controller then restores every
-pod to the last checkpoint (controller/training.py).
+pod to the last checkpoint (controller/recovery.py).
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class LocalPods:
         self.restarts = 0
         self._lock = threading.RLock()
         self._stopping = threading.Event()
-        self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="supervisor") if supervise else None
+        self._supervisor = (threading.Thread(target=self._supervise, daemon=True, name="supervisor")
+                            if supervise else None)
 
     def __enter__(self) -> LocalPods:
         try:

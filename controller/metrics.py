@@ -8,6 +8,7 @@ import os
 import pathlib
 import sys
 import time
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -27,6 +28,48 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: floa
     return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)
 
 
+@dataclass(frozen=True)
+class Accounting:
+    """What turns a step's tokens and time into FLOP/s and utilisation."""
+    model_flops_per_token: float
+    peak_flops: float | None = None     # per device; None: unknown (MFU and HFU are None)
+    num_devices: int = 1                # over all pods
+    hardware_flops_per_step: float = 0.0  # XLA's count for the whole step over all pods; 0: unknown
+
+
+def step_record(step: int, replies, step_time_s: float, accounting: Accounting) -> dict:
+    """The metrics record of one step from every pod's StepReply: the loss over all pods'
+    tokens, the slowest pod's phase timings, throughput, and MFU/HFU (None without a peak)."""
+    tokens = sum(r.tokens for r in replies)
+    tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
+    flops_per_token, peak, devices = accounting.model_flops_per_token, accounting.peak_flops, accounting.num_devices
+    # Hardware FLOPs: XLA's count of what the pods' compiled steps execute, recompute included.
+    hw_step = accounting.hardware_flops_per_step
+    hw_per_token = hw_step / tokens if hw_step and tokens else None
+    return {
+        "step": step, "loss": sum(r.loss_sum for r in replies) / tokens,
+        "z_loss": sum(r.z_loss_sum for r in replies) / tokens,
+        "grad_norm": replies[0].grad_norm, "learning_rate": replies[0].learning_rate,
+        "skipped": replies[0].skipped, "fingerprints": [r.fingerprint for r in replies],
+        "step_time_s": step_time_s,
+        # The step waits for the slowest pod in each phase.
+        "compute_time_s": max(r.timings.compute_s for r in replies),
+        "exchange_time_s": max(r.timings.exchange_s for r in replies),
+        "update_time_s": max(r.timings.update_s for r in replies),
+        "pods": [{"compute_s": r.timings.compute_s, "exchange_s": r.timings.exchange_s,
+                  "update_s": r.timings.update_s, "wait_s": r.timings.wait_s,
+                  "fingerprint_s": r.timings.fingerprint_s, "idle_s": r.timings.idle_s,
+                  "dcn_bytes_sent": r.dcn_bytes_sent} for r in replies],
+        "dcn_bytes_sent": sum(r.dcn_bytes_sent for r in replies),
+        "tokens": tokens, "tokens_per_s": tokens_per_s,
+        "model_flops_per_token": flops_per_token,
+        "mfu": mfu(tokens_per_s, flops_per_token, peak, devices),
+        "hardware_flops_per_token": hw_per_token,
+        "hfu": mfu(tokens_per_s, hw_per_token, peak, devices) if hw_per_token else None,
+        "time": time.time(),
+    }
+
+
 def load_measured_peak(device_kind: str, num_devices: int) -> float | None:
     """Per-device peak recorded by `multipod peak-flops` for this device kind and count."""
     try:
@@ -38,6 +81,7 @@ def load_measured_peak(device_kind: str, num_devices: int) -> float | None:
 
 
 def store_measured_peak(device_kind: str, num_devices: int, per_device_flops: float) -> pathlib.Path:
+    """Remember a `multipod peak-flops` measurement for this device kind and count."""
     records = {}
     try:
         records = json.loads(peak_cache().read_text())
@@ -69,13 +113,45 @@ class MetricsLog:
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and key != "step":
+                scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if scalar and math.isfinite(value) and key != "step":
                     self._tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class Recorder:
+    """Where finished steps go: metrics.jsonl, the progress line, and the records by step (a step
+    replayed after a recovery or rewind replaces its earlier record). `sink` and `progress` are
+    anything with write(record) / update(record) and close()."""
+
+    def __init__(self, sink, progress):
+        self.sink, self.progress = sink, progress
+        self.records: dict[int, dict] = {}
+        self.skipped_steps: set[int] = set()
+
+    def note_skipped(self, step: int, skipped: bool) -> int:
+        """Track steps whose update was skipped; returns how many there are so far."""
+        if skipped:
+            self.skipped_steps.add(step)
+        return len(self.skipped_steps)
+
+    def write(self, record: dict) -> None:
+        """Log, show and keep one step's record."""
+        self.sink.write(record)
+        self.records[record["step"]] = record
+        self.progress.update(record)
+
+    def in_order(self) -> list[dict]:
+        """The latest record of every step, by step."""
+        return [self.records[s] for s in sorted(self.records)]
+
+    def close(self) -> None:
+        self.progress.close()
+        self.sink.close()
 
 
 def _fmt(value, spec: str, none: str = "n/a") -> str:

@@ -1,0 +1,138 @@
+"""The step loop: it only runs steps. Step RPCs are pipelined `run.dispatch_depth` deep (the
+shards of step s+1 travel while step s computes, so the controller stays off the critical path);
+each finished step is checked (every pod's fingerprint and skip decision must agree), recorded,
+and shown to the components' hooks: the checkpointer at every step boundary, the spike policy
+after every step. The cluster is an argument, so tests drive the loop with fake pods."""
+from __future__ import annotations
+
+import collections
+import time
+
+import grpc
+
+from multipod.controller.client import WorkerError
+from multipod.controller.cluster import Cluster, Watchdog
+from multipod.controller.data import Prefetcher
+from multipod.controller.errors import RunError
+from multipod.controller.metrics import Accounting, Recorder, step_record
+from multipod.controller.spike import Spike, SpikePolicy
+from multipod.protos import multipod_pb2 as pb
+
+POLL_S = 0.2          # how often a wait for a step checks the watchdog and the progress deadline
+DATA_TIMEOUT_S = 60.0  # the data pipeline must deliver a step's shards within this
+
+
+def check_agreement(step: int, clients, replies) -> None:
+    """RunError naming the step and the pods if the pods' fingerprints or skip decisions differ:
+    the pods must stay bitwise identical."""
+    prints = [r.fingerprint for r in replies]
+    if len(set(prints)) > 1:
+        detail = ", ".join(f"{c.name}: {p}" for c, p in zip(clients, prints))
+        raise RunError(f"step {step}: pods diverged, their parameter fingerprints differ ({detail})")
+    if len({r.skipped for r in replies}) > 1:
+        detail = ", ".join(f"{c.name}: {'skipped' if r.skipped else 'applied'}" for c, r in zip(clients, replies))
+        raise RunError(f"step {step}: pods disagree on skipping the update ({detail})")
+
+
+class StepLoop:
+    """Runs the steps of one segment (from a start step to run.steps) on `cluster`.
+
+    checkpointer: anything with on_step(step, drain), called at every step boundary and at the
+    end; spike: a SpikePolicy; recorder: where finished steps' records go."""
+
+    def __init__(self, cluster: Cluster, batches, checkpointer, spike: SpikePolicy, recorder: Recorder,
+                 accounting: Accounting):
+        self.cluster, self.batches, self.checkpointer = cluster, batches, checkpointer
+        self.spike, self.recorder, self.accounting = spike, recorder, accounting
+        self.run_config = cluster.config.run
+        data = cluster.config.data
+        self.global_tokens = data.global_batch * data.seq_len
+        self._pending: collections.deque = collections.deque()   # (step, calls) in flight, oldest first
+        self._watchdog: Watchdog | None = None
+        self._last_done = 0.0        # perf_counter when the previous step finished (step time)
+        self._last_progress = 0.0    # monotonic time of the last finished step (progress deadline)
+        self._data_offset = 0
+        self._restarts = 0
+
+    def run(self, start: int, data_offset: int = 0, restarts: int = 0) -> None:
+        """Steps start..run.steps-1, step s training on batch s + data_offset, then the final
+        step boundary. Raises PodFailure (a pod failed, died or hung), Spike (after the steps in
+        flight have finished), or RunError (the pods diverged)."""
+        stop = self.run_config.steps
+        self._data_offset, self._restarts = data_offset, restarts
+        prefetch = Prefetcher(self.batches, self.cluster.size, start, stop, offset=data_offset)
+        self._watchdog = self.cluster.watchdog()
+        self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
+        try:
+            try:
+                for step in range(start, stop):
+                    self.checkpointer.on_step(step, self.drain)
+                    got, shards = prefetch.next(DATA_TIMEOUT_S)
+                    if got != step:
+                        raise RunError(f"the data pipeline delivered step {got} for step {step}")
+                    self._dispatch(step, shards)
+                    while len(self._pending) >= self.run_config.dispatch_depth or \
+                            (self._pending and step == stop - 1):
+                        self._complete_oldest()
+                self.checkpointer.on_step(stop, self.drain)
+            except Spike:
+                # The pods are healthy: let the steps in flight finish before the rewind restores
+                # every pod (their results belong to the abandoned timeline).
+                for _, calls in self._pending:
+                    for call in calls:
+                        call.wait(self.run_config.step_timeout_s)
+                raise
+        finally:
+            for _, calls in self._pending:
+                for call in calls:
+                    call.cancel()
+            self._pending.clear()
+            prefetch.close()
+            self._watchdog.stop()
+
+    def drain(self) -> None:
+        """Finish every step in flight (before a checkpoint: it must hold exactly that state)."""
+        while self._pending:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        # Popped only once complete: a step that fails while being waited for is still in flight,
+        # so the cleanup cancels its calls.
+        self._complete(*self._pending[0])
+        self._pending.popleft()
+
+    def _dispatch(self, step: int, shards: list[bytes]) -> None:
+        timeout = self.run_config.step_timeout_s
+        calls = [client.call_async("Step", pb.StepRequest(step=step, tokens=tokens, global_tokens=self.global_tokens),
+                                   timeout) for client, tokens in zip(self.cluster.clients, shards)]
+        self._pending.append((step, calls))
+
+    def _complete(self, step: int, calls: list) -> None:
+        """Wait for one step's replies (watching the pods meanwhile), check and record it."""
+        progress_timeout = self.run_config.progress_timeout_s or self.run_config.step_timeout_s
+        results, errors = [], []
+        for call in calls:
+            while not call.wait(POLL_S):
+                if self._watchdog.failure is not None:
+                    raise self._watchdog.failure
+                if time.monotonic() - self._last_progress > progress_timeout:
+                    raise self.cluster.diagnose(f"step {step}: no step finished for {progress_timeout:g}s")
+            try:
+                results.append(call.result())
+            except WorkerError as exc:
+                errors.append(exc)
+        if errors:
+            # The root cause first: a pod that failed outright, not its peers aborting or
+            # losing their link to it.
+            errors.sort(key=lambda e: e.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE))
+            raise self.cluster.diagnose(f"step {step} failed: " + "; ".join(str(e) for e in errors))
+        check_agreement(step, self.cluster.clients, results)
+        now = time.perf_counter()
+        record = step_record(step, results, now - self._last_done, self.accounting)
+        self._last_done, self._last_progress = now, time.monotonic()
+        record.update(skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
+                      restarts=self._restarts, data_index=step + self._data_offset)
+        spike = self.spike.check(record)
+        self.recorder.write(record)     # a spike's record is kept too: it shows what was rewound
+        if spike is not None:
+            raise spike
