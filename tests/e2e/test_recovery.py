@@ -38,43 +38,6 @@ COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", 
           "--set", "run.health_interval_s=1", "--set", "run.health_timeout_s=5")
 
 
-HUNG_VERDICT = "no answer to its health check within 2s (hung or overloaded)"
-DEAD_VERDICT = "health check failed: UNAVAILABLE (dead or restarting)"
-
-
-class _FakeClient:
-    """Answers health probes from a script, then with `then` forever."""
-
-    def __init__(self, pod: int, script: list, then):
-        self.pod_index, self.name, self.script, self.then = pod, f"pod {pod} (fake:{pod})", list(script), then
-
-    def probe(self, timeout_s):
-        return self.script.pop(0) if self.script else self.then
-
-
-def _watch(clients):
-    from multipod.controller.training import _Watchdog
-    dog = _Watchdog(clients, interval_s=0.01, timeout_s=0.01)
-    deadline = time.monotonic() + 10
-    while dog.failure is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    dog.stop()
-    assert dog.failure is not None
-    return dog.failure
-
-
-def test_watchdog_names_a_pod_after_two_missed_health_checks_and_tells_hung_from_dead():
-    # Pod 0 misses one check only (forgiven); pod 1 stops answering; pod 2 serves.
-    failure = _watch([_FakeClient(0, [HUNG_VERDICT], None), _FakeClient(1, [None], HUNG_VERDICT),
-                      _FakeClient(2, [], None)])
-    assert failure.pods == (1,) and failure.hung == (1,)
-    assert str(failure).startswith(f"pod 1 (fake:1) is not responding: {HUNG_VERDICT}")
-    # A dead pod (connection refused) is reported too, but not as hung: the controller never
-    # kills it (its supervisor may already be starting the new incarnation).
-    failure = _watch([_FakeClient(0, [], None), _FakeClient(1, [], DEAD_VERDICT)])
-    assert failure.pods == (1,) and failure.hung == ()
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The CLI's environment, with one persistent compilation cache for all the runs here: only

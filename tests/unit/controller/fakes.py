@@ -1,0 +1,159 @@
+"""In-process fake pods for the controller's unit tests: no gRPC server, no jax computation.
+
+A FakePod has the WorkerClient interface the controller uses (name, pod_index, address, probe,
+call, call_async, status, wait_serving, close). Its Step answers from a `step` function of
+(pod, step, data index); a behaviour can raise a WorkerError or hang (never finish)."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+
+from multipod import protos
+from multipod.controller.client import Probe, Verdict, WorkerError
+from multipod.controller.config import Config, DataConfig, RunConfig
+from multipod.protos import codec, multipod_pb2 as pb
+
+SERVING = Probe(Verdict.SERVING)
+HUNG = Probe(Verdict.HUNG, "no answer to its health check within 0.05s (hung or overloaded)")
+DEAD = Probe(Verdict.DEAD, "health check failed: UNAVAILABLE (dead or restarting)")
+HANG = object()     # a step behaviour: the call never finishes
+
+
+def make_config(**run) -> Config:
+    """A small config with fast health checks; `run` overrides RunConfig fields."""
+    defaults = dict(steps=5, health_interval_s=0.05, health_timeout_s=0.05, step_timeout_s=30.0,
+                    checkpoint_every=0, sample_tokens=0, eval_batches=0)
+    return Config(data=DataConfig(seq_len=8, global_batch=4), run=RunConfig(**{**defaults, **run}))
+
+
+class FakeBatches:
+    """Batch i is filled with the value i, so a pod can tell which batch it got."""
+
+    def __init__(self, rows: int = 4, seq_len: int = 8):
+        self.rows, self.seq_len = rows, seq_len
+
+    def batch(self, index: int) -> np.ndarray:
+        return np.full((self.rows, self.seq_len + 1), index, dtype=np.int32)
+
+
+class FakeCall:
+    """A PendingCall stand-in: finished with a result or an error, or pending until finish()."""
+
+    def __init__(self, result=None, error: Exception | None = None, pending: bool = False):
+        self._result, self._error = result, error
+        self._done = threading.Event()
+        self.cancelled = False
+        if not pending:
+            self._done.set()
+
+    def finish(self, result=None, error: Exception | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self):
+        assert self._done.is_set(), "result() of a call that has not finished"
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._done.set()
+
+
+def step_reply(pod: int, step: int, *, fingerprint: str | None = None, skipped: bool = False,
+               loss: float = 2.0, tokens: int = 16) -> pb.StepReply:
+    return pb.StepReply(step=step, pod_index=pod, loss_sum=loss * tokens, tokens=tokens, grad_norm=1.0,
+                        learning_rate=1e-3, skipped=skipped, fingerprint=fingerprint or f"fp{step}",
+                        timings=pb.StepTimings(compute_s=0.01 * (pod + 1)))
+
+
+def configure_reply(pod: int, **fields) -> pb.ConfigureReply:
+    values = dict(protocol_version=protos.PROTOCOL_VERSION, pod_index=pod, mesh_shape=[1, 1], num_devices=1,
+                  config_hash="hash", fingerprint="init", step=0, device_kind="cpu")
+    return pb.ConfigureReply(**{**values, **fields})
+
+
+class FakePod:
+    """One fake pod. `step(pod, step, data_index)` returns a StepReply, raises a WorkerError or
+    returns HANG; `probes` is a list of Probe answers, then `probe_then` forever."""
+
+    def __init__(self, pod_index: int, step=None, probes=(), probe_then: Probe = SERVING, log: list | None = None):
+        self.pod_index, self.address = pod_index, f"fake:{pod_index}"
+        self.name = f"pod {pod_index} ({self.address})"
+        self.step = step or (lambda pod, s, data: step_reply(pod, s))
+        self.probes, self.probe_then = list(probes), probe_then
+        self.log = log if log is not None else []
+        self.configure = lambda request: configure_reply(self.pod_index)
+        self.calls: list[tuple[str, object]] = []
+        self.hanging: list[FakeCall] = []
+        self.configured = True
+
+    def probe(self, timeout_s: float) -> Probe:
+        return self.probes.pop(0) if self.probes else self.probe_then
+
+    def call(self, method: str, request, timeout_s: float):
+        self.calls.append((method, request))
+        if method == "Configure":
+            self.configured = True
+            return self.configure(request)
+        raise AssertionError(f"unexpected call {method}")
+
+    def call_async(self, method: str, request, timeout_s: float) -> FakeCall:
+        assert method == "Step", method
+        data_index = int(codec.decode(request.tokens)[0, 0])
+        self.log.append(("dispatch", self.pod_index, request.step, data_index))
+        try:
+            reply = self.step(self.pod_index, request.step, data_index)
+        except WorkerError as exc:
+            return FakeCall(error=exc)
+        if reply is HANG:
+            call = FakeCall(pending=True)
+            self.hanging.append(call)
+            return call
+        return FakeCall(reply)
+
+    def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
+        return pb.StatusReply(pod_index=self.pod_index, configured=self.configured)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def unavailable(pod: FakePod, what: str = "Step") -> WorkerError:
+    return WorkerError(f"{pod.name}: {what} failed: UNAVAILABLE: connection refused", grpc.StatusCode.UNAVAILABLE)
+
+
+class ListSink:
+    """A MetricsLog stand-in that keeps the records (and logs them to a shared event list)."""
+
+    def __init__(self, log: list | None = None):
+        self.records: list[dict] = []
+        self.log = log if log is not None else []
+        self.closed = False
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self.log.append(("record", record["step"]))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class NoProgress:
+    def update(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
