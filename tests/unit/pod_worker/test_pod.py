@@ -1,0 +1,120 @@
+"""A pod through its gRPC adapter, in this process: the worker's own waits answer with typed codes
+(never DEADLINE_EXCEEDED), Status reports the sequencer's state, and a failed step leaves the
+state as it was until a restore brings the pod back to READY."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from multipod import protos
+from multipod.pod_worker.server import start_server
+from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod.protos.transport import Security, open_channel
+from tests.helpers import tiny_worker_config
+
+CONFIG = tiny_worker_config()
+ROWS, COLS = CONFIG.train.global_batch, CONFIG.train.seq_len + 1
+
+
+class Worker:
+    def __init__(self):
+        self.server, self.service, _, port = start_server(0, "127.0.0.1:0", Security())
+        self.pod = self.service.pod
+        self.channel = open_channel(f"127.0.0.1:{port}", Security())
+        self.stub = pb_grpc.PodWorkerStub(self.channel)
+        self.stub.Configure(pb.ConfigureRequest(
+            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[f"127.0.0.1:{port}"],
+            worker_config_json=CONFIG.to_json(), run_id="pod-test"), timeout=300)
+
+    def status(self) -> pb.StatusReply:
+        return self.stub.Status(pb.StatusRequest(), timeout=10)
+
+    def step_request(self, step: int) -> pb.StepRequest:
+        tokens = np.random.default_rng(step).integers(0, 256, (ROWS, COLS), dtype=np.int32)
+        return pb.StepRequest(step=step, tokens=codec.encode(tokens), global_tokens=ROWS * (COLS - 1))
+
+    def train(self) -> pb.StepReply:
+        return self.stub.Step(self.step_request(self.status().step), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker()
+    yield w
+    w.channel.close()
+    w.server.stop(0)
+
+
+def _error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value
+
+
+def test_status_reports_ready_after_configure(worker):
+    status = worker.status()
+    assert status.configured and status.state == pb.WORKER_STATE_READY
+
+
+def test_a_step_whose_predecessor_never_comes_is_aborted_before_the_rpc_deadline(worker):
+    ahead = worker.status().step + 1
+    start = time.monotonic()
+    error = _error(worker.stub.Step, worker.step_request(ahead), timeout=2.0)
+    assert error.code() == grpc.StatusCode.ABORTED, error.details()
+    assert "did not finish in time" in error.details() and time.monotonic() - start < 2.0
+    assert worker.train().fingerprint          # the pod steps on
+
+
+def test_save_and_restore_while_the_pod_is_busy_say_failed_precondition(worker, tmp_path):
+    step = worker.status().step
+    worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path)), timeout=120)   # one to restore
+    held, release = threading.Event(), threading.Event()
+
+    def hold():   # stands in for a long step: the pod is taken until released
+        with worker.pod.seq.hold("a long step", time.monotonic() + 30):
+            held.set()
+            release.wait(30)
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(10)
+        error = _error(worker.stub.Save, pb.SaveRequest(step=step, directory=str(tmp_path)), timeout=1.5)
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "still running" in error.details()
+        error = _error(worker.stub.Restore, pb.RestoreRequest(directory=str(tmp_path)), timeout=1.5)
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "still running" in error.details()
+        assert worker.status().state == pb.WORKER_STATE_READY    # a hold without a state of its own
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_wait_save_of_a_save_never_started_is_not_found(worker, tmp_path):
+    error = _error(worker.stub.WaitSave, pb.WaitSaveRequest(step=12345, directory=str(tmp_path)), timeout=10)
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_failed_step_keeps_the_state_and_a_restore_makes_the_pod_ready_again(worker, tmp_path, monkeypatch):
+    step = worker.status().step
+    worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path)), timeout=120)   # synchronous
+    before = worker.pod.trainer.fingerprint()
+
+    def broken_update(*args, **kwargs):
+        raise RuntimeError("the update broke")
+    monkeypatch.setattr(worker.pod.trainer, "apply", broken_update)
+    error = _error(worker.stub.Step, worker.step_request(step), timeout=60)
+    assert error.code() == grpc.StatusCode.INTERNAL and "update broke" in error.details()
+    monkeypatch.undo()
+    status = worker.status()
+    assert status.state == pb.WORKER_STATE_FAILED and status.step == step
+    assert worker.pod.trainer.fingerprint() == before
+    error = _error(worker.stub.Step, worker.step_request(step + 1), timeout=30)
+    assert error.code() == grpc.StatusCode.ABORTED and f"step {step} failed" in error.details()
+    restored = worker.stub.Restore(pb.RestoreRequest(directory=str(tmp_path), run_id="pod-test-2"), timeout=120)
+    assert restored.step == step and restored.fingerprint == before
+    assert worker.status().state == pb.WORKER_STATE_READY
+    assert worker.train().step == step
+    assert worker.status().step == step + 1
