@@ -84,13 +84,15 @@ def configure_reply(pod: int, **fields) -> pb.ConfigureReply:
 
 class FakePod:
     """One fake pod. `step(pod, step, data_index)` returns a StepReply, raises a WorkerError or
-    returns HANG; `probes` is a list of Probe answers, then `probe_then` forever."""
+    returns HANG; `probes` is a list of Probe answers, then `probe_then` forever; once one of its
+    steps hangs, it answers `probe_when_hung` (if given) instead."""
 
-    def __init__(self, pod_index: int, step=None, probes=(), probe_then: Probe = SERVING, log: list | None = None):
+    def __init__(self, pod_index: int, step=None, probes=(), probe_then: Probe = SERVING, log: list | None = None,
+                 probe_when_hung: Probe | None = None):
         self.pod_index, self.address = pod_index, f"fake:{pod_index}"
         self.name = f"pod {pod_index} ({self.address})"
         self.step = step or (lambda pod, s, data: step_reply(pod, s))
-        self.probes, self.probe_then = list(probes), probe_then
+        self.probes, self.probe_then, self.probe_when_hung = list(probes), probe_then, probe_when_hung
         self.log = log if log is not None else []
         self.configure = lambda request: configure_reply(self.pod_index)
         self.calls: list[tuple[str, object]] = []
@@ -98,6 +100,8 @@ class FakePod:
         self.configured = True
 
     def probe(self, timeout_s: float) -> Probe:
+        if self.hanging and self.probe_when_hung is not None:
+            return self.probe_when_hung
         return self.probes.pop(0) if self.probes else self.probe_then
 
     def call(self, method: str, request, timeout_s: float):

@@ -101,13 +101,9 @@ def test_a_pod_that_fails_a_step_is_named_in_a_pod_failure():
 def test_a_hung_pod_is_named_by_the_watchdog_within_seconds():
     def step(pod, s, data):
         return HANG if pod == 1 and s == 2 else step_reply(pod, s)
-    hung = FakePod(1, step)
+    hung = FakePod(1, step, probe_when_hung=HUNG)   # its health checks go silent with its step
     pods = [FakePod(0, step), hung]
     loop, sink = _loop(pods, steps=5, step_timeout_s=300.0)
-
-    def hang_health():   # pod 1 stops answering health checks once its step hangs
-        return HUNG if hung.hanging else FakePod.probe(hung, 0)
-    hung.probe = lambda timeout_s: hang_health()
     started = time.monotonic()
     with pytest.raises(PodFailure) as info:
         loop.run(0)
