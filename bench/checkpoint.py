@@ -73,10 +73,10 @@ def main() -> None:
             t0 = time.perf_counter()
             stub.Save(pb.SaveRequest(step=step, directory=root, keep=2), timeout=600)
             sync.append(time.perf_counter() - t0)
-    params = sum(s.nbytes // s.dtype.itemsize for s in service.trainer.leaf_specs)
+    params = sum(s.nbytes // s.dtype.itemsize for s in service.pod.trainer.leaf_specs)
     channel.close()
     server.stop(0).wait()
-    service._writer.close()
+    service.pod.close()
     med = statistics.median
     print(json.dumps({"params": params, "repeats": args.repeats, "step_s": med(steps), "stall_s": med(stall),
                       "write_s": med(write), "sync_s": med(sync), "sync_over_stall": med(sync) / med(stall)}))

@@ -29,6 +29,9 @@ class PodWorkerStub:
     """Bumped on any incompatible change; a worker refuses a controller or peer of another version.
     (Mirrored as protos.PROTOCOL_VERSION.)
 
+    Status codes are part of the contract (pod_worker/errors.py maps them). DEADLINE_EXCEEDED only
+    ever means the caller's own deadline passed: a worker's own waits end just before it and answer
+    with one of the codes below. INVALID_ARGUMENT: a malformed or inconsistent request.
     """
 
     def __init__(self, channel):
@@ -88,35 +91,48 @@ class PodWorkerServicer:
     """Bumped on any incompatible change; a worker refuses a controller or peer of another version.
     (Mirrored as protos.PROTOCOL_VERSION.)
 
+    Status codes are part of the contract (pod_worker/errors.py maps them). DEADLINE_EXCEEDED only
+    ever means the caller's own deadline passed: a worker's own waits end just before it and answer
+    with one of the codes below. INVALID_ARGUMENT: a malformed or inconsistent request.
     """
 
     def Configure(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """FAILED_PRECONDITION: wrong protocol version or pod index, or the pod is busy.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """ABORTED: the steps before it did not finish in time, an earlier step failed, or the pod was
+        restored or reconfigured since the request came. FAILED_PRECONDITION: already done, or not
+        configured. CANCELLED: the caller cancelled it while it waited. UNAVAILABLE: the DCN exchange
+        with a peer failed. A failed step leaves the pod's state as it was before the step.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Save(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """FAILED_PRECONDITION: a step is still running, or the write failed (synchronous save).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WaitSave(self, request, context):
         """Wait for a background save (Save with background=true) to finish and report how it went.
+        NOT_FOUND: no such save was started on this pod. FAILED_PRECONDITION: the write failed, or it
+        is still being written when the deadline nears.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Restore(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """FAILED_PRECONDITION: missing or incompatible checkpoint, or the pod is busy. DATA_LOSS: the
+        arrays read back do not match the fingerprint saved with them (the state is left untouched).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -205,6 +221,9 @@ class PodWorker:
     """Bumped on any incompatible change; a worker refuses a controller or peer of another version.
     (Mirrored as protos.PROTOCOL_VERSION.)
 
+    Status codes are part of the contract (pod_worker/errors.py maps them). DEADLINE_EXCEEDED only
+    ever means the caller's own deadline passed: a worker's own waits end just before it and answer
+    with one of the codes below. INVALID_ARGUMENT: a malformed or inconsistent request.
     """
 
     @staticmethod
