@@ -24,59 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emultipod.proto\x12\x08multipod\"\x95\x01\n\x10\x43onfigureRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpod_index\x18\x02 \x01(\r\x12\x10\n\x08num_pods\x18\x03 \x01(\r\x12\x16\n\x0epeer_addresses\x18\x04 \x03(\t\x12\x1a\n\x12worker_config_json\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\"\xdb\x02\n\x0e\x43onfigureReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpod_index\x18\x02 \x01(\r\x12\x12\n\nmesh_shape\x18\x03 \x03(\r\x12\x13\n\x0bnum_devices\x18\x04 \x01(\r\x12\x13\n\x0b\x63onfig_hash\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x13\n\x0bparam_count\x18\x07 \x01(\x04\x12\x13\n\x0b\x64\x65vice_kind\x18\x08 \x01(\t\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x1f\n\x17hardware_flops_per_step\x18\n \x01(\x01\x12\x1d\n\x15memory_argument_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13memory_output_bytes\x18\x0c \x01(\x04\x12\x19\n\x11memory_temp_bytes\x18\r \x01(\x04\x12\x19\n\x11memory_peak_bytes\x18\x0e \x01(\x04\"B\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x15\n\rglobal_tokens\x18\x03 \x01(\x04\"}\n\x0bStepTimings\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\nexchange_s\x18\x03 \x01(\x01\x12\x10\n\x08update_s\x18\x04 \x01(\x01\x12\x15\n\rfingerprint_s\x18\x05 \x01(\x01\x12\x0e\n\x06idle_s\x18\x06 \x01(\x01\"\x8e\x02\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tpod_index\x18\x02 \x01(\r\x12\x10\n\x08loss_sum\x18\x03 \x01(\x01\x12\x12\n\nz_loss_sum\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x11\n\tgrad_norm\x18\x06 \x01(\x01\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x12\x0f\n\x07skipped\x18\x08 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12&\n\x07timings\x18\n \x01(\x0b\x32\x15.multipod.StepTimings\x12\x16\n\x0e\x64\x63n_bytes_sent\x18\x0b \x01(\x04\x12\x1a\n\x12\x64\x63n_bytes_received\x18\x0c \x01(\x04\"m\n\x0bSaveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x12\n\nbackground\x18\x04 \x01(\x08\x12\x0c\n\x04keep\x18\x06 \x01(\rJ\x04\x08\x05\x10\x06\"2\n\x0fWaitSaveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\"?\n\tSaveReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07pending\x18\x03 \x01(\x08\"A\n\x0eRestoreRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"V\n\x0cRestoreReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\"!\n\x0f\x45valuateRequest\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\"1\n\rEvaluateReply\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\"X\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x1f\n\rGenerateReply\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\"\x0f\n\rStatusRequest\"\xa4\x01\n\x0bStatusReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpod_index\x18\x02 \x01(\x05\x12\x12\n\nconfigured\x18\x03 \x01(\x08\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bnum_devices\x18\x05 \x01(\r\x12$\n\x05state\x18\x06 \x01(\x0e\x32\x15.multipod.WorkerState\x12\x0b\n\x03pid\x18\x07 \x01(\r\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply\"\xe9\x01\n\rGradientChunk\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x10\n\x08\x66rom_pod\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nleaf_index\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0e\n\x06offset\x18\x08 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12!\n\x05phase\x18\n \x01(\x0e\x32\x12.multipod.DcnPhase\x12\r\n\x05scale\x18\x0b \x01(\x02\x12\x0c\n\x04last\x18\x0c \x01(\x08\"(\n\x07PushAck\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04*\xc8\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_STATE_IDLE\x10\x01\x12\x1c\n\x18WORKER_STATE_CONFIGURING\x10\x02\x12\x16\n\x12WORKER_STATE_READY\x10\x03\x12\x19\n\x15WORKER_STATE_STEPPING\x10\x04\x12\x1a\n\x16WORKER_STATE_RESTORING\x10\x05\x12\x17\n\x13WORKER_STATE_FAILED\x10\x06*W\n\x08\x44\x63nPhase\x12\x13\n\x0f\x44\x43N_PHASE_WHOLE\x10\x00\x12\x1c\n\x18\x44\x43N_PHASE_REDUCE_SCATTER\x10\x01\x12\x18\n\x14\x44\x43N_PHASE_ALL_GATHER\x10\x02\x32\xa9\x04\n\tPodWorker\x12\x41\n\tConfigure\x12\x1a.multipod.ConfigureRequest\x1a\x18.multipod.ConfigureReply\x12\x32\n\x04Step\x12\x15.multipod.StepRequest\x1a\x13.multipod.StepReply\x12\x32\n\x04Save\x12\x15.multipod.SaveRequest\x1a\x13.multipod.SaveReply\x12:\n\x08WaitSave\x12\x19.multipod.WaitSaveRequest\x1a\x13.multipod.SaveReply\x12;\n\x07Restore\x12\x18.multipod.RestoreRequest\x1a\x16.multipod.RestoreReply\x12>\n\x08\x45valuate\x12\x19.multipod.EvaluateRequest\x1a\x17.multipod.EvaluateReply\x12>\n\x08Generate\x12\x19.multipod.GenerateRequest\x1a\x17.multipod.GenerateReply\x12\x38\n\x06Status\x12\x17.multipod.StatusRequest\x1a\x15.multipod.StatusReply\x12>\n\x08Shutdown\x12\x19.multipod.ShutdownRequest\x1a\x17.multipod.ShutdownReply2D\n\x03\x44\x63n\x12=\n\rPushGradients\x12\x17.multipod.GradientChunk\x1a\x11.multipod.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emultipod.proto\x12\x08multipod\"\xac\x01\n\x10\x43onfigureRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpod_index\x18\x02 \x01(\r\x12\x10\n\x08num_pods\x18\x03 \x01(\r\x12\x16\n\x0epeer_addresses\x18\x04 \x03(\t\x12\x1a\n\x12worker_config_json\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x15\n\rdcn_addresses\x18\x07 \x03(\t\"\xdb\x02\n\x0e\x43onfigureReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpod_index\x18\x02 \x01(\r\x12\x12\n\nmesh_shape\x18\x03 \x03(\r\x12\x13\n\x0bnum_devices\x18\x04 \x01(\r\x12\x13\n\x0b\x63onfig_hash\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x13\n\x0bparam_count\x18\x07 \x01(\x04\x12\x13\n\x0b\x64\x65vice_kind\x18\x08 \x01(\t\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x1f\n\x17hardware_flops_per_step\x18\n \x01(\x01\x12\x1d\n\x15memory_argument_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13memory_output_bytes\x18\x0c \x01(\x04\x12\x19\n\x11memory_temp_bytes\x18\r \x01(\x04\x12\x19\n\x11memory_peak_bytes\x18\x0e \x01(\x04\"\\\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x15\n\rglobal_tokens\x18\x03 \x01(\x04\x12\x18\n\x10\x66ull_fingerprint\x18\x04 \x01(\x08\"\x99\x01\n\x0bStepTimings\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\nexchange_s\x18\x03 \x01(\x01\x12\x10\n\x08update_s\x18\x04 \x01(\x01\x12\x15\n\rfingerprint_s\x18\x05 \x01(\x01\x12\x0e\n\x06idle_s\x18\x06 \x01(\x01\x12\x1a\n\x12\x65xposed_exchange_s\x18\x07 \x01(\x01\"\xa8\x02\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tpod_index\x18\x02 \x01(\r\x12\x10\n\x08loss_sum\x18\x03 \x01(\x01\x12\x12\n\nz_loss_sum\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x11\n\tgrad_norm\x18\x06 \x01(\x01\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x12\x0f\n\x07skipped\x18\x08 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12&\n\x07timings\x18\n \x01(\x0b\x32\x15.multipod.StepTimings\x12\x16\n\x0e\x64\x63n_bytes_sent\x18\x0b \x01(\x04\x12\x1a\n\x12\x64\x63n_bytes_received\x18\x0c \x01(\x04\x12\x18\n\x10\x66ull_fingerprint\x18\r \x01(\t\"m\n\x0bSaveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x12\n\nbackground\x18\x04 \x01(\x08\x12\x0c\n\x04keep\x18\x06 \x01(\rJ\x04\x08\x05\x10\x06\"2\n\x0fWaitSaveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\"?\n\tSaveReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07pending\x18\x03 \x01(\x08\"A\n\x0eRestoreRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"V\n\x0cRestoreReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\"!\n\x0f\x45valuateRequest\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\"1\n\rEvaluateReply\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\"X\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x1f\n\rGenerateReply\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\"\x0f\n\rStatusRequest\"\xb9\x01\n\x0bStatusReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tpod_index\x18\x02 \x01(\x05\x12\x12\n\nconfigured\x18\x03 \x01(\x08\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bnum_devices\x18\x05 \x01(\r\x12$\n\x05state\x18\x06 \x01(\x0e\x32\x15.multipod.WorkerState\x12\x0b\n\x03pid\x18\x07 \x01(\r\x12\x13\n\x0b\x64\x63n_address\x18\x08 \x01(\t\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply\"\xe9\x01\n\rGradientChunk\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x10\n\x08\x66rom_pod\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nleaf_index\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0e\n\x06offset\x18\x08 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12!\n\x05phase\x18\n \x01(\x0e\x32\x12.multipod.DcnPhase\x12\r\n\x05scale\x18\x0b \x01(\x02\x12\x0c\n\x04last\x18\x0c \x01(\x08\"(\n\x07PushAck\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04*\xc8\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_STATE_IDLE\x10\x01\x12\x1c\n\x18WORKER_STATE_CONFIGURING\x10\x02\x12\x16\n\x12WORKER_STATE_READY\x10\x03\x12\x19\n\x15WORKER_STATE_STEPPING\x10\x04\x12\x1a\n\x16WORKER_STATE_RESTORING\x10\x05\x12\x17\n\x13WORKER_STATE_FAILED\x10\x06*W\n\x08\x44\x63nPhase\x12\x13\n\x0f\x44\x43N_PHASE_WHOLE\x10\x00\x12\x1c\n\x18\x44\x43N_PHASE_REDUCE_SCATTER\x10\x01\x12\x18\n\x14\x44\x43N_PHASE_ALL_GATHER\x10\x02\x32\xa9\x04\n\tPodWorker\x12\x41\n\tConfigure\x12\x1a.multipod.ConfigureRequest\x1a\x18.multipod.ConfigureReply\x12\x32\n\x04Step\x12\x15.multipod.StepRequest\x1a\x13.multipod.StepReply\x12\x32\n\x04Save\x12\x15.multipod.SaveRequest\x1a\x13.multipod.SaveReply\x12:\n\x08WaitSave\x12\x19.multipod.WaitSaveRequest\x1a\x13.multipod.SaveReply\x12;\n\x07Restore\x12\x18.multipod.RestoreRequest\x1a\x16.multipod.RestoreReply\x12>\n\x08\x45valuate\x12\x19.multipod.EvaluateRequest\x1a\x17.multipod.EvaluateReply\x12>\n\x08Generate\x12\x19.multipod.GenerateRequest\x1a\x17.multipod.GenerateReply\x12\x38\n\x06Status\x12\x17.multipod.StatusRequest\x1a\x15.multipod.StatusReply\x12>\n\x08Shutdown\x12\x19.multipod.ShutdownRequest\x1a\x17.multipod.ShutdownReply2D\n\x03\x44\x63n\x12=\n\rPushGradients\x12\x17.multipod.GradientChunk\x1a\x11.multipod.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'multipod_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=2089
-  _globals['_WORKERSTATE']._serialized_end=2289
-  _globals['_DCNPHASE']._serialized_start=2291
-  _globals['_DCNPHASE']._serialized_end=2378
+  _globals['_WORKERSTATE']._serialized_start=2214
+  _globals['_WORKERSTATE']._serialized_end=2414
+  _globals['_DCNPHASE']._serialized_start=2416
+  _globals['_DCNPHASE']._serialized_end=2503
   _globals['_CONFIGUREREQUEST']._serialized_start=29
-  _globals['_CONFIGUREREQUEST']._serialized_end=178
-  _globals['_CONFIGUREREPLY']._serialized_start=181
-  _globals['_CONFIGUREREPLY']._serialized_end=528
-  _globals['_STEPREQUEST']._serialized_start=530
-  _globals['_STEPREQUEST']._serialized_end=596
-  _globals['_STEPTIMINGS']._serialized_start=598
-  _globals['_STEPTIMINGS']._serialized_end=723
-  _globals['_STEPREPLY']._serialized_start=726
-  _globals['_STEPREPLY']._serialized_end=996
-  _globals['_SAVEREQUEST']._serialized_start=998
-  _globals['_SAVEREQUEST']._serialized_end=1107
-  _globals['_WAITSAVEREQUEST']._serialized_start=1109
-  _globals['_WAITSAVEREQUEST']._serialized_end=1159
-  _globals['_SAVEREPLY']._serialized_start=1161
-  _globals['_SAVEREPLY']._serialized_end=1224
-  _globals['_RESTOREREQUEST']._serialized_start=1226
-  _globals['_RESTOREREQUEST']._serialized_end=1291
-  _globals['_RESTOREREPLY']._serialized_start=1293
-  _globals['_RESTOREREPLY']._serialized_end=1379
-  _globals['_EVALUATEREQUEST']._serialized_start=1381
-  _globals['_EVALUATEREQUEST']._serialized_end=1414
-  _globals['_EVALUATEREPLY']._serialized_start=1416
-  _globals['_EVALUATEREPLY']._serialized_end=1465
-  _globals['_GENERATEREQUEST']._serialized_start=1467
-  _globals['_GENERATEREQUEST']._serialized_end=1555
-  _globals['_GENERATEREPLY']._serialized_start=1557
-  _globals['_GENERATEREPLY']._serialized_end=1588
-  _globals['_STATUSREQUEST']._serialized_start=1590
-  _globals['_STATUSREQUEST']._serialized_end=1605
-  _globals['_STATUSREPLY']._serialized_start=1608
-  _globals['_STATUSREPLY']._serialized_end=1772
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1774
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1791
-  _globals['_SHUTDOWNREPLY']._serialized_start=1793
-  _globals['_SHUTDOWNREPLY']._serialized_end=1808
-  _globals['_GRADIENTCHUNK']._serialized_start=1811
-  _globals['_GRADIENTCHUNK']._serialized_end=2044
-  _globals['_PUSHACK']._serialized_start=2046
-  _globals['_PUSHACK']._serialized_end=2086
-  _globals['_PODWORKER']._serialized_start=2381
-  _globals['_PODWORKER']._serialized_end=2934
-  _globals['_DCN']._serialized_start=2936
-  _globals['_DCN']._serialized_end=3004
+  _globals['_CONFIGUREREQUEST']._serialized_end=201
+  _globals['_CONFIGUREREPLY']._serialized_start=204
+  _globals['_CONFIGUREREPLY']._serialized_end=551
+  _globals['_STEPREQUEST']._serialized_start=553
+  _globals['_STEPREQUEST']._serialized_end=645
+  _globals['_STEPTIMINGS']._serialized_start=648
+  _globals['_STEPTIMINGS']._serialized_end=801
+  _globals['_STEPREPLY']._serialized_start=804
+  _globals['_STEPREPLY']._serialized_end=1100
+  _globals['_SAVEREQUEST']._serialized_start=1102
+  _globals['_SAVEREQUEST']._serialized_end=1211
+  _globals['_WAITSAVEREQUEST']._serialized_start=1213
+  _globals['_WAITSAVEREQUEST']._serialized_end=1263
+  _globals['_SAVEREPLY']._serialized_start=1265
+  _globals['_SAVEREPLY']._serialized_end=1328
+  _globals['_RESTOREREQUEST']._serialized_start=1330
+  _globals['_RESTOREREQUEST']._serialized_end=1395
+  _globals['_RESTOREREPLY']._serialized_start=1397
+  _globals['_RESTOREREPLY']._serialized_end=1483
+  _globals['_EVALUATEREQUEST']._serialized_start=1485
+  _globals['_EVALUATEREQUEST']._serialized_end=1518
+  _globals['_EVALUATEREPLY']._serialized_start=1520
+  _globals['_EVALUATEREPLY']._serialized_end=1569
+  _globals['_GENERATEREQUEST']._serialized_start=1571
+  _globals['_GENERATEREQUEST']._serialized_end=1659
+  _globals['_GENERATEREPLY']._serialized_start=1661
+  _globals['_GENERATEREPLY']._serialized_end=1692
+  _globals['_STATUSREQUEST']._serialized_start=1694
+  _globals['_STATUSREQUEST']._serialized_end=1709
+  _globals['_STATUSREPLY']._serialized_start=1712
+  _globals['_STATUSREPLY']._serialized_end=1897
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1899
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1916
+  _globals['_SHUTDOWNREPLY']._serialized_start=1918
+  _globals['_SHUTDOWNREPLY']._serialized_end=1933
+  _globals['_GRADIENTCHUNK']._serialized_start=1936
+  _globals['_GRADIENTCHUNK']._serialized_end=2169
+  _globals['_PUSHACK']._serialized_start=2171
+  _globals['_PUSHACK']._serialized_end=2211
+  _globals['_PODWORKER']._serialized_start=2506
+  _globals['_PODWORKER']._serialized_end=3059
+  _globals['_DCN']._serialized_start=3061
+  _globals['_DCN']._serialized_end=3129
 # @@protoc_insertion_point(module_scope)

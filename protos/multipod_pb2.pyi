@@ -34,20 +34,22 @@ DCN_PHASE_REDUCE_SCATTER: DcnPhase
 DCN_PHASE_ALL_GATHER: DcnPhase
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id")
+    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PODS_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     WORKER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DCN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     num_pods: int
     peer_addresses: _containers.RepeatedScalarFieldContainer[str]
     worker_config_json: str
     run_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    dcn_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
     __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes")
@@ -82,33 +84,37 @@ class ConfigureReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ..., hardware_flops_per_step: _Optional[float] = ..., memory_argument_bytes: _Optional[int] = ..., memory_output_bytes: _Optional[int] = ..., memory_temp_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tokens", "global_tokens")
+    __slots__ = ("step", "tokens", "global_tokens", "full_fingerprint")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: bytes
     global_tokens: int
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ...) -> None: ...
+    full_fingerprint: bool
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., full_fingerprint: _Optional[bool] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "fingerprint_s", "idle_s")
+    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "fingerprint_s", "idle_s", "exposed_exchange_s")
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
     UPDATE_S_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
     wait_s: float
     compute_s: float
     exchange_s: float
     update_s: float
     fingerprint_s: float
     idle_s: float
-    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
+    exposed_exchange_s: float
+    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "fingerprint", "timings", "dcn_bytes_sent", "dcn_bytes_received")
+    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "fingerprint", "timings", "dcn_bytes_sent", "dcn_bytes_received", "full_fingerprint")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +127,7 @@ class StepReply(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DCN_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DCN_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     step: int
     pod_index: int
     loss_sum: float
@@ -133,7 +140,8 @@ class StepReply(_message.Message):
     timings: StepTimings
     dcn_bytes_sent: int
     dcn_bytes_received: int
-    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ...) -> None: ...
+    full_fingerprint: str
+    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., full_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("step", "directory", "metadata_json", "background", "keep")
@@ -226,7 +234,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid")
+    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +242,7 @@ class StatusReply(_message.Message):
     NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    DCN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     configured: bool
@@ -241,7 +250,8 @@ class StatusReply(_message.Message):
     num_devices: int
     state: WorkerState
     pid: int
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ...) -> None: ...
+    dcn_address: str
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
