@@ -23,6 +23,7 @@ from multipod.pod_worker.config import (
     TrainShape,
     WorkerConfig,
     build,
+    check_fits,
     non_negative,
     positive,
 )
@@ -107,8 +108,7 @@ class Config:
         """Check every section and the cross-section rules; return self."""
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
-        if self.data.seq_len > self.model.max_seq_len:
-            raise ConfigError("data.seq_len", f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        check_fits("data.seq_len", self.data.seq_len, self.model)
         return self
 
     def to_dict(self) -> dict:

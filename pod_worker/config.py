@@ -128,9 +128,7 @@ class WorkerConfig:
     def validate(self) -> WorkerConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
-        if self.train.seq_len > self.model.max_seq_len:
-            raise ConfigError("train.seq_len",
-                              f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        check_fits("train.seq_len", self.train.seq_len, self.model)
         return self
 
     @property
@@ -162,6 +160,12 @@ class WorkerConfig:
         except json.JSONDecodeError as exc:
             raise ConfigError("config", f"not valid JSON: {exc}") from None
         return build(cls, data).validate()
+
+
+def check_fits(name: str, seq_len: int, model: ModelConfig) -> None:
+    """ConfigError(name) unless sequences of seq_len fit the model's positions."""
+    if seq_len > model.max_seq_len:
+        raise ConfigError(name, f"{seq_len} exceeds model.max_seq_len={model.max_seq_len}")
 
 
 # -- the typed loader (the controller's config uses it too) ---------------------------------------
