@@ -34,18 +34,36 @@ class Transformer(nn.Module):
         embedding = self.param("embedding", init, (c.vocab_size, c.d_model), c.weight_dtype)
         embedding = embedding.astype(c.compute_dtype)
 
-        x = constrain(jnp.take(embedding, tokens, axis=0), RESIDUAL)
-        block = ParallelBlock
-        if c.remat != "none":
-            # Each block is one remat region; the param tree is unchanged (same names).
-            block = nn.remat(ParallelBlock, policy=remat_policy(c.remat))
+        x = embed_tokens(embedding, tokens)
+        block = block_class(c)
         for i in range(c.n_layers):
             x = block(c, name=f"block_{i}")(x)
         x = constrain(RMSNorm(c, name="final_norm")(x), RESIDUAL)
-        x = constrain(x, GATHERED)
-        logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
-        logits = logits * (c.d_model ** -0.5)
-        return constrain(logits, LOGITS)
+        return unembed(x, embedding, c)
+
+
+# The pieces of Transformer.__call__ outside its sub-modules, as pure functions, so that a caller
+# can also run the model one part at a time (pod_worker/overlap.py: one program per block).
+def block_class(config: ModelConfig) -> type[nn.Module]:
+    """The block module: ParallelBlock, or with config.remat != "none" ParallelBlock as one remat
+    region (same parameter names)."""
+    if config.remat == "none":
+        return ParallelBlock
+    return nn.remat(ParallelBlock, policy=remat_policy(config.remat))
+
+
+def embed_tokens(embedding: jax.Array, tokens: jax.Array) -> jax.Array:
+    """int32 tokens [B, T] -> residual stream [B, T, d] (embedding already in the compute dtype)."""
+    return constrain(jnp.take(embedding, tokens, axis=0), RESIDUAL)
+
+
+def unembed(x: jax.Array, embedding: jax.Array, config: ModelConfig) -> jax.Array:
+    """Final-normed residual stream [B, T, d] -> float32 logits [B, T, vocab], through the shared
+    embedding (in the compute dtype), scaled by 1/sqrt(d_model)."""
+    x = constrain(x, GATHERED)
+    logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
+    logits = logits * (config.d_model ** -0.5)
+    return constrain(logits, LOGITS)
 
 
 def _boxed_init(config: ModelConfig, key: jax.Array):

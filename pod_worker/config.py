@@ -86,6 +86,7 @@ class DcnConfig:
     compression: str = "none"     # one of COMPRESSIONS (int8: one scale per chunk)
     link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
     link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
+    overlap: bool = False         # per-layer backward programs; each block's gradient leaves when ready
 
     def validate(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -129,6 +130,7 @@ class WorkerConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
         check_fits("train.seq_len", self.train.seq_len, self.model)
+        check_overlap(self.dcn, self.model)
         return self
 
     @property
@@ -160,6 +162,14 @@ class WorkerConfig:
         except json.JSONDecodeError as exc:
             raise ConfigError("config", f"not valid JSON: {exc}") from None
         return build(cls, data).validate()
+
+
+def check_overlap(dcn: DcnConfig, model: ModelConfig) -> None:
+    """ConfigError unless the overlapped step (dcn.overlap, pod_worker/overlap.py) can run this
+    model: it does not accumulate microbatches."""
+    if dcn.overlap and model.microbatches > 1:
+        raise ConfigError("model.microbatches", f"must be 1 with dcn.overlap = true, got {model.microbatches} "
+                                                "(the overlapped step does not accumulate microbatches)")
 
 
 def check_fits(name: str, seq_len: int, model: ModelConfig) -> None:

@@ -21,7 +21,7 @@ import optax
 
 from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
-from multipod.pod_worker import programs
+from multipod.pod_worker import overlap, programs
 from multipod.pod_worker.config import OptimizerConfig, WorkerConfig
 from multipod.pod_worker.dcn import LeafSpec
 
@@ -79,6 +79,7 @@ class StepOutcome:
     update_s: float
     fingerprint_s: float
     link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
+    exposed_exchange_s: float = 0.0  # end of this pod's backward pass -> every summed leaf on its devices
 
 
 class PodTrainer:
@@ -134,6 +135,10 @@ class PodTrainer:
             self._apply_update = jax.jit(apply_update, in_shardings=(p, o, p), out_shardings=(p, o, s, s),
                                          donate_argnums=(0, 1))
             self._eval_step = jax.jit(eval_step, in_shardings=(p, b), out_shardings=(s, s))
+        # dcn.overlap: the gradient step as per-layer programs (pod_worker/overlap.py), so each
+        # block's gradient can leave the pod while earlier blocks' backward programs still run.
+        self._overlapped = (overlap.OverlappedGradStep(self.config.model, self.mesh, p)
+                            if self.config.dcn.overlap else None)
 
     def compile_for(self, batch_shape: tuple[int, int]) -> dict:
         """Compile the step programs ahead of time for a shard shape; return compile timings."""
@@ -189,6 +194,8 @@ class PodTrainer:
         all_reduce(grads) -> (summed, stats) sums the pods' gradient leaves in pod order (the DCN
         exchange); None for a single pod, whose gradient never leaves the device. The state
         changes only if every part succeeds."""
+        if self._overlapped is not None:
+            return self._train_step_overlapped(batch, global_tokens, all_reduce)
         t0 = time.perf_counter()
         grads, ce, z = self.gradients(batch, global_tokens)
         t1 = time.perf_counter()
@@ -202,6 +209,35 @@ class PodTrainer:
                            grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
                            fingerprint=fp, compute_s=t1 - t0, exchange_s=t2 - t1, update_s=t3 - t2,
                            fingerprint_s=t4 - t3, link=link)
+
+    def _train_step_overlapped(self, batch: jax.Array, global_tokens: int, all_reduce) -> StepOutcome:
+        """train_step with dcn.overlap: every per-layer program is dispatched at once, and the
+        exchange takes the gradient leaves in readiness order (all_reduce(grads, order=...)),
+        blocking on each only when its turn comes while later backward programs keep running.
+
+        compute_s is the backward pass (launch -> last gradient ready); exchange_s the whole
+        exchange, which overlaps it; exposed_exchange_s the part after the backward pass, until
+        every summed leaf is on the devices."""
+        t0 = time.perf_counter()
+        norm = jax.device_put(np.float32(global_tokens), self.scalar_sharding)
+        launched = self._overlapped.launch(self.params, batch, norm)
+        t1 = time.perf_counter()
+        if all_reduce is not None:
+            summed, link = all_reduce(launched.leaves, order=launched.order)
+        else:
+            summed, link = launched.leaves, None
+        jax.block_until_ready(summed)
+        t2 = time.perf_counter()
+        backward_end = launched.backward_end(timeout=self.config.dcn.timeout_s)
+        ce, z = float(launched.ce), float(launched.z)
+        result = self.apply(summed)
+        t3 = time.perf_counter()
+        fp = self.fingerprint()
+        t4 = time.perf_counter()
+        return StepOutcome(loss_sum=ce + z, z_loss_sum=z, tokens=int(batch.shape[0] * (batch.shape[1] - 1)),
+                           grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
+                           fingerprint=fp, compute_s=backward_end - t0, exchange_s=t2 - t1, update_s=t3 - t2,
+                           fingerprint_s=t4 - t3, link=link, exposed_exchange_s=max(0.0, t2 - backward_end))
 
     def put_leaf(self, index: int, value: np.ndarray) -> jax.Array:
         """Start the host->device transfer of one summed gradient leaf (asynchronous)."""

@@ -1,0 +1,185 @@
+"""The gradient step as per-layer programs, so the DCN exchange overlaps the backward pass.
+
+The fused step (programs.make_grad_step) is one compiled program: its gradient exists only when
+the whole backward pass is done. Here the same maths runs as a chain of small programs, all
+dispatched at once (JAX dispatch is asynchronous), and each block's gradient can leave the pod
+as soon as its backward program has run, while the earlier blocks' backward programs still run:
+
+  forward   embed(embedding, inputs) -> x0
+            block(params_i, x_i) -> x_{i+1}, vjp_i        for i = 0 .. L-1 (vjp_i: the residuals)
+  head      loss(embedding, final_norm, x_L) -> d embedding (output part), d final_norm, d x_L,
+            and the loss sums
+  backward  vjp_i(d x_{i+1}) -> d params_i, d x_i         for i = L-1 .. 0
+            embedding gradient = output part + input part (scatter of d x0), complete last
+
+Readiness order of the gradient leaves: final_norm, block_{L-1}, ..., block_0, embedding.
+`Launched.order` lists the leaf indices (in the parameters' tree order) in that order; the
+exchange takes them in it. Each block's vjp keeps exactly the residuals the fused step keeps (with
+model.remat, the block is a remat region here as there, so only what the policy saves is kept).
+
+The result equals the fused step's to float tolerance, not bitwise (XLA fuses differently across
+program boundaries); every pod runs the same programs on the same mesh shape, so the pods'
+gradients are still computed identically and their pod-order sum is bitwise equal everywhere.
+Microbatching (model.microbatches > 1) is not supported: the config refuses it with overlap on.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from multipod.model import ModelConfig, token_losses
+from multipod.model.layers import RESIDUAL, RMSNorm, constrain
+from multipod.model.partitioning import activate_rules, rules_for
+from multipod.model.transformer import block_class, embed_tokens, unembed
+
+
+def block_names(model_cfg: ModelConfig) -> list[str]:
+    return [f"block_{i}" for i in range(model_cfg.n_layers)]
+
+
+def readiness_order(params_tree, model_cfg: ModelConfig) -> list[int]:
+    """Indices of the flattened parameter leaves (jax.tree.leaves order) in the order the
+    overlapped backward pass completes them: final_norm, the blocks from last to first, then the
+    embedding."""
+    by_part: dict[str, list[int]] = {}
+    for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params_tree)[0]):
+        by_part.setdefault(path[0].key, []).append(index)
+    parts = ["final_norm", *reversed(block_names(model_cfg)), "embedding"]
+    if sorted(parts) != sorted(by_part):
+        raise ValueError(f"parameter tree has parts {sorted(by_part)}, expected {sorted(parts)}")
+    return [index for part in parts for index in by_part[part]]
+
+
+def make_stage_functions(model_cfg: ModelConfig):
+    """The pure functions of the split step (meshes are the caller's business, as in programs.py):
+    embed, block_forward, head, block_backward, embed_backward."""
+    c = model_cfg
+    block = block_class(c)(c)
+
+    def embed(embedding, tokens):
+        with rules_for(c):
+            return embed_tokens(embedding.astype(c.compute_dtype), tokens[:, :-1])
+
+    def block_forward(params, x):
+        with rules_for(c):
+            return jax.vjp(lambda p, h: block.apply({"params": p}, h), params, x)
+
+    def head(embedding, final_norm, x, tokens, normalizer):
+        def loss(e, n, h):
+            h = constrain(RMSNorm(c).apply({"params": n}, h), RESIDUAL)
+            ce, z = token_losses(unembed(h, e.astype(c.compute_dtype), c), tokens[:, 1:], c.z_loss_weight)
+            ce, z = jnp.sum(ce), jnp.sum(z)
+            return (ce + z) / normalizer, (ce, z)
+        with rules_for(c):
+            (_, (ce, z)), (g_emb, g_norm, g_x) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+                embedding, final_norm, x)
+            return g_emb, g_norm, g_x, ce, z
+
+    def block_backward(vjp, g_y):
+        with rules_for(c):
+            return vjp(g_y)
+
+    def embed_backward(embedding, tokens, g_x0, g_emb_head):
+        with rules_for(c):
+            _, vjp = jax.vjp(lambda e: embed_tokens(e.astype(c.compute_dtype), tokens[:, :-1]), embedding)
+            (g_emb_input,) = vjp(g_x0)
+            return g_emb_head + g_emb_input
+
+    return embed, block_forward, head, block_backward, embed_backward
+
+
+@dataclass
+class Launched:
+    """One overlapped gradient step in flight: every program is dispatched, nothing waited for."""
+    leaves: list[jax.Array]   # gradient leaves in the parameters' tree order (being computed)
+    order: list[int]          # leaf indices in readiness order
+    ce: jax.Array
+    z: jax.Array
+    _done: threading.Event
+    _done_at: list[float]
+
+    def backward_end(self, timeout: float | None = None) -> float:
+        """time.perf_counter() at which the last gradient leaf (the embedding's) was ready."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the overlapped backward pass did not finish")
+        return self._done_at[0]
+
+
+class OverlappedGradStep:
+    """The split gradient step of one pod, compiled over its mesh with the fused step's shardings
+    and logical rules. `launch` dispatches it; the caller reads the leaves in `order`."""
+
+    def __init__(self, model_cfg: ModelConfig, mesh, param_sharding):
+        self.config = model_cfg
+        self.mesh = mesh
+        self.param_sharding = param_sharding
+        self.order = readiness_order(param_sharding, model_cfg)
+        self._treedef = jax.tree.structure(param_sharding)
+        embed, block_forward, head, block_backward, embed_backward = make_stage_functions(model_cfg)
+        # Every block has the same shapes and shardings, so one compiled program serves them all.
+        block_sharding = param_sharding[block_names(model_cfg)[0]]
+        emb_sharding, norm_sharding = param_sharding["embedding"], param_sharding["final_norm"]
+        pin = jax.lax.with_sharding_constraint
+
+        def head_pinned(*args):
+            g_emb, g_norm, g_x, ce, z = head(*args)
+            return pin(g_emb, emb_sharding), pin(g_norm, norm_sharding), g_x, ce, z
+
+        def block_backward_pinned(vjp, g_y):
+            g_p, g_x = block_backward(vjp, g_y)
+            return pin(g_p, block_sharding), g_x
+
+        def embed_backward_pinned(*args):
+            return pin(embed_backward(*args), emb_sharding)
+
+        with activate_rules(mesh):
+            self._embed = jax.jit(embed)
+            self._block_forward = jax.jit(block_forward)
+            self._head = jax.jit(head_pinned)
+            # The residuals are not donated: the block's parameters are among them.
+            self._block_backward = jax.jit(block_backward_pinned)
+            self._embed_backward = jax.jit(embed_backward_pinned, donate_argnums=(3,))
+
+    def launch(self, params, tokens: jax.Array, normalizer: jax.Array) -> Launched:
+        """Dispatch the whole step (forward, head, backward block by block) and start each
+        gradient's device->host copy as soon as its program is queued. Returns at once."""
+        names = block_names(self.config)
+        with activate_rules(self.mesh):
+            x = self._embed(params["embedding"], tokens)
+            vjps = []
+            for name in names:
+                x, vjp = self._block_forward(params[name], x)
+                vjps.append(vjp)
+            g_emb_head, g_norm, g_x, ce, z = self._head(params["embedding"], params["final_norm"], x,
+                                                        tokens, normalizer)
+            _start_copies(g_norm)
+            grads = {"final_norm": g_norm}
+            for name, vjp in zip(reversed(names), reversed(vjps)):
+                grads[name], g_x = self._block_backward(vjp, g_x)
+                _start_copies(grads[name])
+            del vjps
+            grads["embedding"] = self._embed_backward(params["embedding"], tokens, g_x, g_emb_head)
+            _start_copies(grads["embedding"])
+        leaves, treedef = jax.tree.flatten(grads)
+        if treedef != self._treedef:
+            raise AssertionError(f"gradient tree {treedef} != parameter tree {self._treedef}")
+        done, done_at = threading.Event(), [0.0]
+        last = grads["embedding"]
+
+        def watch():
+            try:
+                last.block_until_ready()
+            finally:
+                done_at[0] = time.perf_counter()
+                done.set()
+        threading.Thread(target=watch, name="overlap-backward-end", daemon=True).start()
+        return Launched(leaves, list(self.order), ce, z, done, done_at)
+
+
+def _start_copies(tree) -> None:
+    for leaf in jax.tree.leaves(tree):
+        leaf.copy_to_host_async()
