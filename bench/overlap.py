@@ -1,0 +1,212 @@
+"""Benchmark: the overlapped gradient step (dcn.overlap) against the fused one.
+
+    python -m bench.overlap compute [--config configs/default.toml] [--devices 2] [--reps 15]
+    python -m bench.overlap link [--config configs/default.toml] [--devices-per-pod 1] [--steps 12]
+                                 [--rounds 2] [--fraction 0.3] [--link-gbps G]
+
+compute: one pod, in this process, on --devices simulated CPU devices. Interleaved, --reps times
+each after a warm-up: the fused gradient program (PodTrainer.gradients) and the overlapped
+per-layer programs (overlap.OverlappedGradStep.launch, then every leaf ready), both on the same
+parameters and batch; the forward pass alone (the evaluation program) gives the backward pass's
+share. Then whole train_steps of a fused and an overlapped trainer, interleaved. Medians, and
+overlapped / fused.
+
+link: two pods (`multipod local`), the slow-link mode set so that sending one pod's gradient
+takes --fraction of the backward pass. A first fused run without the slow link measures the
+per-pod compute (forward + backward) of two pods sharing this machine; the backward pass is the
+share of it the compute mode measures (given as --backward-share, or measured here first). Then
+--rounds rounds of one fused and one overlapped run. Per step (the first two skipped: compile and
+warm-up): the largest per-pod exposed_exchange_s over the step time. Medians per setting.
+
+Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def compute(args) -> dict:
+    from multipod.pod_worker.devices import simulate_cpu_devices
+    simulate_cpu_devices(args.devices, overwrite=True)
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from multipod.controller.config import load_config
+    from multipod.pod_worker.trainer import PodTrainer
+
+    config = load_config(args.config).worker_config()
+    on = dataclasses.replace(config, dcn=dataclasses.replace(config.dcn, overlap=True)).validate()
+    off = dataclasses.replace(config, dcn=dataclasses.replace(config.dcn, overlap=False)).validate()
+    rows = config.train.global_batch       # one pod holds the whole batch
+    shape = (rows, config.train.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape).astype(np.int32)
+    global_tokens = rows * config.train.seq_len
+
+    trainer = PodTrainer(on)               # holds both the fused and the overlapped programs
+    trainer.compile_for(shape)
+    batch = trainer.put_batch(tokens)
+    norm = jax.device_put(np.float32(global_tokens), trainer.scalar_sharding)
+
+    def fused():
+        grads, _, _ = trainer.gradients(batch, global_tokens)
+        jax.block_until_ready(grads)
+
+    def overlapped():
+        launched = trainer._overlapped.launch(trainer.params, batch, norm)
+        jax.block_until_ready(launched.leaves)
+        float(launched.ce)
+
+    def forward():
+        ce, _ = trainer._eval_step(trainer.params, batch)
+        float(ce)
+
+    times: dict[str, list[float]] = {"fused_grad_s": [], "overlapped_grad_s": [], "forward_s": []}
+    for _ in range(2):                      # warm-up (compiles the jitted ones)
+        fused(), overlapped(), forward()
+    for rep in range(args.reps):
+        runs = [("fused_grad_s", fused), ("overlapped_grad_s", overlapped), ("forward_s", forward)]
+        if rep % 2:
+            runs[0], runs[1] = runs[1], runs[0]
+        for name, fn in runs:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+
+    # Whole steps: two trainers, same start, one update per step each.
+    step_trainers = {"fused_step_s": PodTrainer(off), "overlapped_step_s": PodTrainer(on)}
+    step_times: dict[str, list[float]] = {name: [] for name in step_trainers}
+    exposed = []
+    for rep in range(args.reps + 2):
+        for name, tr in (step_trainers.items() if rep % 2 == 0 else reversed(step_trainers.items())):
+            start = time.perf_counter()
+            outcome = tr.train_step(tr.put_batch(tokens), global_tokens)
+            if rep >= 2:
+                step_times[name].append(time.perf_counter() - start)
+                if name == "overlapped_step_s":
+                    exposed.append(outcome.exposed_exchange_s)
+
+    med = {name: statistics.median(v) for name, v in {**times, **step_times}.items()}
+    grad_bytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in trainer.leaf_specs)
+    backward = med["fused_grad_s"] - med["forward_s"]
+    return {
+        "mode": "compute", "config": str(args.config), "devices": args.devices, "reps": args.reps,
+        "batch": list(shape), "params": config.model.param_count(), "gradient_bytes": grad_bytes,
+        "medians": med,
+        "overlapped_over_fused_grad": med["overlapped_grad_s"] / med["fused_grad_s"],
+        "overlapped_over_fused_step": med["overlapped_step_s"] / med["fused_step_s"],
+        "backward_share_of_grad": backward / med["fused_grad_s"],
+        "one_pod_exposed_exchange_s_median": statistics.median(exposed),
+        "load_average": _load_avg(), "cpus": os.cpu_count(),
+    }
+
+
+def _local_run(args, run_dir: pathlib.Path, settings: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "multipod.cli", "local", "--pods", "2", "--devices-per-pod",
+           str(args.devices_per_pod), "--config", str(args.config), "--steps", str(args.steps),
+           "--run-dir", str(run_dir), "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
+           "--checkpoint-every", "0"]
+    for s in settings:
+        cmd += ["--set", s]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                            timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines][2:]      # skip compile and warm-up
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _summarise(records: list[dict]) -> dict:
+    def exposed(r):
+        pods = [p.get("exposed_exchange_s") for p in r["pods"]]
+        return None if None in pods else max(pods)
+    return {
+        "steps": len(records),
+        "step_time_s": _median([r["step_time_s"] for r in records]),
+        "compute_s": _median([p["compute_s"] for r in records for p in r["pods"]]),
+        "exchange_s": _median([p["exchange_s"] for r in records for p in r["pods"]]),
+        "exposed_exchange_s": _median([exposed(r) for r in records]),
+        "exposed_fraction_of_step": _median([None if exposed(r) is None else exposed(r) / r["step_time_s"]
+                                             for r in records]),
+        "fingerprints_equal_every_step": all(len(set(r["fingerprints"])) == 1 for r in records),
+        "losses": [round(r["loss"], 6) for r in records],
+    }
+
+
+def link(args) -> dict:
+    from multipod.controller.config import load_config
+    config = load_config(args.config)
+    grad_bytes = config.model.param_count() * 4
+    out: dict = {"mode": "link", "config": str(args.config), "devices_per_pod": args.devices_per_pod,
+                 "steps_per_run": args.steps, "gradient_bytes": grad_bytes, "fraction": args.fraction,
+                 "load_average_start": _load_avg(), "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
+        tmp = pathlib.Path(tmp)
+        gbps = args.link_gbps
+        if gbps is None:
+            share = args.backward_share
+            calib = _summarise(_local_run(args, tmp / "calibrate", ["dcn.overlap=false"]))
+            backward = calib["compute_s"] * share
+            # Seconds to send one pod's gradient = fraction x backward pass.
+            gbps = grad_bytes * 8 / (args.fraction * backward) / 1e9
+            out["calibration"] = {"fused_no_slow_link": calib, "backward_share": share, "backward_s": backward}
+        out["link_gbps"], out["link_latency_ms"] = gbps, args.link_latency_ms
+        link_settings = [f"dcn.link_gbps={gbps:.6f}", f"dcn.link_latency_ms={args.link_latency_ms}"]
+        per: dict[str, list[dict]] = {"fused": [], "overlapped": []}
+        for round_ in range(args.rounds):
+            names = ["fused", "overlapped"] if round_ % 2 == 0 else ["overlapped", "fused"]
+            for name in names:
+                overlap = "true" if name == "overlapped" else "false"
+                per[name] += _local_run(args, tmp / f"{name}-{round_}", [*link_settings, f"dcn.overlap={overlap}"])
+        out.update({name: _summarise(records) for name, records in per.items()})
+    out["load_average_end"] = _load_avg()
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("compute")
+    c.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
+    c.add_argument("--devices", type=int, default=2)
+    c.add_argument("--reps", type=int, default=15)
+    lk = sub.add_parser("link")
+    lk.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
+    lk.add_argument("--devices-per-pod", type=int, default=1)
+    lk.add_argument("--steps", type=int, default=12)
+    lk.add_argument("--rounds", type=int, default=2)
+    lk.add_argument("--fraction", type=float, default=0.3)
+    lk.add_argument("--backward-share", type=float, default=0.62,
+                    help="backward pass / (forward + backward), from the compute mode")
+    lk.add_argument("--link-gbps", type=float, default=None, help="skip the calibration run")
+    lk.add_argument("--link-latency-ms", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    result = compute(args) if args.mode == "compute" else link(args)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
