@@ -59,6 +59,9 @@ class RunConfig:
     sample_tokens: int = 160      # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "
     eval_batches: int = 2         # held-out batches evaluated at the end (0: none)
+    # Every step's fingerprint is an on-device checksum; the full BLAKE2b hash of a host copy of
+    # the state is taken at every checkpoint and after every N steps (0: only at checkpoints).
+    full_fingerprint_every: int = 100
     # Checkpoints and recovery (docs/reliability.md).
     checkpoint_every: int = 100   # save every N steps and at the end (0: only at the end)
     keep_checkpoints: int = 3     # keep the newest k checkpoints
@@ -76,7 +79,7 @@ class RunConfig:
 
     def validate(self) -> None:
         positive("run.steps", self.steps)
-        for name in ("checkpoint_every", "max_restarts", "skip_batches"):
+        for name in ("checkpoint_every", "max_restarts", "skip_batches", "full_fingerprint_every"):
             non_negative(f"run.{name}", getattr(self, name))
         for name in ("keep_checkpoints", "restart_timeout_s", "health_interval_s", "health_timeout_s",
                      "spike_threshold", "spike_window"):

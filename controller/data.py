@@ -90,6 +90,26 @@ class Batches:
         return self._windows(self.eval, np.random.default_rng([self.seed, 1 << 40, index]), self.global_batch)
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest integer dtype that holds every id of the vocabulary and that the wire codec
+    carries: uint8 up to 256 ids, uint16 up to 65536, int32 beyond. Batches travel in it and the
+    worker widens them on its devices."""
+    for dtype, limit in ((np.uint8, 1 << 8), (np.uint16, 1 << 16)):
+        if vocab_size <= limit and np.dtype(dtype).name in codec.DTYPES:
+            return np.dtype(dtype)
+    return np.dtype(np.int32)
+
+
+def narrow(tokens: np.ndarray, dtype=None) -> np.ndarray:
+    """`tokens` as `dtype` (default: the narrowest that holds their values) for the wire."""
+    if dtype is None:
+        dtype = token_dtype(int(tokens.max()) + 1 if tokens.size else 1)
+    dtype = np.dtype(dtype)
+    if tokens.size and dtype != tokens.dtype and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise DataError(f"token ids in [{tokens.min()}, {tokens.max()}] do not fit {dtype}")
+    return tokens.astype(dtype, copy=False)
+
+
 def shard(batch: np.ndarray, num_pods: int) -> list[np.ndarray]:
     """Cut a global batch into one contiguous shard per pod."""
     if batch.shape[0] % num_pods:
@@ -100,9 +120,12 @@ def shard(batch: np.ndarray, num_pods: int) -> list[np.ndarray]:
 class Prefetcher:
     """Builds the encoded per-pod shards of steps start..stop-1 on a background thread, `depth`
     steps ahead, so the step loop never waits for data. Step s trains on batch s + offset (the
-    offset grows when a loss-spike rewind skips batches). `batches` is anything with batch(i)."""
+    offset grows when a loss-spike rewind skips batches). `batches` is anything with batch(i).
+    Shards are encoded as `dtype` (data.token_dtype of the vocabulary: uint8 for bytes)."""
 
-    def __init__(self, batches, num_pods: int, start: int, stop: int, depth: int = 4, offset: int = 0):
+    def __init__(self, batches, num_pods: int, start: int, stop: int, depth: int = 4, offset: int = 0,
+                 dtype=np.int32):
+        self._dtype = np.dtype(dtype)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(batches, num_pods, start, stop, offset),
@@ -112,7 +135,8 @@ class Prefetcher:
     def _run(self, batches, num_pods: int, start: int, stop: int, offset: int) -> None:
         for step in range(start, stop):
             try:
-                item = (step, [codec.encode(s) for s in shard(batches.batch(step + offset), num_pods)])
+                item = (step, [codec.encode(narrow(s, self._dtype))
+                               for s in shard(batches.batch(step + offset), num_pods)])
             except Exception as exc:   # handed to the loop, which raises it: not a silent stall
                 item = (step, exc)
             # Short waits on a full queue, so that close() is noticed soon.

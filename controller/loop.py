@@ -12,7 +12,7 @@ import grpc
 
 from multipod.controller.client import WorkerError
 from multipod.controller.cluster import Cluster, Watchdog
-from multipod.controller.data import Prefetcher
+from multipod.controller.data import Prefetcher, token_dtype
 from multipod.controller.errors import RunError
 from multipod.controller.metrics import Accounting, Recorder, step_record
 from multipod.controller.spike import Spike, SpikePolicy
@@ -23,12 +23,17 @@ DATA_TIMEOUT_S = 60.0  # the data pipeline must deliver a step's shards within t
 
 
 def check_agreement(step: int, clients, replies) -> None:
-    """RunError naming the step and the pods if the pods' fingerprints or skip decisions differ:
-    the pods must stay bitwise identical."""
+    """RunError naming the step and the pods if the pods' fingerprints (the on-device checksums,
+    and the full hashes when the step took them) or skip decisions differ: the pods must stay
+    bitwise identical."""
     prints = [r.fingerprint for r in replies]
     if len(set(prints)) > 1:
         detail = ", ".join(f"{c.name}: {p}" for c, p in zip(clients, prints))
         raise RunError(f"step {step}: pods diverged, their parameter fingerprints differ ({detail})")
+    full = [r.full_fingerprint for r in replies]
+    if any(full) and len(set(full)) > 1:
+        detail = ", ".join(f"{c.name}: {p or 'missing'}" for c, p in zip(clients, full))
+        raise RunError(f"step {step}: pods diverged, their full state hashes differ ({detail})")
     if len({r.skipped for r in replies}) > 1:
         detail = ", ".join(f"{c.name}: {'skipped' if r.skipped else 'applied'}" for c, r in zip(clients, replies))
         raise RunError(f"step {step}: pods disagree on skipping the update ({detail})")
@@ -60,7 +65,8 @@ class StepLoop:
         flight have finished), or RunError (the pods diverged)."""
         stop = self.run_config.steps
         self._data_offset, self._restarts = data_offset, restarts
-        prefetch = Prefetcher(self.batches, self.cluster.size, start, stop, offset=data_offset)
+        prefetch = Prefetcher(self.batches, self.cluster.size, start, stop, offset=data_offset,
+                              dtype=token_dtype(self.cluster.config.model.vocab_size))
         self._watchdog = self.cluster.watchdog()
         self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
         try:
@@ -103,7 +109,10 @@ class StepLoop:
 
     def _dispatch(self, step: int, shards: list[bytes]) -> None:
         timeout = self.run_config.step_timeout_s
-        calls = [client.call_async("Step", pb.StepRequest(step=step, tokens=tokens, global_tokens=self.global_tokens),
+        every = self.run_config.full_fingerprint_every
+        full = bool(every) and (step + 1) % every == 0    # the state after a multiple of N steps
+        calls = [client.call_async("Step", pb.StepRequest(step=step, tokens=tokens, global_tokens=self.global_tokens,
+                                                          full_fingerprint=full),
                                    timeout) for client, tokens in zip(self.cluster.clients, shards)]
         self._pending.append((step, calls))
 

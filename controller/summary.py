@@ -7,7 +7,7 @@ import pathlib
 import statistics
 from dataclasses import dataclass
 
-from multipod.controller.data import decode_tokens, encode_text
+from multipod.controller.data import decode_tokens, encode_text, narrow
 from multipod.controller.metrics import out
 from multipod.protos import codec, multipod_pb2 as pb
 
@@ -33,7 +33,8 @@ def evaluate(client, batches, run) -> float | None:
         return None
     total, count = 0.0, 0
     for index in range(run.eval_batches):
-        reply = client.call("Evaluate", pb.EvaluateRequest(tokens=codec.encode(batches.eval_batch(index))),
+        tokens = narrow(batches.eval_batch(index))     # the narrowest dtype that holds them (bytes: uint8)
+        reply = client.call("Evaluate", pb.EvaluateRequest(tokens=codec.encode(tokens)),
                             run.step_timeout_s)
         total, count = total + reply.loss_sum, count + reply.tokens
     return total / count
@@ -45,7 +46,7 @@ def sample(client, run) -> str | None:
         return None
     prompt = encode_text(run.sample_prompt or " ")
     reply = client.call("Generate", pb.GenerateRequest(
-        prompt=codec.encode(prompt), num_tokens=run.sample_tokens, temperature=0.7, seed=run.seed),
+        prompt=codec.encode(narrow(prompt)), num_tokens=run.sample_tokens, temperature=0.7, seed=run.seed),
         run.step_timeout_s)
     return run.sample_prompt + decode_tokens(codec.decode(reply.tokens))
 

@@ -36,9 +36,12 @@ def emit(**fields) -> None:
 
 
 def random_tokens(vocab_size: int, rows: int, seq_len: int):
-    """A fixed batch of token ids [rows, seq_len + 1] (the timings do not depend on the values)."""
+    """A fixed batch of token ids [rows, seq_len + 1] (the timings do not depend on the values), in
+    the dtype a worker receives: uint8 for a vocabulary of at most 256 ids (the trainer widens it
+    on the devices, as in a run)."""
     import numpy as np
-    return np.random.RandomState(0).randint(0, vocab_size, size=(rows, seq_len + 1)).astype(np.int32)
+    dtype = np.uint8 if vocab_size <= 256 else np.int32
+    return np.random.RandomState(0).randint(0, vocab_size, size=(rows, seq_len + 1)).astype(dtype)
 
 
 def probe(worker_json: str, devices: list, rows: int, steps: int, memory_limit: int | None) -> dict:

@@ -105,11 +105,12 @@ class Pod:
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
-             is_active: Callable[[], bool]) -> tuple[StepOutcome, float]:
+             is_active: Callable[[], bool], full_fingerprint: bool = False) -> tuple[StepOutcome, float]:
         """Run training step `step` on this pod's shard (validated against `setup`) once the steps
         before it are done; returns the outcome and the seconds spent waiting for them. The
         sequencer's errors say why a step cannot run; a step that fails leaves the state as it
-        was and refuses later steps until the pod is restored or reconfigured."""
+        was and refuses later steps until the pod is restored or reconfigured. With
+        full_fingerprint the outcome carries the full hash of the new state too."""
         trainer = setup.trainer
         self.seq.check_not_done(step)
         # The shard goes to the devices now, while an earlier step may still be computing.
@@ -119,13 +120,14 @@ class Pod:
         wait_s = time.perf_counter() - wait_start
         ok = False
         try:
-            outcome = self._train(setup, step, on_device, global_tokens)
+            outcome = self._train(setup, step, on_device, global_tokens, full_fingerprint)
             ok = True
         finally:
             self.seq.finish_step(step, trainer.step, ok)
         return outcome, wait_s
 
-    def _train(self, setup: Setup, step: int, on_device, global_tokens: int) -> StepOutcome:
+    def _train(self, setup: Setup, step: int, on_device, global_tokens: int,
+               full_fingerprint: bool = False) -> StepOutcome:
         trainer, exchange = setup.trainer, self.exchange
         exchange.inbox.set_next_step(step)
         all_reduce = None
@@ -134,7 +136,7 @@ class Pod:
             all_reduce = lambda grads: exchange.all_reduce(step, grads, on_leaf=trainer.put_leaf)
         if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)
-        outcome = trainer.train_step(on_device, global_tokens, all_reduce)
+        outcome = trainer.train_step(on_device, global_tokens, all_reduce, full_fingerprint=full_fingerprint)
         exchange.inbox.set_next_step(trainer.step)
         return outcome
 

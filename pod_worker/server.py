@@ -110,12 +110,17 @@ def _deadline(context) -> float:
     return time.monotonic() + _wait_budget(context)
 
 
+# Token ids travel as the narrowest of these that holds the vocabulary; the devices widen them.
+TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
+
+
 def _decode_tokens(setup: Setup, payload: bytes, rows: int | None) -> np.ndarray:
-    """A codec-encoded [rows, seq_len + 1] int32 batch, checked against the pod's config."""
+    """A codec-encoded [rows, seq_len + 1] batch of uint8, uint16 or int32 token ids, checked
+    against the pod's config (kept in its dtype: the devices widen it)."""
     config = setup.config
     tokens = codec.decode(payload, max_bytes=protos.MAX_MESSAGE_BYTES)
-    if tokens.dtype != np.int32 or tokens.ndim != 2:
-        raise _invalid(f"tokens must be a 2-d int32 array, got {tokens.ndim}-d {tokens.dtype}")
+    if tokens.dtype not in TOKEN_DTYPES or tokens.ndim != 2:
+        raise _invalid(f"tokens must be a 2-d uint8, uint16 or int32 array, got {tokens.ndim}-d {tokens.dtype}")
     want_cols = config.train.seq_len + 1
     if tokens.shape[1] != want_cols or (rows is not None and tokens.shape[0] != rows):
         raise _invalid(f"tokens shape {tokens.shape} != expected ({rows if rows is not None else 'B'}, {want_cols})")
@@ -175,15 +180,17 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         if request.global_tokens <= 0:
             raise _invalid("global_tokens must be positive")
         outcome, wait_s = self.pod.step(setup, request.step, tokens, request.global_tokens, _deadline(context),
-                                        context.is_active)
+                                        context.is_active, full_fingerprint=request.full_fingerprint)
         link = outcome.link
         return pb.StepReply(
             step=request.step, pod_index=self.pod.pod_index, loss_sum=outcome.loss_sum,
             z_loss_sum=outcome.z_loss_sum, tokens=outcome.tokens, grad_norm=outcome.grad_norm,
             learning_rate=outcome.learning_rate, skipped=outcome.skipped, fingerprint=outcome.fingerprint,
+            full_fingerprint=outcome.full_fingerprint,
             timings=pb.StepTimings(wait_s=wait_s, compute_s=outcome.compute_s, exchange_s=outcome.exchange_s,
                                    update_s=outcome.update_s, fingerprint_s=outcome.fingerprint_s,
-                                   idle_s=link.idle_s if link else 0.0),
+                                   idle_s=link.idle_s if link else 0.0,
+                                   exposed_exchange_s=outcome.exposed_exchange_s),
             dcn_bytes_sent=link.bytes_sent if link else 0,
             dcn_bytes_received=link.bytes_received if link else 0)
 
@@ -203,16 +210,16 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         setup = self.pod.setup()
         prompt = codec.decode(request.prompt, max_bytes=1 << 20)
         vocab = setup.config.model.vocab_size
-        if prompt.dtype != np.int32 or prompt.ndim != 1 or prompt.size == 0:
-            raise _invalid("prompt must be a non-empty 1-d int32 array")
+        if prompt.dtype not in TOKEN_DTYPES or prompt.ndim != 1 or prompt.size == 0:
+            raise _invalid("prompt must be a non-empty 1-d uint8, uint16 or int32 array")
         if prompt.min() < 0 or prompt.max() >= vocab:
             raise _invalid(f"prompt token ids must be in [0, {vocab})")
         if not 0 < request.num_tokens <= 4096:
             raise _invalid(f"num_tokens must be in [1, 4096], got {request.num_tokens}")
         if not np.isfinite(request.temperature) or request.temperature < 0:
             raise _invalid(f"temperature must be >= 0, got {request.temperature}")
-        out = self.pod.generate(prompt, int(request.num_tokens), float(request.temperature), int(request.seed),
-                                _deadline(context))
+        out = self.pod.generate(prompt.astype(np.int32), int(request.num_tokens), float(request.temperature),
+                                int(request.seed), _deadline(context))
         return pb.GenerateReply(tokens=codec.encode(out))
 
     @_handler

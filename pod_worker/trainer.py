@@ -80,6 +80,7 @@ class StepOutcome:
     fingerprint_s: float
     link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
     exposed_exchange_s: float = 0.0  # end of this pod's backward pass -> every summed leaf on its devices
+    full_fingerprint: str = ""       # BLAKE2b of a host copy of the state, when the step was asked for it
 
 
 class PodTrainer:
@@ -135,6 +136,10 @@ class PodTrainer:
             self._apply_update = jax.jit(apply_update, in_shardings=(p, o, p), out_shardings=(p, o, s, s),
                                          donate_argnums=(0, 1))
             self._eval_step = jax.jit(eval_step, in_shardings=(p, b), out_shardings=(s, s))
+            # The per-step fingerprint: a checksum computed where the state lives (no host copy).
+            self._checksum = jax.jit(programs.state_checksum, in_shardings=(p, o), out_shardings=s)
+            # Narrow token batches (uint8/uint16 on the wire) become int32 on the devices.
+            self._widen = jax.jit(lambda t: t.astype(jnp.int32), in_shardings=b, out_shardings=b)
         # dcn.overlap: the gradient step as per-layer programs (pod_worker/overlap.py), so each
         # block's gradient can leave the pod while earlier blocks' backward programs still run.
         self._overlapped = (overlap.OverlappedGradStep(self.config.model, self.mesh, p)
@@ -148,6 +153,7 @@ class PodTrainer:
         with activate_rules(self.mesh):
             self._grad_compiled = self._grad_step.lower(self.params, tokens, norm).compile()
             self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
+            self._checksum_compiled = self._checksum.lower(self.params, self.opt_state).compile()
         self._compiled_shape = tuple(batch_shape)
         return {"compile_s": time.perf_counter() - start}
 
@@ -170,14 +176,24 @@ class PodTrainer:
 
     # -- the step ------------------------------------------------------------------------------
     def put_batch(self, tokens: np.ndarray) -> jax.Array:
-        """Host tokens -> the pod's devices, split over the data axis."""
-        return jax.device_put(tokens, self.batch_sharding)
+        """Host tokens (int32, or uint8/uint16 as they travel) -> int32 on the pod's devices, split
+        over the data axis; the widening runs on the devices."""
+        on_device = jax.device_put(tokens, self.batch_sharding)
+        return on_device if on_device.dtype == jnp.int32 else self._widen(on_device)
+
+    def _normalizer(self, global_tokens: int) -> jax.Array:
+        """The loss normaliser on the devices, put there once per value (not every step)."""
+        cached = getattr(self, "_norm_cache", None)
+        if cached is None or cached[0] != global_tokens:
+            cached = (global_tokens, jax.device_put(np.float32(global_tokens), self.scalar_sharding))
+            self._norm_cache = cached
+        return cached[1]
 
     def gradients(self, tokens: jax.Array, global_tokens: int) -> tuple[list[jax.Array], float, float]:
         """Forward/backward on this pod's shard; returns the gradient leaves (still on the device,
         every device->host copy already started, so the exchange can take them one by one while
         later ones are still copying) and the loss sums."""
-        norm = jax.device_put(np.float32(global_tokens), self.scalar_sharding)
+        norm = self._normalizer(global_tokens)
         if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
             grads, ce, z = self._grad_compiled(self.params, tokens, norm)
         else:
@@ -188,27 +204,44 @@ class PodTrainer:
             leaf.copy_to_host_async()
         return leaves, float(ce), float(z)
 
-    def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None) -> StepOutcome:
+    def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None,
+                   full_fingerprint: bool = False) -> StepOutcome:
         """The per-step core: gradients -> exchange -> update -> fingerprint.
 
         all_reduce(grads) -> (summed, stats) sums the pods' gradient leaves in pod order (the DCN
         exchange); None for a single pod, whose gradient never leaves the device. The state
-        changes only if every part succeeds."""
+        changes only if every part succeeds. The fingerprint is the on-device checksum; with
+        full_fingerprint the BLAKE2b of a host copy of the state is taken too (counted in
+        fingerprint_s)."""
         if self._overlapped is not None:
-            return self._train_step_overlapped(batch, global_tokens, all_reduce)
+            outcome = self._train_step_overlapped(batch, global_tokens, all_reduce)
+        else:
+            outcome = self._train_step_fused(batch, global_tokens, all_reduce)
+        if full_fingerprint:
+            start = time.perf_counter()
+            outcome.full_fingerprint = self.fingerprint()
+            outcome.fingerprint_s += time.perf_counter() - start
+        return outcome
+
+    def _train_step_fused(self, batch: jax.Array, global_tokens: int, all_reduce) -> StepOutcome:
+        """One compiled gradient program, then the exchange of its leaves, then the update.
+        exposed_exchange_s: from the end of the gradient program until every summed leaf is on the
+        devices (here the whole exchange, since nothing overlaps it)."""
         t0 = time.perf_counter()
-        grads, ce, z = self.gradients(batch, global_tokens)
+        grads, ce, z = self.gradients(batch, global_tokens)   # returns once the program is done
         t1 = time.perf_counter()
         summed, link = all_reduce(grads) if all_reduce is not None else (grads, None)
         t2 = time.perf_counter()
+        jax.block_until_ready([leaf for leaf in summed if isinstance(leaf, jax.Array)])
+        t_ready = time.perf_counter()
         result = self.apply(summed)
         t3 = time.perf_counter()
-        fp = self.fingerprint()
+        fp = self.checksum()
         t4 = time.perf_counter()
         return StepOutcome(loss_sum=ce + z, z_loss_sum=z, tokens=int(batch.shape[0] * (batch.shape[1] - 1)),
                            grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
                            fingerprint=fp, compute_s=t1 - t0, exchange_s=t2 - t1, update_s=t3 - t2,
-                           fingerprint_s=t4 - t3, link=link)
+                           fingerprint_s=t4 - t3, link=link, exposed_exchange_s=t_ready - t1)
 
     def _train_step_overlapped(self, batch: jax.Array, global_tokens: int, all_reduce) -> StepOutcome:
         """train_step with dcn.overlap: every per-layer program is dispatched at once, and the
@@ -232,7 +265,7 @@ class PodTrainer:
         ce, z = float(launched.ce), float(launched.z)
         result = self.apply(summed)
         t3 = time.perf_counter()
-        fp = self.fingerprint()
+        fp = self.checksum()
         t4 = time.perf_counter()
         return StepOutcome(loss_sum=ce + z, z_loss_sum=z, tokens=int(batch.shape[0] * (batch.shape[1] - 1)),
                            grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
@@ -249,12 +282,26 @@ class PodTrainer:
         """Apply the all-pod gradient sum (host arrays, or device arrays from put_leaf or from
         gradients). The state only changes when the whole step succeeds."""
         grads = jax.device_put(jax.tree.unflatten(self._treedef, summed), self.param_sharding)
-        lr = float(self.schedule(self.opt_count()))
+        count = self._count if getattr(self, "_count", None) is not None else self.opt_count()
         update = getattr(self, "_update_compiled", None) or self._apply_update
         params, opt_state, norm, finite = update(self.params, self.opt_state, grads)
+        # The learning rate is reported from a count kept on the host (no copy of the state's
+        # scalars), computed while the update runs.
+        lr = self._learning_rate(count)
         self.params, self.opt_state = params, opt_state
         self.step += 1
-        return StepResult(float(norm), not bool(finite), lr)
+        applied = bool(finite)
+        self._count = count + int(applied)   # a skipped update leaves the optimizer's count as it was
+        return StepResult(float(norm), not applied, lr)
+
+    def _learning_rate(self, count: int) -> float:
+        """The schedule's value after `count` updates (memoised: one evaluation per count)."""
+        cache = self.__dict__.setdefault("_lr_cache", {})
+        if count not in cache:
+            if len(cache) > 4096:
+                cache.clear()
+            cache[count] = float(self.schedule(count))
+        return cache[count]
 
     def opt_count(self) -> int:
         """Number of updates the optimizer has applied (drives the learning-rate schedule)."""
@@ -267,7 +314,15 @@ class PodTrainer:
         return float(ce), int(tokens.shape[0] * (tokens.shape[1] - 1))
 
     def fingerprint(self) -> str:
+        """The full hash: BLAKE2b of a host copy of every parameter and optimizer-state leaf (at
+        checkpoints, and every run.full_fingerprint_every steps)."""
         return fingerprint(self.params, self.opt_state)
+
+    def checksum(self) -> str:
+        """The per-step fingerprint: programs.state_checksum of the state, computed on the devices;
+        only its 8 bytes come to the host."""
+        program = getattr(self, "_checksum_compiled", None) or self._checksum
+        return programs.checksum_hex(np.asarray(program(self.params, self.opt_state)))
 
     def host_state(self) -> dict:
         """Parameters, optimizer state and step as host arrays (for checkpoints and sampling)."""
@@ -286,3 +341,4 @@ class PodTrainer:
         self.params = jax.device_put(params, self.param_sharding)
         self.opt_state = jax.device_put(opt_state, self.opt_sharding)
         self.step = int(step)
+        self._count = None      # read from the restored optimizer state at the next update

@@ -70,9 +70,10 @@ class FakeCall:
 
 
 def step_reply(pod: int, step: int, *, fingerprint: str | None = None, skipped: bool = False,
-               loss: float = 2.0, tokens: int = 16) -> pb.StepReply:
+               loss: float = 2.0, tokens: int = 16, full_fingerprint: str = "") -> pb.StepReply:
     return pb.StepReply(step=step, pod_index=pod, loss_sum=loss * tokens, tokens=tokens, grad_norm=1.0,
                         learning_rate=1e-3, skipped=skipped, fingerprint=fingerprint or f"fp{step}",
+                        full_fingerprint=full_fingerprint,
                         timings=pb.StepTimings(compute_s=0.01 * (pod + 1)))
 
 
@@ -96,6 +97,7 @@ class FakePod:
         self.log = log if log is not None else []
         self.configure = lambda request: configure_reply(self.pod_index)
         self.calls: list[tuple[str, object]] = []
+        self.step_requests: list[pb.StepRequest] = []
         self.hanging: list[FakeCall] = []
         self.configured = True
 
@@ -113,6 +115,7 @@ class FakePod:
 
     def call_async(self, method: str, request, timeout_s: float) -> FakeCall:
         assert method == "Step", method
+        self.step_requests.append(request)
         data_index = int(codec.decode(request.tokens)[0, 0])
         self.log.append(("dispatch", self.pod_index, request.step, data_index))
         try:

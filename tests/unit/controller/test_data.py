@@ -59,3 +59,26 @@ def test_errors(tmp_path):
 
 def test_text_round_trip():
     assert decode_tokens(encode_text("def f(x):")) == "def f(x):"
+
+
+def test_tokens_travel_as_the_narrowest_dtype_that_holds_the_vocabulary():
+    from multipod.controller.data import Prefetcher, narrow, token_dtype
+    from multipod.protos import codec
+    assert token_dtype(256) == np.uint8 and token_dtype(200) == np.uint8
+    assert token_dtype(257) == (np.uint16 if "uint16" in codec.DTYPES else np.int32)
+    assert token_dtype(1 << 17) == np.int32
+    tokens = np.array([[0, 255], [7, 1]], np.int32)
+    assert narrow(tokens).dtype == np.uint8 and (narrow(tokens) == tokens).all()
+    with pytest.raises(DataError):
+        narrow(np.array([[256]], np.int32), np.uint8)
+
+    class Batches:
+        def batch(self, index):
+            return np.full((4, 9), index, np.int32)
+    prefetch = Prefetcher(Batches(), 2, 0, 1, dtype=np.uint8)
+    try:
+        step, shards = prefetch.next(10)
+    finally:
+        prefetch.close()
+    decoded = [codec.decode(s) for s in shards]
+    assert step == 0 and [d.dtype for d in decoded] == [np.uint8] * 2 and [d.shape for d in decoded] == [(2, 9)] * 2

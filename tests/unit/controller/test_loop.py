@@ -164,3 +164,28 @@ def test_a_spike_is_raised_after_its_record_and_the_steps_in_flight_finish():
     assert info.value.step == 4 and info.value.loss == 50.0
     assert sink.records[-1]["step"] == 4
     assert not any(e == ("boundary", 6) for e in log)
+
+
+def test_the_full_hash_is_asked_for_every_n_steps_and_compared_across_pods():
+    def reply(pod, s, data):
+        full = f"full{s}" if s in (2, 5) else ""
+        if pod == 1 and s == 5:
+            full = "other"
+        return step_reply(pod, s, full_fingerprint=full)
+    pods = [FakePod(0, step=reply), FakePod(1, step=reply)]
+    loop, sink = _loop(pods, steps=8, full_fingerprint_every=3)
+    with pytest.raises(RunError, match=r"step 5: .*full state hashes differ.*pod 1 .*other"):
+        loop.run(0)
+    # Asked after 3 and 6 steps (steps 2 and 5), of every pod, and recorded where taken.
+    for pod in pods:
+        assert [r.step for r in pod.step_requests if r.full_fingerprint] == [2, 5]
+    assert [r["full_fingerprints"] for r in sink.records[:3]] == [None, None, ["full2", "full2"]]
+
+
+def test_shards_travel_as_the_narrowest_dtype_of_the_vocabulary():
+    pods = [FakePod(0), FakePod(1)]
+    loop, _ = _loop(pods, steps=2, full_fingerprint_every=0)
+    loop.run(0)
+    from multipod.protos import codec
+    assert {codec.decode(r.tokens).dtype.name for r in pods[0].step_requests} == {"uint8"}
+    assert not any(r.full_fingerprint for r in pods[0].step_requests)

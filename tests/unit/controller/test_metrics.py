@@ -41,3 +41,18 @@ def test_recorder_keeps_the_latest_record_of_a_replayed_step_and_counts_skips():
     assert [r["loss"] for r in recorder.in_order()] == [3.0, 2.4] and len(sink.records) == 3
     assert recorder.note_skipped(4, True) == 1 and recorder.note_skipped(4, True) == 1
     assert recorder.note_skipped(5, False) == 1
+
+
+def test_the_record_shows_the_exposed_exchange_and_the_fingerprint_per_pod_and_at_most():
+    replies = _replies()
+    replies[0].timings.exposed_exchange_s, replies[1].timings.exposed_exchange_s = 0.02, 0.05
+    replies[0].timings.fingerprint_s, replies[1].timings.fingerprint_s = 0.004, 0.003
+    replies[0].timings.idle_s, replies[1].timings.idle_s = 0.01, 0.0
+    record = step_record(0, replies, 2.0, Accounting(model_flops_per_token=6.0))
+    assert [p["exposed_exchange_s"] for p in record["pods"]] == [0.02, 0.05]
+    assert [p["fingerprint_s"] for p in record["pods"]] == [0.004, 0.003]
+    assert (record["exposed_exchange_s"], record["fingerprint_time_s"], record["idle_time_s"]) == (0.05, 0.004, 0.01)
+    assert record["full_fingerprints"] is None
+    for reply in replies:
+        reply.full_fingerprint = "blake"
+    assert step_record(0, replies, 2.0, Accounting(model_flops_per_token=6.0))["full_fingerprints"] == ["blake"] * 2
