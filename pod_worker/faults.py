@@ -37,7 +37,7 @@ def poison(grads: list) -> list:
 def poisoned(all_reduce):
     """An all_reduce for PodTrainer.train_step that poisons this pod's gradient before summing it
     (all_reduce None: a single pod, whose sum is its own gradient)."""
-    def run(grads):
+    def run(grads, **kwargs):
         grads = poison(grads)
-        return all_reduce(grads) if all_reduce is not None else (grads, None)
+        return all_reduce(grads, **kwargs) if all_reduce is not None else (grads, None)
     return run

@@ -132,8 +132,9 @@ class Pod:
         exchange.inbox.set_next_step(step)
         all_reduce = None
         if setup.num_pods > 1:
-            # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum -> host->device.
-            all_reduce = lambda grads: exchange.all_reduce(step, grads, on_leaf=trainer.put_leaf)
+            # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum -> host->device. The
+            # overlapped step (dcn.overlap) passes order= (leaves in the order they become ready).
+            all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=trainer.put_leaf, **kw)
         if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)
         outcome = trainer.train_step(on_device, global_tokens, all_reduce, full_fingerprint=full_fingerprint)
