@@ -9,10 +9,16 @@ as soon as its backward program has run, while the earlier blocks' backward prog
             block(params_i, x_i) -> x_{i+1}, vjp_i        for i = 0 .. L-1 (vjp_i: the residuals)
   head      loss(embedding, final_norm, x_L) -> d embedding (output part), d final_norm, d x_L,
             and the loss sums
-  backward  vjp_i(d x_{i+1}) -> d params_i, d x_i         for i = L-1 .. 0
+  backward  vjp_i(d x_{i+1}) -> d params_i, d x_i         for i = L-1 .. 1
+            block 0 in two programs from the same residuals: first only the gradient of its
+            largest sub-module (the MLP), then the rest and d x0
             embedding gradient = output part + input part (scatter of d x0), complete last
 
-Readiness order of the gradient leaves: final_norm, block_{L-1}, ..., block_0, embedding.
+Readiness order of the gradient leaves: final_norm, block_{L-1}, ..., block_1, block_0's largest
+sub-module, the rest of block_0, embedding. What the step waits for after its backward pass is
+the sending of what became ready last; splitting block 0 makes that the small rest of it and the
+embedding instead of a whole block. The price: the two block-0 programs each compute what both
+need (XLA drops the rest of each), about one matmul of the MLP's backward twice.
 `Launched.order` lists the leaf indices (in the parameters' tree order) in that order; the
 exchange takes them in it. Each block's vjp keeps exactly the residuals the fused step keeps (with
 model.remat, the block is a remat region here as there, so only what the policy saves is kept).
@@ -30,8 +36,9 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from multipod.model import ModelConfig, token_losses
+from multipod.model import ModelConfig, abstract_params, token_losses
 from multipod.model.layers import RESIDUAL, RMSNorm, constrain
 from multipod.model.partitioning import activate_rules, rules_for
 from multipod.model.transformer import block_class, embed_tokens, unembed
@@ -41,16 +48,29 @@ def block_names(model_cfg: ModelConfig) -> list[str]:
     return [f"block_{i}" for i in range(model_cfg.n_layers)]
 
 
+def early_part(block_params) -> str:
+    """The name of a block's largest sub-module (by parameter count; leaves: arrays or shapes):
+    block 0 sends it first."""
+    sizes = {name: sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(sub))
+             for name, sub in block_params.items()}
+    return max(sorted(sizes), key=lambda name: sizes[name])
+
+
 def readiness_order(params_tree, model_cfg: ModelConfig) -> list[int]:
     """Indices of the flattened parameter leaves (jax.tree.leaves order) in the order the
-    overlapped backward pass completes them: final_norm, the blocks from last to first, then the
-    embedding."""
+    overlapped backward pass completes them: final_norm, the blocks from last to first (block 0's
+    largest sub-module before the rest of it), then the embedding."""
+    first = block_names(model_cfg)[0]
+    early = early_part(params_tree[first])
     by_part: dict[str, list[int]] = {}
     for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params_tree)[0]):
-        by_part.setdefault(path[0].key, []).append(index)
-    parts = ["final_norm", *reversed(block_names(model_cfg)), "embedding"]
-    if sorted(parts) != sorted(by_part):
-        raise ValueError(f"parameter tree has parts {sorted(by_part)}, expected {sorted(parts)}")
+        part = path[0].key
+        if part == first:
+            part = (first, path[1].key == early)
+        by_part.setdefault(part, []).append(index)
+    parts = ["final_norm", *reversed(block_names(model_cfg)[1:]), (first, True), (first, False), "embedding"]
+    if sorted(map(str, parts)) != sorted(map(str, by_part)):
+        raise ValueError(f"parameter tree has parts {sorted(map(str, by_part))}, expected {sorted(map(str, parts))}")
     return [index for part in parts for index in by_part[part]]
 
 
@@ -117,7 +137,8 @@ class OverlappedGradStep:
         self.config = model_cfg
         self.mesh = mesh
         self.param_sharding = param_sharding
-        self.order = readiness_order(param_sharding, model_cfg)
+        shapes = abstract_params(model_cfg)
+        self.order = readiness_order(shapes, model_cfg)
         self._treedef = jax.tree.structure(param_sharding)
         embed, block_forward, head, block_backward, embed_backward = make_stage_functions(model_cfg)
         # Every block has the same shapes and shardings, so one compiled program serves them all.
@@ -133,6 +154,17 @@ class OverlappedGradStep:
             g_p, g_x = block_backward(vjp, g_y)
             return pin(g_p, block_sharding), g_x
 
+        early = self.early = early_part(shapes[block_names(model_cfg)[0]])
+
+        def first_block_early(vjp, g_y):    # only the largest sub-module's gradient
+            g_p, _ = block_backward(vjp, g_y)
+            return pin(g_p[early], block_sharding[early])
+
+        def first_block_rest(vjp, g_y):     # the other sub-modules' gradients and d x0
+            g_p, g_x = block_backward(vjp, g_y)
+            rest = {name: g for name, g in g_p.items() if name != early}
+            return pin(rest, {name: block_sharding[name] for name in rest}), g_x
+
         def embed_backward_pinned(*args):
             return pin(embed_backward(*args), emb_sharding)
 
@@ -142,6 +174,8 @@ class OverlappedGradStep:
             self._head = jax.jit(head_pinned)
             # The residuals are not donated: the block's parameters are among them.
             self._block_backward = jax.jit(block_backward_pinned)
+            self._first_block_early = jax.jit(first_block_early)
+            self._first_block_rest = jax.jit(first_block_rest)
             self._embed_backward = jax.jit(embed_backward_pinned, donate_argnums=(3,))
 
     def launch(self, params, tokens: jax.Array, normalizer: jax.Array) -> Launched:
@@ -158,9 +192,14 @@ class OverlappedGradStep:
                                                         tokens, normalizer)
             _start_copies(g_norm)
             grads = {"final_norm": g_norm}
-            for name, vjp in zip(reversed(names), reversed(vjps)):
+            for name, vjp in zip(reversed(names[1:]), reversed(vjps[1:])):
                 grads[name], g_x = self._block_backward(vjp, g_x)
                 _start_copies(grads[name])
+            early = self._first_block_early(vjps[0], g_x)
+            _start_copies(early)
+            rest, g_x = self._first_block_rest(vjps[0], g_x)
+            _start_copies(rest)
+            grads[names[0]] = {**rest, self.early: early}
             del vjps
             grads["embedding"] = self._embed_backward(params["embedding"], tokens, g_x, g_emb_head)
             _start_copies(grads["embedding"])
