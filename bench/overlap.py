@@ -14,9 +14,10 @@ overlapped / fused.
 link: two pods (`multipod local`), the slow-link mode set so that sending one pod's gradient
 takes --fraction of the backward pass. A first fused run without the slow link measures the
 per-pod compute (forward + backward) of two pods sharing this machine; the backward pass is the
-share of it the compute mode measures (given as --backward-share, or measured here first). Then
---rounds rounds of one fused and one overlapped run. Per step (the first two skipped: compile and
-warm-up): the largest per-pod exposed_exchange_s over the step time. Medians per setting.
+share of it the compute mode measures (--backward-share). Then --rounds rounds of one fused and
+one overlapped run. Per step (the first two skipped: compile and warm-up): exposed_exchange_s over
+the step time, for the pod with the most and for the pod with the least (see _summarise).
+Medians per setting.
 
 Prints one JSON object.
 """
@@ -139,17 +140,26 @@ def _median(values):
 
 
 def _summarise(records: list[dict]) -> dict:
-    def exposed(r):
+    """Medians over steps. A pod's exposed_exchange_s also holds its wait for a peer whose backward
+    pass ends later (the two pods share the cores unevenly): the largest over the pods is the
+    metric as defined; the smallest is the pod that finished its backward pass last, i.e. what
+    the exchange adds after the step's slowest backward pass."""
+    def exposed(r, pick):
         pods = [p.get("exposed_exchange_s") for p in r["pods"]]
-        return None if None in pods else max(pods)
+        return None if None in pods else pick(pods)
+
+    def fraction(r, pick):
+        value = exposed(r, pick)
+        return None if value is None else value / r["step_time_s"]
     return {
         "steps": len(records),
         "step_time_s": _median([r["step_time_s"] for r in records]),
         "compute_s": _median([p["compute_s"] for r in records for p in r["pods"]]),
         "exchange_s": _median([p["exchange_s"] for r in records for p in r["pods"]]),
-        "exposed_exchange_s": _median([exposed(r) for r in records]),
-        "exposed_fraction_of_step": _median([None if exposed(r) is None else exposed(r) / r["step_time_s"]
-                                             for r in records]),
+        "exposed_exchange_s_max_pod": _median([exposed(r, max) for r in records]),
+        "exposed_fraction_of_step_max_pod": _median([fraction(r, max) for r in records]),
+        "exposed_exchange_s_last_pod": _median([exposed(r, min) for r in records]),
+        "exposed_fraction_of_step_last_pod": _median([fraction(r, min) for r in records]),
         "fingerprints_equal_every_step": all(len(set(r["fingerprints"])) == 1 for r in records),
         "losses": [round(r["loss"], 6) for r in records],
     }
