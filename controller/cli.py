@@ -125,7 +125,7 @@ class _Local:
         from multipod.controller.launcher import LocalPods
         # Supervised: a worker that dies is started again on its port (run.max_restarts in all).
         self.pods = LocalPods(args.pods, args.devices_per_pod, run_dir, supervise=True,
-                              max_restarts=config.run.max_restarts)
+                              max_restarts=config.run.max_restarts, dcn_encrypt=config.dcn.encrypt)
 
     def __enter__(self):
         from multipod.controller.metrics import out

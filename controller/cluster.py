@@ -93,6 +93,7 @@ class Cluster:
         self.base_run_id = uuid.uuid4().hex
         self.generation = 0
         self.first_replies: list[pb.ConfigureReply] | None = None
+        self.dcn_addresses: list[str] = []     # every pod's data-plane endpoint (StatusReply.dcn_address)
 
     @property
     def size(self) -> int:
@@ -111,12 +112,18 @@ class Cluster:
         for client in self.clients:
             client.close()
 
+    def collect_dcn_addresses(self) -> list[str]:
+        """Ask every pod (Status) where its data plane listens."""
+        timeout = self.config.run.health_timeout_s
+        return [s.dcn_address for s in parallel(lambda c: c.status(timeout), self.clients)]
+
     def _configure(self, targets: list) -> list[pb.ConfigureReply]:
         addresses = [c.address for c in self.clients]
         worker_json = self.config.worker_config().to_json()
         request = lambda c: pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=c.pod_index, num_pods=len(self.clients),
-            peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id)
+            peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id,
+            dcn_addresses=self.dcn_addresses)
         timeout = self.config.run.configure_timeout_s
         return parallel(lambda c: c.call("Configure", request(c), timeout), targets)
 
@@ -124,6 +131,7 @@ class Cluster:
         """Configure every pod and refuse pods that disagree on protocol, mesh, config or state;
         the replies are kept as the reference for pods restarted later."""
         from multipod.controller.config import ConfigError
+        self.dcn_addresses = self.collect_dcn_addresses()
         replies = self._configure(self.clients)
         for what, get in AGREEMENT:
             values = [get(r) for r in replies]
@@ -146,6 +154,12 @@ class Cluster:
         if self.first_replies is None:
             raise RunError("configure_restarted before the first configure")
         targets = [c for c in self.clients if c.pod_index in pods]
+        addresses = self.collect_dcn_addresses()
+        moved = [f"{self.clients[p].name} from {old} to {new}"
+                 for p, (old, new) in enumerate(zip(self.dcn_addresses, addresses)) if old != new]
+        if moved:   # the pods that stayed up keep sending to the old endpoints
+            raise RunError(f"restarted pod(s) listen on another data-plane address: {', '.join(moved)}. "
+                           f"Restart a worker with the same --dcn-listen HOST:PORT.")
         replies = self._configure(targets)
         survivors = [c.pod_index for c in self.clients if c.pod_index not in pods]
         ref_pod = survivors[0] if survivors else 0

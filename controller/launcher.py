@@ -29,11 +29,11 @@ class LocalPods:
 
     def __init__(self, num_pods: int, devices_per_pod: int | list[int], log_dir: pathlib.Path,
                  start_timeout_s: float = 60.0, security: Security | None = None, supervise: bool = False,
-                 max_restarts: int = 3):
+                 max_restarts: int = 3, dcn_encrypt: bool = False):
         """devices_per_pod: one count for every pod, or one per pod (tests use that to make pods
         that disagree). security: the workers' token/TLS (default: this process's); without a
         token they serve unauthenticated. supervise: restart dead workers (at most max_restarts
-        restarts in all)."""
+        restarts in all). dcn_encrypt: CURVE-encrypt the workers' data planes."""
         if num_pods < 1:
             raise ValueError("--pods must be >= 1")
         counts = devices_per_pod if isinstance(devices_per_pod, list) else [devices_per_pod] * num_pods
@@ -44,6 +44,8 @@ class LocalPods:
         self.start_timeout_s = start_timeout_s
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
+        self.dcn_listen: list[str] = []     # each worker's data-plane HOST:PORT (kept across restarts)
+        self.dcn_encrypt = dcn_encrypt
         self._logs = []
         self.security = security or default_security()
         self.max_restarts = max_restarts
@@ -67,7 +69,8 @@ class LocalPods:
     def log_path(self, pod: int) -> pathlib.Path:
         return self.log_dir / f"worker-{pod}.log"
 
-    def _spawn(self, pod: int, listen: str, port_file: pathlib.Path, mode: str) -> subprocess.Popen:
+    def _spawn(self, pod: int, listen: str, port_file: pathlib.Path, mode: str,
+               dcn_listen: str = "127.0.0.1:0") -> subprocess.Popen:
         port_file.unlink(missing_ok=True)
         log = self.log_path(pod).open(mode)
         self._logs.append(log)
@@ -81,7 +84,9 @@ class LocalPods:
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         cmd = [sys.executable, "-m", "multipod.cli", "worker", "--pod-index", str(pod),
                "--listen", listen, "--devices", str(self.device_counts[pod]),
-               "--port-file", str(port_file), "--exit-with-parent"]
+               "--port-file", str(port_file), "--exit-with-parent", "--dcn-listen", dcn_listen]
+        if self.dcn_encrypt:
+            cmd.append("--dcn-encrypt")
         if self.security.token:
             env[TOKEN_ENV] = self.security.token   # the environment, not argv: argv is world-readable
         else:
@@ -104,6 +109,13 @@ class LocalPods:
             time.sleep(0.05)
         port = int(port_file.read_text())
         port_file.unlink(missing_ok=True)
+        dcn_file = pathlib.Path(f"{port_file}.dcn")     # written before the port file
+        dcn = dcn_file.read_text().strip().split("://", 1)[-1]
+        dcn_file.unlink(missing_ok=True)
+        if pod < len(self.dcn_listen):
+            self.dcn_listen[pod] = dcn
+        else:
+            self.dcn_listen.append(dcn)
         return port
 
     def start(self) -> None:
@@ -148,7 +160,7 @@ class LocalPods:
             port_file = self.log_dir / f".worker-{pod}.port"
             # Same port: the peers' and the controller's addresses stay valid. The port was freed
             # when the old process died; gRPC binds with SO_REUSEADDR.
-            self.procs[pod] = self._spawn(pod, self.addresses[pod], port_file, "a")
+            self.procs[pod] = self._spawn(pod, self.addresses[pod], port_file, "a", self.dcn_listen[pod])
             self._wait_port(pod, port_file, time.monotonic() + self.start_timeout_s)
 
     def kill(self, pod: int) -> None:

@@ -17,17 +17,10 @@ from dataclasses import dataclass, field
 from multipod.model.config import ConfigError, ModelConfig
 from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
-# Gradient encodings on the DCN link (pod_worker/dcn.py implements them).
+# Gradient encodings on the DCN link (pod_worker/dcn/wire.py implements them).
 COMPRESSIONS = ("none", "bf16", "int8")
-# DCN streams per peer: at most MAX_STREAMS asked for; at most STREAM_BUDGET // (pods - 1) used, so
-# two steps' incoming streams fit a worker's RPC threads (pod_worker/server.py RPC_THREADS).
+# Data-plane connections (ZeroMQ streams) per peer, at most.
 MAX_STREAMS = 8
-STREAM_BUDGET = 6
-
-
-def effective_streams(requested: int, num_pods: int) -> int:
-    """The streams per peer a pod really opens for `requested` streams among `num_pods` pods."""
-    return max(1, min(requested, STREAM_BUDGET // max(1, num_pods - 1)))
 
 
 @dataclass(frozen=True)
@@ -82,10 +75,11 @@ class DcnConfig:
     """The cross-pod gradient link."""
     chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
     timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
-    streams: int = 4              # parallel streams per peer and step (see effective_streams)
-    compression: str = "none"     # one of COMPRESSIONS (int8: one scale per chunk)
+    streams: int = 4              # parallel data-plane connections per peer
+    compression: str = "none"     # one of COMPRESSIONS (int8: one scale per block of <= 256 values)
     link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
     link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
+    encrypt: bool = False         # refuse peers whose data plane is not CURVE-encrypted (worker --dcn-encrypt)
     overlap: bool = False         # per-layer backward programs; each block's gradient leaves when ready
 
     def validate(self) -> None:

@@ -23,6 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_security_arguments(parser)
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve without a shared secret (only for a trusted single-machine setup)")
+    parser.add_argument("--dcn-listen", help="HOST:PORT of the data plane (gradients between pods; default: the "
+                        "--listen host, an ephemeral port)")
+    parser.add_argument("--dcn-encrypt", action="store_true",
+                        help="encrypt the data plane (ZeroMQ CURVE, keys derived from the auth token)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="listen beyond loopback without encryption (gRPC without TLS, data plane without "
+                             "--dcn-encrypt): only on a network you trust")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,8 +51,28 @@ def run(args: argparse.Namespace) -> int:
                          "the controller uses), or --insecure-no-auth for a trusted single-machine setup")
     if not security.token:
         logging.getLogger(__name__).warning("serving WITHOUT authentication (--insecure-no-auth)")
+    check_exposure(args, security)
     set_default_security(security)   # the worker's DCN links carry the same credentials
     from multipod.pod_worker.lifecycle import serve
     serve(args.pod_index, args.listen, port_file=args.port_file, exit_with_parent=args.exit_with_parent,
-          security=security)
+          security=security, dcn_listen=args.dcn_listen, dcn_encrypt=args.dcn_encrypt)
     return 0
+
+
+def check_exposure(args: argparse.Namespace, security) -> None:
+    """Refuse to listen beyond loopback unencrypted, on either plane, unless --insecure."""
+    from multipod.protos.transport import is_loopback
+    if args.dcn_encrypt and not security.token:
+        raise SystemExit("error: --dcn-encrypt needs the auth token (the data plane's keys are derived from it)")
+    exposed = []
+    if not is_loopback(args.listen) and not security.tls_cert:
+        exposed.append(f"the control plane (--listen {args.listen}) without TLS (--tls-cert/--tls-key)")
+    dcn = args.dcn_listen or f"{args.listen.rsplit(':', 1)[0]}:0"
+    if not is_loopback(dcn) and not args.dcn_encrypt:
+        exposed.append(f"the data plane ({dcn}) without encryption (--dcn-encrypt)")
+    if exposed and not args.insecure:
+        raise SystemExit("error: refusing to listen beyond loopback unencrypted: " + "; ".join(exposed)
+                         + ". Encrypt both planes, or pass --insecure on a network you trust.")
+    if exposed:
+        logging.getLogger(__name__).warning("listening beyond loopback UNENCRYPTED (--insecure): %s",
+                                            "; ".join(exposed))

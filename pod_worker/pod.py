@@ -19,7 +19,7 @@ import numpy as np
 from multipod.pod_worker import checkpoint, faults
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.config import WorkerConfig
-from multipod.pod_worker.dcn import Exchange
+from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.errors import CorruptCheckpoint, InvalidRequest, NotReady, SaveNotFound, SavePending
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
@@ -62,10 +62,11 @@ class Pod:
     """All state of one pod worker: the trainer, the DCN exchange, the checkpoint writer and the
     step sequencer. Thread-safe: the gRPC adapter calls it from many handler threads."""
 
-    def __init__(self, pod_index: int):
+    def __init__(self, pod_index: int, listener: Listener | None = None):
         self.pod_index = pod_index
+        self.listener = listener    # the worker's data-plane socket (needed with more than one pod)
         self.seq = Sequencer(f"pod {pod_index}")
-        # Swapped only inside a sequencer hold (no step runs then); PushGradients reads it unlocked.
+        # Swapped only inside a sequencer hold (no step runs then); it attaches its inbox to the listener.
         self.exchange: Exchange | None = None
         self._setup: Setup | None = None
         self._peers: list[str] = []
@@ -85,7 +86,8 @@ class Pod:
 
     # -- configure -----------------------------------------------------------------------------
     def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> PodTrainer:
-        """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id`;
+        """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id` with
+        `peers` (every pod's data-plane address, in pod order);
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
         refused from now on."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
@@ -100,8 +102,7 @@ class Pod:
         return trainer
 
     def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig) -> Exchange:
-        return Exchange(run_id, self.pod_index, self._peers, trainer.leaf_specs, config.dcn.chunk_bytes,
-                        config.dcn.timeout_s, dcn=config.dcn)
+        return Exchange(run_id, self.pod_index, self._peers, trainer.leaf_specs, self.listener, dcn=config.dcn)
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
@@ -227,3 +228,5 @@ class Pod:
         self._writer.close()
         if self.exchange is not None:
             self.exchange.close()
+        if self.listener is not None:
+            self.listener.close()

@@ -1,5 +1,6 @@
-"""The gRPC adapter of one pod: the PodWorker service (driven by the controller), the Dcn
-service (peers' gradient streams) and the standard health service, over a Pod (pod.py).
+"""The gRPC adapter of one pod: the PodWorker service (driven by the controller) and the standard
+health service, over a Pod (pod.py). Peers' gradients arrive on the data plane (pod_worker/dcn/),
+whose listener start_server binds beside the gRPC port.
 
 Each handler validates and decodes its request, calls the pod, and maps every failure to a
 status code (_handler); a bad request never takes the server down. The worker answers
@@ -24,10 +25,10 @@ from multipod.model import ConfigError
 from multipod.pod_worker import errors
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.config import WorkerConfig
-from multipod.pod_worker.dcn import ExchangeError, InvalidChunk
+from multipod.pod_worker.dcn import ExchangeError, Listener
 from multipod.pod_worker.pod import Pod, Setup
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from multipod.protos.transport import MalformedMessage, Security, add_port, server_interceptors
+from multipod.protos.transport import MalformedMessage, Security, add_port, default_security, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,11 @@ DEFAULT_WAIT_S = 120.0
 # its typed answer reaches the caller before the caller's deadline does.
 ANSWER_MARGIN_S = 0.5
 
-# Handler threads of one worker. A step occupies one thread per incoming DCN stream: 2 steps in
-# flight x (pods - 1) peers x at most max(1, 6 // (pods - 1)) streams, plus 2 Step calls and a few
-# status/health calls, so this many threads serve up to MAX_PODS pods without a stream ever
-# waiting for a free thread (which could deadlock the exchange).
+# Handler threads of one worker (Step calls, at most run.dispatch_depth at once, plus status and
+# health calls; gradients travel on the data plane, not here).
 RPC_THREADS = 64
-MAX_PODS = (RPC_THREADS - 4) // 2 + 1
+# A worker runs (pods - 1) x dcn.streams sending threads: a bound keeps that reasonable.
+MAX_PODS = 32
 
 
 class RequestError(Exception):
@@ -84,7 +84,7 @@ def _handler(method):
             context.abort(exc.code, str(exc))
         except errors.PodError as exc:
             context.abort(_code_of(exc), str(exc))
-        except (ConfigError, codec.CodecError, InvalidChunk, MalformedMessage) as exc:
+        except (ConfigError, codec.CodecError, MalformedMessage) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CheckpointError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -160,11 +160,14 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             raise _invalid(f"pod_index {request.pod_index} >= num_pods {request.num_pods}")
         if request.num_pods > MAX_PODS:
             raise _invalid(f"num_pods={request.num_pods}: a worker serves at most {MAX_PODS} pods "
-                           f"(RPC_THREADS={RPC_THREADS} in pod_worker/server.py)")
+                           f"(MAX_PODS in pod_worker/server.py)")
+        if request.num_pods > 1 and len(request.dcn_addresses) != request.num_pods:
+            raise _invalid(f"num_pods={request.num_pods} but {len(request.dcn_addresses)} data-plane addresses")
         if not request.run_id:
             raise _invalid("run_id is empty")
         config = WorkerConfig.from_json(request.worker_config_json)
-        trainer = self.pod.configure(config, request.num_pods, list(request.peer_addresses), request.run_id)
+        dcn_addresses = list(request.dcn_addresses) or [""] * request.num_pods   # one pod: no data plane
+        trainer = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id)
         import jax
         return pb.ConfigureReply(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=pod_index,
@@ -268,7 +271,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         import jax
         return pb.StatusReply(protocol_version=protos.PROTOCOL_VERSION, pod_index=self.pod.pod_index,
                               configured=status.configured, step=status.step, num_devices=len(jax.devices()),
-                              state=status.state, pid=os.getpid())
+                              state=status.state, pid=os.getpid(),
+                              dcn_address=self.pod.listener.address if self.pod.listener else "")
 
     @_handler
     def Shutdown(self, request, context) -> pb.ShutdownReply:
@@ -277,34 +281,25 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         return pb.ShutdownReply()
 
 
-class DcnService(pb_grpc.DcnServicer):
-    """The Dcn service: peers' gradient streams, handed to the pod's exchange."""
-
-    def __init__(self, pod: Pod):
-        self.pod = pod
-
-    @_handler
-    def PushGradients(self, request_iterator, context) -> pb.PushAck:
-        exchange = self.pod.exchange
-        if exchange is None:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"pod {self.pod.pod_index} is not configured")
-        return exchange.inbox.receive(request_iterator)
-
-
-def start_server(pod_index: int, listen: str, security: Security | None = None, max_workers: int = RPC_THREADS):
-    """Build and start one pod's server; returns (server, PodWorkerService, health servicer, bound
-    port). The pod is `service.pod`; `service.shutdown_event` is set by the Shutdown RPC."""
-    pod = Pod(pod_index)
+def start_server(pod_index: int, listen: str, security: Security | None = None, max_workers: int = RPC_THREADS,
+                 dcn_listen: str | None = None, dcn_encrypt: bool = False):
+    """Build and start one pod's server and its data-plane listener (on `dcn_listen`, default the
+    gRPC host with an ephemeral port; CURVE-encrypted with dcn_encrypt); returns (server,
+    PodWorkerService, health servicer, bound port). The pod is `service.pod` (its listener
+    `service.pod.listener`); `service.shutdown_event` is set by the Shutdown RPC."""
+    token = (security or default_security()).token
+    listener = Listener(pod_index, dcn_listen or f"{listen.rsplit(':', 1)[0]}:0", token, curve=dcn_encrypt)
+    pod = Pod(pod_index, listener)
     service = PodWorkerService(pod, threading.Event())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          interceptors=server_interceptors(security), options=protos.channel_options(),
                          maximum_concurrent_rpcs=max_workers * 4)
     pb_grpc.add_PodWorkerServicer_to_server(service, server)
-    pb_grpc.add_DcnServicer_to_server(DcnService(pod), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, listen, security)
     if port == 0:
+        listener.close()
         raise SystemExit(f"pod {pod_index}: cannot listen on {listen}")
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

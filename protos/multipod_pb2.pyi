@@ -16,12 +16,6 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_STEPPING: _ClassVar[WorkerState]
     WORKER_STATE_RESTORING: _ClassVar[WorkerState]
     WORKER_STATE_FAILED: _ClassVar[WorkerState]
-
-class DcnPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    DCN_PHASE_WHOLE: _ClassVar[DcnPhase]
-    DCN_PHASE_REDUCE_SCATTER: _ClassVar[DcnPhase]
-    DCN_PHASE_ALL_GATHER: _ClassVar[DcnPhase]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_IDLE: WorkerState
 WORKER_STATE_CONFIGURING: WorkerState
@@ -29,9 +23,6 @@ WORKER_STATE_READY: WorkerState
 WORKER_STATE_STEPPING: WorkerState
 WORKER_STATE_RESTORING: WorkerState
 WORKER_STATE_FAILED: WorkerState
-DCN_PHASE_WHOLE: DcnPhase
-DCN_PHASE_REDUCE_SCATTER: DcnPhase
-DCN_PHASE_ALL_GATHER: DcnPhase
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses")
@@ -260,39 +251,3 @@ class ShutdownRequest(_message.Message):
 class ShutdownReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
-
-class GradientChunk(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "from_pod", "step", "leaf_index", "dtype", "shape", "offset", "data", "phase", "scale", "last")
-    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
-    RUN_ID_FIELD_NUMBER: _ClassVar[int]
-    FROM_POD_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    PHASE_FIELD_NUMBER: _ClassVar[int]
-    SCALE_FIELD_NUMBER: _ClassVar[int]
-    LAST_FIELD_NUMBER: _ClassVar[int]
-    protocol_version: int
-    run_id: str
-    from_pod: int
-    step: int
-    leaf_index: int
-    dtype: str
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    offset: int
-    data: bytes
-    phase: DcnPhase
-    scale: float
-    last: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_pod: _Optional[int] = ..., step: _Optional[int] = ..., leaf_index: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., phase: _Optional[_Union[DcnPhase, str]] = ..., scale: _Optional[float] = ..., last: _Optional[bool] = ...) -> None: ...
-
-class PushAck(_message.Message):
-    __slots__ = ("chunks", "bytes")
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
-    chunks: int
-    bytes: int
-    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...

@@ -1,12 +1,13 @@
-"""How every gRPC channel and listening port is opened: controller->worker and worker<->worker
-alike. One place, so message limits, authentication and TLS are the same everywhere.
+"""How every gRPC channel and listening port is opened (controller -> worker; the workers' data
+plane is pod_worker/dcn/transport.py). One place, so message limits, authentication and TLS are the same everywhere.
 
 Security model (docs/reliability.md):
   * a shared secret (`--auth-token` or MULTIPOD_AUTH_TOKEN) travels in the `x-multipod-token`
     metadata of every call; a server interceptor compares it in constant time (hmac.compare_digest)
-    and refuses a missing or wrong token with UNAUTHENTICATED, for the PodWorker and Dcn services
-    alike. The standard health service stays open (it only says SERVING or not), so a supervisor
-    or load balancer can probe a worker without the secret.
+    and refuses a missing or wrong token with UNAUTHENTICATED. The standard health service stays
+    open (it only says SERVING or not), so a supervisor or load balancer can probe a worker
+    without the secret. The data plane (pod_worker/dcn/) proves the same secret without sending
+    it: an HMAC challenge-response on every connection.
   * TLS is configured from PEM files, for links that leave the machine: a server serves its
     `tls_cert`/`tls_key`; a client checks servers against `tls_ca` (or the system roots) and
     presents its own certificate if it has one. A server given `tls_ca` requires client
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import os
 import pathlib
 
@@ -76,6 +78,18 @@ class Security:
 
 
 _default = Security()
+
+
+def is_loopback(address: str) -> bool:
+    """Whether HOST:PORT (or HOST) only listens on this machine's loopback interface."""
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False    # a name: it may resolve to anything
 
 
 def set_default_security(security: Security) -> None:

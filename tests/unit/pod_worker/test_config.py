@@ -10,7 +10,6 @@ from multipod.pod_worker.config import (
     TrainShape,
     WorkerConfig,
     build,
-    effective_streams,
 )
 
 
@@ -52,7 +51,3 @@ def test_state_key_covers_the_schedule_length():
         dataclasses.replace(long, optimizer=fixed).state_key()   # an explicit decay length decides alone
     assert WorkerConfig(dcn=DcnConfig(streams=1)).state_key() == WorkerConfig().state_key()
 
-
-@pytest.mark.parametrize("requested,pods,used", [(4, 2, 4), (8, 2, 6), (4, 3, 3), (4, 7, 1), (1, 1, 1)])
-def test_effective_streams(requested, pods, used):
-    assert effective_streams(requested, pods) == used

@@ -1,10 +1,14 @@
-"""Security of a pod worker's gRPC server, in this process: the shared token on both services,
-TLS with client certificates, and malformed input (random bytes, truncated messages and streams,
-oversized messages) that is refused while the worker keeps training."""
+"""Security of a pod worker, in this process: the shared token on the control plane, TLS with
+client certificates, and malformed input on both planes (random bytes, truncated messages and
+frames, oversized ones, chunks off the grid, of the wrong size, duplicated, in another pod's name)
+that is refused while the worker keeps training. The worker is pod 0 of 2; pod 1 is a bare
+exchange in this process (tests/unit/pod_worker/test_dcn_security.py has the handshake's refusals)."""
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -13,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from multipod import protos
+from multipod.pod_worker.dcn import Exchange, Listener
+from multipod.pod_worker.dcn.transport import DATA, HEADER, MAX_FRAME_BYTES, Connection
 from multipod.pod_worker.server import MAX_PODS, start_server
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.transport import TOKEN_HEADER, Security, SecurityError, open_channel
@@ -20,7 +26,8 @@ from tests.helpers import cli_env, tiny_worker_config
 
 TOKEN = "correct-horse-battery-staple-42"
 CONFIG = tiny_worker_config()
-ROWS, COLS = CONFIG.train.global_batch, CONFIG.train.seq_len + 1
+ROWS, COLS = CONFIG.train.global_batch // 2, CONFIG.train.seq_len + 1
+RUN = "security-test"
 # Unary methods that refuse garbage (Shutdown/Status accept any parseable bytes by design: an
 # empty request; Save/Restore touch the file system and are covered by the checkpoint tests).
 FUZZED = {"Step": pb.StepRequest, "Configure": pb.ConfigureRequest, "Evaluate": pb.EvaluateRequest,
@@ -29,32 +36,83 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 
 
 class Worker:
-    """One configured pod (pod 0 of 1) serving on loopback with the token required."""
+    """One configured pod (pod 0 of 2) serving on loopback with the token required; pod 1 is a
+    bare exchange in this process that sends zero gradients."""
 
     def __init__(self):
         self.server, self.service, _, port = start_server(0, "127.0.0.1:0", Security(token=TOKEN))
         self.address = f"127.0.0.1:{port}"
         self.good = open_channel(self.address, Security(token=TOKEN))
         self.stub = pb_grpc.PodWorkerStub(self.good)
+        self.listener = self.service.pod.listener
+        self.peer_listener = Listener(1, "127.0.0.1:0", TOKEN)
+        dcn = [self.stub.Status(pb.StatusRequest(), timeout=10).dcn_address, self.peer_listener.address]
         self.stub.Configure(pb.ConfigureRequest(
-            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[self.address],
-            worker_config_json=CONFIG.to_json(), run_id="security-test"), timeout=300)
+            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=2, peer_addresses=[self.address] * 2,
+            worker_config_json=CONFIG.to_json(), run_id=RUN, dcn_addresses=dcn), timeout=300)
+        self.specs = self.service.pod.trainer.leaf_specs
+        self.peer = Exchange(RUN, 1, dcn, self.specs, self.peer_listener, timeout_s=60, secret=TOKEN)
         self.step = 0
 
     def train_one_step(self) -> pb.StepReply:
         tokens = np.random.default_rng(self.step).integers(0, 256, (ROWS, COLS), dtype=np.int32)
-        reply = self.stub.Step(pb.StepRequest(step=self.step, tokens=codec.encode(tokens),
-                                              global_tokens=ROWS * (COLS - 1)), timeout=60)
+        zeros = [np.zeros(s.shape, s.dtype) for s in self.specs]
+        self.peer.inbox.set_next_step(self.step)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            peer = pool.submit(self.peer.all_reduce, self.step, zeros)
+            reply = self.stub.Step(pb.StepRequest(step=self.step, tokens=codec.encode(tokens),
+                                                  global_tokens=2 * ROWS * (COLS - 1)), timeout=60)
+            summed, _ = peer.result(timeout=60)
+        assert not np.all(np.asarray(summed[0]) == 0)       # pod 1 got pod 0's gradient
         self.step += 1
         return reply
+
+    def pod1(self) -> Connection:
+        """One connection in pod 1's name, kept open for the whole module: chunks it delivers
+        (zeros, like the real pod 1's) stay delivered, so closing it cannot fail a step."""
+        if getattr(self, "_pod1", None) is None:
+            self._pod1 = self.connect_as(1)
+        return self._pod1
+
+    def connect_as(self, pod: int, run: str = RUN) -> Connection:
+        """A data-plane connection to the worker that proved the secret as `pod`."""
+        import zmq
+        conn = Connection(zmq.Context.instance(), self.listener.address, pod, 0, run, TOKEN)
+        conn.handshake(time.monotonic() + 10)
+        return conn
+
+    def refused_after(self, send) -> list[str]:
+        """Run send(); return the refusals it caused (a sentinel frame marks the end)."""
+        before = self.listener.refused
+        send()
+        deadline = time.monotonic() + 10
+        while not (self.listener.refused > before and "b'SENTINEL'" in self.listener.refusals[-1]):
+            assert time.monotonic() < deadline, "the listener did not get to the sentinel"
+            time.sleep(0.01)
+        count = self.listener.refused - before - 1
+        return list(self.listener.refusals)[-1 - count:-1] if count else []
+
+
+def _sentinel(sock) -> None:
+    sock.send_multipart([b"SENTINEL"])
+
+
+def _chunk(step: int, payload: bytes, pod: int = 1, phase: int = 0, leaf: int = 0, offset: int = 0,
+           version: int = protos.PROTOCOL_VERSION) -> list[bytes]:
+    return [DATA, HEADER.pack(version, pod, step, phase, leaf, offset), payload]
 
 
 @pytest.fixture(scope="module")
 def worker():
     w = Worker()
     yield w
+    if getattr(w, "_pod1", None) is not None:
+        w._pod1.close()
+    w.peer.close()
+    w.peer_listener.close()
     w.good.close()
     w.server.stop(0)
+    w.service.pod.close()
 
 
 def _raw(channel: grpc.Channel, method: str):
@@ -62,26 +120,12 @@ def _raw(channel: grpc.Channel, method: str):
     return channel.unary_unary(method, request_serializer=None, response_deserializer=None)
 
 
-def _raw_stream(channel: grpc.Channel):
-    return channel.stream_unary("/multipod.Dcn/PushGradients", request_serializer=None, response_deserializer=None)
-
-
-def _chunk(**fields) -> pb.GradientChunk:
-    base = dict(protocol_version=protos.PROTOCOL_VERSION, run_id="security-test", from_pod=1, step=0,
-                leaf_index=0, dtype="float32", shape=[4], offset=0, data=b"\0" * 16)
-    base.update(fields)
-    return pb.GradientChunk(**base)
-
-
 @pytest.mark.parametrize("token", [None, "", "wrong-token-of-the-same-size!!!", TOKEN[:-1], TOKEN + "x"])
-def test_missing_or_wrong_token_is_refused_on_both_services(worker, token):
+def test_missing_or_wrong_token_is_refused_on_the_control_plane(worker, token):
     channel = grpc.insecure_channel(worker.address)
     metadata = None if token is None else [(TOKEN_HEADER, token)]
     with pytest.raises(grpc.RpcError) as info:
         pb_grpc.PodWorkerStub(channel).Status(pb.StatusRequest(), timeout=10, metadata=metadata)
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.RpcError) as info:
-        pb_grpc.DcnStub(channel).PushGradients(iter([_chunk()]), timeout=10, metadata=metadata)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # Even a Shutdown without the token changes nothing.
     with pytest.raises(grpc.RpcError) as info:
@@ -109,12 +153,58 @@ def test_random_bytes_are_refused(worker, method, payload):
     assert info.value.code() in REFUSALS, (method, info.value.code(), info.value.details())
 
 
+def _raw_socket(worker):
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(worker.listener.address)
+    return sock
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(chunks=st.lists(st.binary(min_size=1, max_size=256), min_size=1, max_size=4))
-def test_random_gradient_streams_are_refused(worker, chunks):
-    with pytest.raises(grpc.RpcError) as info:
-        _raw_stream(worker.good)(iter(chunks), timeout=30)
-    assert info.value.code() in REFUSALS, info.value.details()
+@given(messages=st.lists(st.lists(st.binary(max_size=64), min_size=1, max_size=5), min_size=1, max_size=4))
+def test_random_data_plane_frames_are_refused(worker, messages):
+    # Without the handshake: every message is refused, one by one.
+    sock = _raw_socket(worker)
+    try:
+        before = worker.listener.refused
+        for message in messages:
+            sock.send_multipart(message)
+        deadline = time.monotonic() + 10
+        while worker.listener.refused < before + len(messages):
+            assert time.monotonic() < deadline, "not every message was refused"
+            time.sleep(0.01)
+    finally:
+        sock.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(step=st.integers(0, 3), phase=st.integers(0, 3), leaf=st.integers(0, 12), offset=st.integers(0, 5000),
+       size=st.integers(0, 5000), version=st.sampled_from([protos.PROTOCOL_VERSION, 0, 65535]))
+def test_random_chunk_headers_from_an_authenticated_peer_are_checked(worker, step, phase, leaf, offset, size, version):
+    # Zero payloads: a chunk that happens to be valid carries what pod 1 sends anyway (zeros).
+    conn = worker.pod1()
+    refused = worker.refused_after(lambda: (
+        conn.socket.send_multipart(_chunk(worker.step + step, b"\0" * size, 1, phase, leaf, offset, version)),
+        _sentinel(conn.socket)))
+    spec = worker.specs[leaf] if leaf < len(worker.specs) else None
+    valid = (version == protos.PROTOCOL_VERSION and step <= 1 and phase == 0 and spec is not None
+             and offset == 0 and size == spec.nbytes)
+    if not valid:
+        assert len(refused) == 1, (step, phase, leaf, offset, size, version)
+
+
+def test_offset_size_and_duplicate_checks_are_reached(worker):
+    spec = worker.specs[0]
+    conn = worker.pod1()
+    refused = worker.refused_after(lambda: [conn.socket.send_multipart(m) for m in (
+        _chunk(worker.step, b"\0" * spec.nbytes, offset=4),             # off the chunk grid
+        _chunk(worker.step, b"\0" * (spec.nbytes - 4)),                  # wrong size
+        _chunk(worker.step, b"\0" * spec.nbytes),                        # valid (zeros, like pod 1's)
+        _chunk(worker.step, b"\1" * spec.nbytes),                        # duplicate: must not overwrite
+    )] + [_sentinel(conn.socket)])
+    assert len(refused) == 3
+    assert "grid" in refused[0] and "expected" in refused[1] and "duplicate" in refused[2]
 
 
 def test_truncated_messages_are_refused_with_invalid_argument(worker):
@@ -125,17 +215,13 @@ def test_truncated_messages_are_refused_with_invalid_argument(worker):
         with pytest.raises(grpc.RpcError) as info:
             _raw(worker.good, "/multipod.PodWorker/Step")(data[:cut], timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (cut, info.value.details())
-    # A stream whose second message is cut short, and one the client abandons midway.
-    chunk = _chunk().SerializeToString()
-    with pytest.raises(grpc.RpcError) as info:
-        _raw_stream(worker.good)(iter([chunk, chunk[: len(chunk) // 2]]), timeout=30)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-
-    def abandoned():
-        yield chunk
-        raise RuntimeError("the client goes away mid-stream")
-    with pytest.raises(grpc.RpcError):
-        _raw_stream(worker.good)(abandoned(), timeout=30)
+    # Data frames cut short: a header missing bytes, a frame without its payload part.
+    conn = worker.pod1()
+    whole = _chunk(worker.step, b"\0" * worker.specs[0].nbytes)
+    refused = worker.refused_after(lambda: (conn.socket.send_multipart([whole[0], whole[1][:-3], whole[2]]),
+                                            conn.socket.send_multipart(whole[:2]),
+                                            _sentinel(conn.socket)))
+    assert len(refused) == 2 and all("malformed data frame" in r for r in refused)
 
 
 def test_wrong_fields_are_refused_with_invalid_argument(worker):
@@ -149,10 +235,19 @@ def test_wrong_fields_are_refused_with_invalid_argument(worker):
         with pytest.raises(grpc.RpcError) as info:
             worker.stub.Step(request, timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    for chunk in (_chunk(from_pod=0), _chunk(from_pod=7), _chunk(run_id="another-run"), _chunk(dtype="complex64")):
-        with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.DcnStub(worker.good).PushGradients(iter([chunk]), timeout=30)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    # On the data plane: chunks in another pod's name, and a connection of another run.
+    payload = b"\0" * worker.specs[0].nbytes
+    conn = worker.pod1()
+    refused = worker.refused_after(lambda: [conn.socket.send_multipart(_chunk(worker.step, payload, pod=p))
+                                            for p in (0, 7)] + [_sentinel(conn.socket)])
+    assert len(refused) == 2 and all("on a connection bound to pod 1" in r for r in refused)
+    other = worker.connect_as(1, run="another-run")
+    try:
+        refused = worker.refused_after(lambda: (other.socket.send_multipart(_chunk(worker.step, payload)),
+                                                _sentinel(other.socket)))
+    finally:
+        other.close()
+    assert len(refused) == 1 and "not this pod's current run" in refused[0]
 
 
 def test_wrong_pod_index_or_pod_count_is_refused(worker):
@@ -162,7 +257,7 @@ def test_wrong_pod_index_or_pod_count_is_refused(worker):
                          (dict(pod_index=0, num_pods=0), grpc.StatusCode.INVALID_ARGUMENT),
                          (dict(pod_index=0, num_pods=2), grpc.StatusCode.INVALID_ARGUMENT),
                          (dict(pod_index=0, num_pods=1, run_id=""), grpc.StatusCode.INVALID_ARGUMENT),
-                         # More pods than the worker's handler threads can serve without deadlock.
+                         # More pods than a worker serves.
                          (dict(pod_index=0, num_pods=MAX_PODS + 1,
                                peer_addresses=[worker.address] * (MAX_PODS + 1)), grpc.StatusCode.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as info:
@@ -181,9 +276,16 @@ def test_oversized_messages_are_refused(worker):
     with pytest.raises(grpc.RpcError) as info:
         _raw(worker.good, "/multipod.PodWorker/Step")(pb.StepRequest(tokens=big).SerializeToString(), timeout=60)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    with pytest.raises(grpc.RpcError) as info:
-        pb_grpc.DcnStub(worker.good).PushGradients(iter([_chunk(data=big)]), timeout=60)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A data frame over the limit: libzmq drops the connection before any of it is used.
+    import zmq
+    from zmq.utils.monitor import parse_monitor_message
+    conn = worker.connect_as(1)
+    try:
+        conn.socket.send_multipart(_chunk(worker.step, b"\0" * (MAX_FRAME_BYTES + 1)))
+        assert conn._monitor.poll(10_000), "the oversized frame did not close the connection"
+        assert parse_monitor_message(conn._monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        conn.close()
 
 
 def test_the_worker_still_trains_after_all_that(worker):

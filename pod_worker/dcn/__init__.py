@@ -1,0 +1,20 @@
+"""The cross-pod gradient exchange over the DCN data plane (ZeroMQ; gRPC stays the control plane).
+
+One job per module, each read top to bottom:
+  wire.py         the wire codec: none, bf16, int8 with one scale per block of <= 256 values
+  plan.py         who sends which slice of which leaf to whom, in which chunks
+  transport.py    zmq sockets, the HMAC handshake that binds a connection to a pod, frames, CURVE
+  inbox.py        validation of every chunk, preallocated receive buffers, waiting for leaves
+  outbox.py       the links to the peers (threads that send queued chunks) and the slow-link Pacer
+  collectives.py  WholeGradient (2 pods) and ReduceScatterAllGather (N > 2), one interface
+  exchange.py     Exchange.all_reduce: the public entry that puts them together
+"""
+from multipod.pod_worker.dcn.exchange import Exchange, ExchangeStats
+from multipod.pod_worker.dcn.inbox import ExchangeError, InvalidChunk
+from multipod.pod_worker.dcn.outbox import Pacer
+from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_REDUCE, PHASE_WHOLE, LeafSpec, Plan
+from multipod.pod_worker.dcn.transport import Listener
+from multipod.pod_worker.dcn.wire import BLOCK, WireCodec
+
+__all__ = ["BLOCK", "PHASE_GATHER", "PHASE_REDUCE", "PHASE_WHOLE", "Exchange", "ExchangeError", "ExchangeStats",
+           "InvalidChunk", "LeafSpec", "Listener", "Pacer", "Plan", "WireCodec"]

@@ -1,0 +1,111 @@
+"""The two collective algorithms, as two classes with one interface:
+
+    run(step, leaves, order, on_leaf, deadline, stats) -> the summed leaves, by leaf index
+
+  * WholeGradient (2 pods): each pod sends its whole gradient to the other. A peer's chunk is
+    added to this pod's own values as it lands (own + peer == peer + own bitwise: IEEE addition
+    commutes), so a leaf is summed the moment its last chunk arrives.
+  * ReduceScatterAllGather (N > 2 pods): pod p owns slice p of every leaf. Every pod sends slice p
+    of its gradient to pod p (reduce-scatter); pod p sums the slices in pod-index order and sends
+    its reduced slice to every pod (all-gather). Every pod, the owner included, uses the decoded
+    bytes of the owner's slice, so all pods end with bitwise-identical sums.
+
+Both take the leaves in `order` (e.g. the last layer's first, as the backward pass produces them)
+and read each one only when its turn comes, so host copies still under way (or leaves not yet
+computed) overlap with sending the earlier ones. Compressed transport: every pod sums the
+*decoded* values of every pod, its own included.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from multipod.pod_worker.dcn.inbox import Inbox
+from multipod.pod_worker.dcn.outbox import Outbox
+from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_REDUCE, PHASE_WHOLE, Plan
+
+
+def _values(leaf) -> np.ndarray:
+    """A leaf's host values, flat (waits for this leaf's device->host copy only)."""
+    return np.asarray(leaf).reshape(-1)
+
+
+class _Collective:
+    def __init__(self, plan: Plan, pod_index: int, inbox: Inbox, outbox: Outbox | None):
+        self.plan, self.me, self.inbox, self.outbox = plan, pod_index, inbox, outbox
+        self.peers = [p for p in range(plan.num_pods) if p != pod_index]
+
+    def _wait(self, step: int, phase: int, leaf: int, deadline: float, stats) -> dict[int, np.ndarray]:
+        start = time.monotonic()
+        try:
+            return self.inbox.wait_leaf(step, phase, leaf, deadline)
+        finally:
+            stats.idle_s += time.monotonic() - start
+
+    def _send(self, step, deadline, stats, peers, phase, leaf, values, start, stop, decoded=None):
+        """Encode values[0:stop-start] (the leaf's values [start, stop)) chunk by chunk, queue each
+        chunk for `peers` and, if given, decode it into `decoded` (what this pod uses itself)."""
+        codec = self.plan.codec
+        for a, b in self.plan.chunks(leaf, start, stop):
+            payload = codec.encode(values[a - start:b - start])
+            for p in peers:
+                stats.bytes_sent += self.outbox.put(step, deadline, p, phase, leaf, a, payload)
+            if decoded is not None:
+                codec.decode_into(payload, decoded[a - start:b - start])
+
+
+class WholeGradient(_Collective):
+    def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats) -> list:
+        plan, state = self.plan, self.inbox.state(step)
+        own: list[np.ndarray | None] = [None] * len(plan.leaves)
+        for i in order:
+            values = _values(leaves[i])
+            if plan.codec.compression == "none":
+                own[i] = values
+                self.inbox.set_own(step, i, values)
+                self._send(step, deadline, stats, self.peers, PHASE_WHOLE, i, values, 0, values.size)
+            else:
+                own[i] = np.empty(values.size, values.dtype)
+                self._send(step, deadline, stats, self.peers, PHASE_WHOLE, i, values, 0, values.size, own[i])
+                self.inbox.set_own(step, i, own[i])
+        (peer,) = self.peers
+        results: list = [None] * len(plan.leaves)
+        for i in order:
+            self._wait(step, PHASE_WHOLE, i, deadline, stats)
+            total = state.output[i]
+            for a, b in state.slots[(PHASE_WHOLE, peer)].unfused[i]:   # chunks that came before own values
+                total[a:b] += own[i][a:b]
+            results[i] = on_leaf(i, total.reshape(plan.leaves[i].shape))
+        return results
+
+
+class ReduceScatterAllGather(_Collective):
+    def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats) -> list:
+        plan, me, state = self.plan, self.me, self.inbox.state(step)
+        compressed = plan.codec.compression != "none"
+        own: list[np.ndarray | None] = [None] * len(plan.leaves)
+        for i in order:         # reduce-scatter: slice p of every leaf to pod p
+            values = _values(leaves[i])
+            for p, (a, b) in enumerate(plan.ranges[i]):
+                if p != me:
+                    self._send(step, deadline, stats, [p], PHASE_REDUCE, i, values[a:b], a, b)
+                elif compressed:
+                    own[i] = np.empty(b - a, values.dtype)
+                    for ca, cb in plan.chunks(i, a, b):
+                        plan.codec.decode_into(plan.codec.encode(values[ca:cb]), own[i][ca - a:cb - a])
+                else:
+                    own[i] = values[a:b]
+        for i in order:         # sum the owned slice in pod order; all-gather it
+            got = self._wait(step, PHASE_REDUCE, i, deadline, stats)
+            got[me] = own[i]
+            reduced = np.add(got[0], got[1])
+            for p in range(2, plan.num_pods):
+                reduced += got[p]
+            a, b = plan.ranges[i][me]
+            self._send(step, deadline, stats, self.peers, PHASE_GATHER, i, reduced, a, b, state.output[i][a:b])
+        results: list = [None] * len(plan.leaves)
+        for i in order:
+            self._wait(step, PHASE_GATHER, i, deadline, stats)
+            results[i] = on_leaf(i, state.output[i].reshape(plan.leaves[i].shape))
+        return results

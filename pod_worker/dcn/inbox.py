@@ -1,0 +1,199 @@
+"""The inbox: validates every chunk peers send this pod and writes it straight into buffers
+preallocated for the step; hands complete leaves to the step thread.
+
+A chunk is accepted only if its step is the one this pod works on or the next, its phase is used
+with this many pods, its leaf exists, its offset lies on the plan's chunk grid of the slice that
+pod sends this pod, its size is the size the plan says, and it was not received before. A refused
+chunk writes nothing: the step is never corrupted. Its reason is kept, so a step that then misses
+that peer's bytes fails at the deadline saying why.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_WHOLE, LeafSpec, Plan
+
+
+class InvalidChunk(ValueError):
+    """A chunk that does not belong to any gradient this pod expects."""
+
+
+class ExchangeError(RuntimeError):
+    """The exchange of a step failed: a peer's gradient did not arrive complete within the
+    deadline, a peer's connection broke, or sending to a peer failed."""
+
+
+class _Slot:
+    """What one peer sends this pod in one phase of one step: one target per leaf."""
+
+    def __init__(self, plan: Plan, spans: list[tuple[int, int]], targets: list[np.ndarray]):
+        self.spans = spans
+        self.targets = targets
+        self.seen = [set() for _ in spans]
+        self.missing = [plan.chunk_count(i, a, b) for i, (a, b) in enumerate(spans)]
+        self.bytes = 0
+        self.unfused: list[list[tuple[int, int]]] = [[] for _ in spans]   # 2 pods: ranges still to add
+
+
+class _StepState:
+    """Everything this pod receives for one step, allocated when the step's first chunk (or the
+    step itself) arrives."""
+
+    def __init__(self, plan: Plan, pod: int):
+        self.errors: dict[int, str] = {}       # pod -> why its part of the step failed
+        self.slots: dict[tuple[int, int], _Slot] = {}
+        # The result. 2 pods: the peer's chunks are added to this pod's own values as they arrive
+        # (own + peer == peer + own bitwise: IEEE addition commutes), so the sum is done when the
+        # last chunk lands. N > 2: the all-gather writes every owner's reduced slice into it.
+        self.output = [np.empty(l.size, l.dtype) for l in plan.leaves]
+        self.own: list[np.ndarray | None] = [None] * len(plan.leaves)   # 2 pods: this pod's values
+        for phase in plan.phases():
+            for peer in (p for p in range(plan.num_pods) if p != pod):
+                spans = [plan.span(phase, peer, pod, i) for i in range(len(plan.leaves))]
+                if phase in (PHASE_GATHER, PHASE_WHOLE):
+                    targets = [self.output[i][a:b] for i, (a, b) in enumerate(spans)]
+                else:
+                    targets = [np.empty(b - a, l.dtype) for (a, b), l in zip(spans, plan.leaves)]
+                self.slots[(phase, peer)] = _Slot(plan, spans, targets)
+
+
+class Inbox:
+    """Receives peers' chunks (from the Listener's thread) and hands complete leaves to the step
+    thread (wait_leaf). Thread-safe."""
+
+    def __init__(self, run_id: str, pod_index: int, plan: Plan):
+        self.run_id = run_id
+        self.pod_index = pod_index
+        self.plan = plan
+        self.num_pods = plan.num_pods
+        self.leaves: list[LeafSpec] = plan.leaves
+        self._cond = threading.Condition()
+        self._steps: dict[int, _StepState] = {}
+        self._refusals: dict[int, str] = {}     # pod -> why its last refused chunk was refused
+        self._next_step = 0                     # the step this pod will complete next
+
+    def set_next_step(self, step: int) -> None:
+        """The pod is now working towards `step`: drop anything older (it can no longer be used)."""
+        with self._cond:
+            self._next_step = step
+            for old in [s for s in self._steps if s < step]:
+                del self._steps[old]
+            self._cond.notify_all()
+
+    def _state(self, step: int) -> _StepState:
+        # A peer can be at most one step ahead: it cannot finish step s without our gradient.
+        if not self._next_step <= step <= self._next_step + 1:
+            raise InvalidChunk(f"chunk for step {step}, pod {self.pod_index} expects step {self._next_step}"
+                               f" or {self._next_step + 1}")
+        state = self._steps.get(step)
+        if state is None:
+            state = self._steps[step] = _StepState(self.plan, self.pod_index)
+        return state
+
+    def state(self, step: int) -> _StepState:
+        """The receive state of `step` (created if needed)."""
+        with self._cond:
+            return self._state(step)
+
+    # -- from the listener ----------------------------------------------------------------------
+    def _accept(self, pod: int, step: int, phase: int, leaf: int, offset: int, size: int):
+        """Validate a chunk's header and reserve its place; returns where to decode it to."""
+        if not 0 <= pod < self.num_pods or pod == self.pod_index:
+            raise InvalidChunk(f"pod {pod} is not a peer of pod {self.pod_index} (pods 0..{self.num_pods - 1})")
+        if phase not in self.plan.phases():
+            raise InvalidChunk(f"phase {phase} is not used with {self.num_pods} pods (expected one of "
+                               f"{self.plan.phases()})")
+        if leaf >= len(self.leaves):
+            raise InvalidChunk(f"leaf {leaf} out of range (the gradient has {len(self.leaves)} leaves)")
+        state = self._state(step)
+        slot = state.slots[(phase, pod)]
+        start, stop = slot.spans[leaf]
+        per_chunk = self.plan.chunk_elems[leaf]
+        if not start <= offset < stop or (offset - start) % per_chunk:
+            raise InvalidChunk(f"leaf {leaf}: offset {offset} is not on the chunk grid of values [{start}, {stop}) "
+                               f"that pod {pod} sends in phase {phase}")
+        count = min(per_chunk, stop - offset)
+        expected = self.plan.payload_bytes(leaf, count)
+        if size != expected:
+            raise InvalidChunk(f"leaf {leaf}: a chunk of {size} bytes at offset {offset}, expected {expected}")
+        index = (offset - start) // per_chunk
+        if index in slot.seen[leaf]:
+            raise InvalidChunk(f"leaf {leaf}: duplicate chunk at offset {offset} of step {step}")
+        slot.seen[leaf].add(index)
+        own = None
+        if phase == PHASE_WHOLE:
+            own = state.own[leaf]
+            if own is None:     # this pod's own values are not there yet: the step adds them later
+                slot.unfused[leaf].append((offset, offset + count))
+            else:
+                own = own[offset:offset + count]
+        return slot, slot.targets[leaf][offset - start:offset - start + count], own
+
+    def receive(self, pod: int, step: int, phase: int, leaf: int, offset: int, payload) -> None:
+        """One chunk from `pod` (authenticated by the transport). InvalidChunk if it does not fit;
+        then nothing was written."""
+        with self._cond:
+            slot, target, own = self._accept(pod, step, phase, leaf, offset, len(payload))
+        # Decode outside the lock: the chunk's place is reserved for it alone.
+        self.plan.codec.decode_into(payload, target, own)
+        with self._cond:
+            slot.bytes += len(payload)
+            slot.missing[leaf] -= 1
+            if slot.missing[leaf] == 0:
+                self._cond.notify_all()
+
+    def refused_chunk(self, pod: int, why: str) -> None:
+        with self._cond:
+            self._refusals[pod] = why
+
+    def lost(self, pod: int, steps: set[int], why: str) -> None:
+        """A connection of `pod` broke: fail the `steps` it had delivered chunks to and that are
+        not complete (its chunks cannot all arrive now)."""
+        with self._cond:
+            for step in steps:
+                state = self._steps.get(step)
+                slots = [s for (_, p), s in state.slots.items() if p == pod] if state is not None else []
+                if any(any(s.missing) for s in slots):
+                    state.errors.setdefault(pod, f"{why} after {sum(s.bytes for s in slots)} bytes")
+            self._cond.notify_all()
+
+    # -- from the step -----------------------------------------------------------------------------
+    def set_own(self, step: int, leaf: int, values: np.ndarray) -> None:
+        """2 pods: this pod's own (decoded) values of `leaf`, for peers' chunks to be added to."""
+        with self._cond:
+            self._state(step).own[leaf] = values
+
+    def fail(self, step: int, pod: int, why: str) -> None:
+        """Record that the exchange of `step` with `pod` failed (e.g. sending to it)."""
+        with self._cond:
+            state = self._steps.get(step)
+            if state is not None:
+                state.errors.setdefault(pod, why)
+            self._cond.notify_all()
+
+    def wait_leaf(self, step: int, phase: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
+        """Block until every peer's part of `leaf` in `phase` has arrived; returns it by pod.
+        ExchangeError at the deadline, or as soon as any peer's part of the step has failed."""
+        peers = [p for p in range(self.num_pods) if p != self.pod_index]
+        with self._cond:
+            state = self._state(step)
+            while True:
+                if state.errors:
+                    detail = "; ".join(f"pod {p}: {why}" for p, why in sorted(state.errors.items()))
+                    raise ExchangeError(f"step {step}: gradient exchange failed: {detail}")
+                slots = {p: state.slots[(phase, p)] for p in peers}
+                missing = [p for p, s in slots.items() if s.missing[leaf] > 0]
+                if not missing:
+                    return {p: s.targets[leaf] for p, s in slots.items()}
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    detail = ", ".join(
+                        f"pod {p} ({slots[p].bytes} of its bytes so far, leaf {leaf} incomplete"
+                        + (f"; its last refused chunk: {self._refusals[p]}" if p in self._refusals else "") + ")"
+                        for p in missing)
+                    raise ExchangeError(f"step {step}: gradient from {detail} did not arrive within the DCN "
+                                        f"deadline")
+                self._cond.wait(remaining)
