@@ -6,15 +6,17 @@ jax.distributed (gloo) cross-process all-reduce of the same bytes, in one run on
 Two processes (started with subprocess, never a fork after importing jax) play pod 0 and pod 1.
 The payload is a gradient the size of a ~25M-parameter model (float32, ~103 MB), exchanged in
 both directions at once, as the pods do. The contenders are measured *interleaved*: every round
-runs raw TCP, then gloo, then each multipod variant, each started by a one-byte barrier between
-the two processes, so a busy machine slows them all alike. Times are medians over --repeats
+runs raw TCP, then gloo, then each data-plane variant, each started by a one-byte barrier between
+the two processes, so a busy machine slows them all alike. Variants: `transport` (the ZeroMQ
+links and listener alone: every frame lands in its place in a preallocated buffer, no sum),
+`exchange` (Exchange.all_reduce: chunking, validation, the pod-order sum), `_curve` (CURVE
+encryption on), `_bf16`/`_int8` (compressed transport). Times are medians over --repeats
 rounds after one warm-up round (a round's time is the slower pod's); MB/s is payload bytes per
 direction / time (1 MB = 1e6 bytes).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -112,17 +114,42 @@ def _gloo(pod: int, port: int, nbytes: int):
     return lambda: reduce(x).block_until_ready()
 
 
-def pod_main(args) -> dict:
-    import concurrent.futures
+class _Landing:
+    """Transport-only sink for a Listener: each frame is copied into its place in a preallocated
+    buffer (the one user-space copy), no decoding, no sum; `done` is set when every byte is in."""
 
-    import grpc
+    def __init__(self, run_id: str, nbytes: int):
+        import numpy as np
+        self.run_id, self.nbytes = run_id, nbytes
+        self.buffer = np.empty(nbytes, np.uint8)
+        self.got = 0
+        self.done = threading.Event()
+
+    def receive(self, pod, step, phase, leaf, offset, payload) -> None:
+        import numpy as np
+        view = np.frombuffer(payload, np.uint8)
+        self.buffer[offset:offset + view.size] = view
+        self.got += view.size
+        if self.got >= self.nbytes:
+            self.done.set()
+
+    def refused_chunk(self, pod, why) -> None:
+        raise SystemExit(f"refused: {why}")
+
+    def lost(self, pod, steps, why) -> None:
+        pass
+
+
+VARIANTS = ("transport", "transport_curve", "exchange", "exchange_curve", "exchange_bf16", "exchange_int8")
+
+
+def pod_main(args) -> dict:
     import numpy as np
 
-    from multipod import protos
-    from multipod.pod_worker.dcn import Exchange, LeafSpec
-    from multipod.protos import multipod_pb2_grpc as pb_grpc
-    from multipod.protos.transport import add_port
+    from multipod.pod_worker.dcn import Exchange, LeafSpec, Listener
+    from multipod.pod_worker.dcn.outbox import Outbox, Pacer
 
+    secret = "bench-secret-of-at-least-16-chars"
     folder = pathlib.Path(args.dir)
     gloo = None
     gloo_error = None
@@ -137,31 +164,44 @@ def pod_main(args) -> dict:
     rng = np.random.default_rng(args.pod)
     leaves = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
     specs = [LeafSpec(s, np.dtype(np.float32)) for s in shapes]
+    flat = np.concatenate([l.reshape(-1) for l in leaves]).view(np.uint8)
     variants = args.variants.split(",")
-    exchanges: dict[str, Exchange] = {}
-
-    class Router(pb_grpc.DcnServicer):
-        """Hands each stream to the exchange of its variant (the variant is the chunk's run id)."""
-
-        def PushGradients(self, chunks, context):
-            first = next(chunks)
-            return exchanges[first.run_id].inbox.receive(itertools.chain([first], chunks))
-
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(32), options=protos.channel_options())
-    pb_grpc.add_DcnServicer_to_server(Router(), server)
-    port = add_port(server, "127.0.0.1:0")
-    server.start()
-    _write_file(folder / f"pod{args.pod}.port", str(port))
-    addresses = [f"127.0.0.1:{_wait_file(folder / f'pod{p}.port')}" for p in range(2)]
+    listeners = {v: Listener(args.pod, "127.0.0.1:0", secret, curve=v.endswith("_curve")) for v in variants}
+    _write_file(folder / f"pod{args.pod}.json", json.dumps({v: l.address for v, l in listeners.items()}))
+    tcp.barrier()
+    peer = 1 - args.pod
+    theirs = json.loads(_wait_file(folder / f"pod{peer}.json"))
+    runners = {}
     for v in variants:
-        compression, streams = v.split(":")
-        exchanges[v] = Exchange(v, args.pod, addresses, specs, args.chunk_bytes, 300.0, streams=int(streams),
-                                compression=compression)
+        if v.startswith("transport"):
+            landing = _Landing(v, args.nbytes)
+            listeners[v].attach(landing)
+            outbox = Outbox(args.pod, v, {peer: theirs[v]}, args.streams, secret, Pacer(), lambda *e: print(e))
+
+            def send_all(step, landing=landing, outbox=outbox):
+                landing.got, deadline = 0, time.monotonic() + 300
+                landing.done.clear()
+                for start in range(0, flat.size, args.chunk_bytes):
+                    outbox.put(step, deadline, peer, 0, 0, start, flat[start:start + args.chunk_bytes])
+                if not landing.done.wait(300):
+                    raise SystemExit("transport round timed out")
+                return None, None
+            runners[v] = (send_all, outbox)
+        else:
+            compression = v.split("_")[1] if v.count("_") and not v.endswith("_curve") else "none"
+            addresses = [None, None]
+            addresses[args.pod], addresses[peer] = listeners[v].address, theirs[v]
+            ex = Exchange(v, args.pod, addresses, specs, listeners[v], chunk_bytes=args.chunk_bytes, timeout_s=300.0,
+                          streams=args.streams, compression=compression, secret=secret)
+
+            def reduce(step, ex=ex):
+                ex.inbox.set_next_step(step)
+                return ex.all_reduce(step, leaves)
+            runners[v] = (reduce, ex)
     tcp.barrier()    # both pods can receive now
 
     times: dict[str, list[float]] = {"raw_tcp": [], "gloo_allreduce": [], **{v: [] for v in variants}}
     idle: dict[str, list[float]] = {v: [] for v in variants}
-    sent: dict[str, int] = {}
 
     def timed(name, fn):
         tcp.barrier()
@@ -175,19 +215,19 @@ def pod_main(args) -> dict:
         if gloo is not None:
             timed("gloo_allreduce", gloo)
         for v in variants:
-            exchanges[v].inbox.set_next_step(step)
-            _, stats = timed(v, lambda v=v, step=step: exchanges[v].all_reduce(step, leaves))
-            idle[v].append(stats.idle_s)
-            sent[v] = stats.bytes_sent
+            _, stats = timed(v, lambda v=v, step=step: runners[v][0](step))
+            if stats is not None:
+                idle[v].append(stats.idle_s)
     tcp.barrier()
-    for ex in exchanges.values():
-        ex.close()
-    server.stop(0)
+    for _, owner in runners.values():
+        owner.close()
+    for listener in listeners.values():
+        listener.close()
     if gloo is not None:
         import jax
         jax.distributed.shutdown()
     return {"times": {k: t[1:] for k, t in times.items()}, "idle": {k: t[1:] for k, t in idle.items()},
-            "sent": sent, "gloo_error": gloo_error}
+            "gloo_error": gloo_error}
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -207,8 +247,9 @@ def main() -> None:
     parser.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20)
-    parser.add_argument("--variants", default="none:1,none:2,none:4,bf16:4,int8:4",
-                        help="multipod variants COMPRESSION:STREAMS, comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"data-plane variants, comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--streams", type=int, default=2, help="data-plane connections per peer")
     parser.add_argument("--skip-gloo", action="store_true")
     args = parser.parse_args()
     if args.pod is not None:
@@ -227,7 +268,8 @@ def main() -> None:
         for pod in range(2):
             cmd = [sys.executable, __file__, "--pod", str(pod), "--dir", folder, "--gloo-port", str(gloo_port),
                    "--shapes", json.dumps(shapes), "--nbytes", str(nbytes), "--repeats", str(args.repeats),
-                   "--chunk-bytes", str(args.chunk_bytes), "--variants", args.variants]
+                   "--chunk-bytes", str(args.chunk_bytes), "--variants", args.variants,
+                   "--streams", str(args.streams)]
             env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
             env.pop("XLA_FLAGS", None)
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
@@ -240,7 +282,7 @@ def main() -> None:
 
     report = {"benchmark": "dcn", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
               "params": nbytes // 4, "leaves": len(shapes), "payload_bytes": nbytes, "repeats": args.repeats,
-              "chunk_bytes": args.chunk_bytes, "load_average": os.getloadavg()}
+              "chunk_bytes": args.chunk_bytes, "streams": args.streams, "load_average": os.getloadavg()}
     times = lambda name: [r["times"][name] for r in results]
     report["raw_tcp"] = _summary(times("raw_tcp"), nbytes)
     if results[0]["times"]["gloo_allreduce"]:
@@ -250,8 +292,8 @@ def main() -> None:
     report["multipod"] = {}
     for v in args.variants.split(","):
         summary = _summary(times(v), nbytes)
-        summary["wire_bytes_per_pod"] = results[0]["sent"][v]
-        summary["idle_s_median"] = round(statistics.median(results[0]["idle"][v]), 4)
+        if results[0]["idle"][v]:
+            summary["idle_s_median"] = round(statistics.median(results[0]["idle"][v]), 4)
         report["multipod"][v] = summary
     tcp = report["raw_tcp"]["median_s"]
     gloo = report["gloo_allreduce"].get("median_s")
