@@ -31,8 +31,8 @@ def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_p
                                                           dcn_listen=dcn_listen, dcn_encrypt=dcn_encrypt)
     shutdown = service.shutdown_event
     host = listen.rsplit(":", 1)[0]
-    log.info("pod %d serving on %s:%d, data plane on %s (pid %d)", pod_index, host, port,
-             service.pod.listener.address, os.getpid())
+    log.info("pod %d serving on %s:%d (pid %d), data plane on %s", pod_index, host, port, os.getpid(),
+             service.pod.listener.address)
     if port_file:   # written last: whoever waits on it may connect at once
         write_port_file(f"{port_file}.dcn", service.pod.listener.address)
         write_port_file(port_file, port)
