@@ -60,6 +60,10 @@ def test_pods_with_different_mesh_shapes_are_refused(mismatched_pods, tmp_path):
 def test_wrong_protocol_version_is_refused_and_the_worker_keeps_serving(mismatched_pods):
     channel = grpc.insecure_channel(mismatched_pods.addresses[1])
     stub = pb_grpc.PodWorkerStub(channel)
+    dcn = []
+    for address in mismatched_pods.addresses:   # every pod's data-plane endpoint, as the controller sends them
+        with grpc.insecure_channel(address) as other:
+            dcn.append(pb_grpc.PodWorkerStub(other).Status(pb.StatusRequest(), timeout=10).dcn_address)
     with pytest.raises(grpc.RpcError) as info:
         stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION + 1, pod_index=1, num_pods=2,
                                            peer_addresses=mismatched_pods.addresses, worker_config_json="{}",
@@ -68,7 +72,7 @@ def test_wrong_protocol_version_is_refused_and_the_worker_keeps_serving(mismatch
     assert "protocol version mismatch" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         stub.Configure(pb.ConfigureRequest(protocol_version=protos.PROTOCOL_VERSION, pod_index=1, num_pods=2,
-                                           peer_addresses=mismatched_pods.addresses,
+                                           peer_addresses=mismatched_pods.addresses, dcn_addresses=dcn,
                                            worker_config_json='{"model": {"d_model": "big"}}', run_id="x"), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "model.d_model" in info.value.details()
