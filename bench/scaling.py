@@ -48,7 +48,7 @@ def _pinned(core: int, cmd: list[str]) -> list[str]:
     if shutil.which("taskset"):
         return ["taskset", "-c", str(core), *cmd]
     code = (f"import os, runpy, sys; os.sched_setaffinity(0, {{{core}}}); sys.argv = {cmd[2:]!r}; "
-            f"runpy.run_module('controller.cli', run_name='__main__')")
+            f"runpy.run_module('multipod.cli', run_name='__main__')")
     return [sys.executable, "-c", code]
 
 
