@@ -236,12 +236,8 @@ class PodTrainer:
         t_ready = time.perf_counter()
         result = self.apply(summed)
         t3 = time.perf_counter()
-        fp = self.checksum()
-        t4 = time.perf_counter()
-        return StepOutcome(loss_sum=ce + z, z_loss_sum=z, tokens=int(batch.shape[0] * (batch.shape[1] - 1)),
-                           grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
-                           fingerprint=fp, compute_s=t1 - t0, exchange_s=t2 - t1, update_s=t3 - t2,
-                           fingerprint_s=t4 - t3, link=link, exposed_exchange_s=t_ready - t1)
+        return self._finish(batch, ce, z, result, t3, link, compute_s=t1 - t0, exchange_s=t2 - t1,
+                            update_s=t3 - t2, exposed_exchange_s=t_ready - t1)
 
     def _train_step_overlapped(self, batch: jax.Array, global_tokens: int, all_reduce) -> StepOutcome:
         """train_step with dcn.overlap: every per-layer program is dispatched at once, and the
@@ -265,12 +261,17 @@ class PodTrainer:
         ce, z = float(launched.ce), float(launched.z)
         result = self.apply(summed)
         t3 = time.perf_counter()
+        return self._finish(batch, ce, z, result, t3, link, compute_s=backward_end - t0, exchange_s=t2 - t1,
+                            update_s=t3 - t2, exposed_exchange_s=max(0.0, t2 - backward_end))
+
+    def _finish(self, batch, ce: float, z: float, result: StepResult, updated_at: float, link,
+                **timings: float) -> StepOutcome:
+        """The step's checksum (timed from `updated_at`, when the update returned) and its outcome."""
         fp = self.checksum()
-        t4 = time.perf_counter()
+        fingerprint_s = time.perf_counter() - updated_at
         return StepOutcome(loss_sum=ce + z, z_loss_sum=z, tokens=int(batch.shape[0] * (batch.shape[1] - 1)),
                            grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
-                           fingerprint=fp, compute_s=backward_end - t0, exchange_s=t2 - t1, update_s=t3 - t2,
-                           fingerprint_s=t4 - t3, link=link, exposed_exchange_s=max(0.0, t2 - backward_end))
+                           fingerprint=fp, fingerprint_s=fingerprint_s, link=link, **timings)
 
     def put_leaf(self, index: int, value: np.ndarray) -> jax.Array:
         """Start the host->device transfer of one summed gradient leaf (asynchronous)."""

@@ -60,3 +60,21 @@ def tiny_worker_config():
         model=ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8, mlp_dim=64, max_seq_len=32),
         optimizer=OptimizerConfig(learning_rate=3e-2, warmup_steps=2),
         train=TrainShape(seed=0, total_steps=20, seq_len=32, global_batch=8)).validate()
+
+
+def train_identical_pods(run_dir: pathlib.Path, pods: int, steps: int, *args: str, settings=()) -> list[dict]:
+    """`multipod local` on configs/tiny.toml with `pods` one-device pods for `steps` steps (extra CLI
+    args, and `--set` for each of settings); asserts it succeeded, that the pods were bitwise
+    identical at every step and that the state changed every step; returns the step records."""
+    cli = ["local", "--pods", str(pods), "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
+           "--run-dir", str(run_dir), "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", *args]
+    for setting in settings:
+        cli += ["--set", setting]
+    result = run_cli(*cli)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(steps))
+    for r in records:
+        assert len(r["fingerprints"]) == pods and len(set(r["fingerprints"])) == 1, f"pods differ at step {r['step']}"
+    assert len({r["fingerprints"][0] for r in records}) == steps   # the state does change
+    return records

@@ -3,25 +3,13 @@ slow-link and encrypted transport, tiny model. The pods must stay bitwise identi
 import pytest
 
 from multipod.controller.config import load_config
-from tests.helpers import TINY, read_metrics, run_cli
+from tests.helpers import TINY, train_identical_pods
 
 STEPS = 4
-QUIET = ("--set", "run.sample_tokens=0", "--set", "run.eval_batches=0")
 
 
 def _run(tmp_path, pods: int, *settings: str):
-    args = ["local", "--pods", str(pods), "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
-            "--run-dir", str(tmp_path), *QUIET]
-    for s in settings:
-        args += ["--set", s]
-    result = run_cli(*args)
-    assert result.returncode == 0, result.stdout + result.stderr
-    records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(STEPS))
-    for r in records:
-        assert len(r["fingerprints"]) == pods and len(set(r["fingerprints"])) == 1, f"pods differ at step {r['step']}"
-    assert len({r["fingerprints"][0] for r in records}) == STEPS   # the state does change
-    return records
+    return train_identical_pods(tmp_path, pods, STEPS, settings=settings)
 
 
 def test_three_pods_on_a_slow_link_stay_identical(tmp_path):

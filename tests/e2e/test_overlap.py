@@ -3,25 +3,14 @@ model. Both keep the pods bitwise identical at every step and give the same loss
 tolerance; three pods (reduce-scatter + all-gather) with overlap on stay identical too."""
 import pytest
 
-from tests.helpers import TINY, read_metrics, run_cli
+from tests.helpers import train_identical_pods
 
 STEPS = 10
-QUIET = ("--set", "run.sample_tokens=0", "--set", "run.eval_batches=0")
 
 
 def _run(run_dir, pods: int, overlap: bool, *settings: str) -> list[dict]:
-    args = ["local", "--pods", str(pods), "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
-            "--seed", "3", "--run-dir", str(run_dir), *QUIET, "--set", f"dcn.overlap={str(overlap).lower()}"]
-    for s in settings:
-        args += ["--set", s]
-    result = run_cli(*args)
-    assert result.returncode == 0, result.stdout + result.stderr
-    records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(STEPS))
-    for r in records:
-        assert len(r["fingerprints"]) == pods and len(set(r["fingerprints"])) == 1, f"pods differ at step {r['step']}"
-    assert len({r["fingerprints"][0] for r in records}) == STEPS     # the state does change
-    return records
+    return train_identical_pods(run_dir, pods, STEPS, "--seed", "3",
+                                settings=(f"dcn.overlap={str(overlap).lower()}", *settings))
 
 
 def test_overlap_on_and_off_give_the_same_losses_with_identical_pods(tmp_path):
