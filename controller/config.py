@@ -24,6 +24,7 @@ from multipod.pod_worker.config import (
     WorkerConfig,
     build,
     check_fits,
+    check_overlap,
     non_negative,
     positive,
 )
@@ -112,6 +113,7 @@ class Config:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
         check_fits("data.seq_len", self.data.seq_len, self.model)
+        check_overlap(self.dcn, self.model)   # refused on load, not only when a worker configures
         return self
 
     def to_dict(self) -> dict:

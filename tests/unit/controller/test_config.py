@@ -87,3 +87,9 @@ def test_worker_config_carries_the_run_shape_and_nothing_of_the_controller():
     shape = worker.train
     assert (shape.total_steps, shape.seed, shape.seq_len, shape.global_batch) == (33, 5, 64, 4)
     assert "path" not in worker.to_json() and "eval_batches" not in worker.to_json()
+
+
+def test_overlap_with_microbatches_is_refused_when_the_config_loads():
+    with pytest.raises(ConfigError, match="model.microbatches: must be 1 with dcn.overlap"):
+        load_config(None, ["dcn.overlap=true", "model.microbatches=2"])
+    assert load_config(None, ["dcn.overlap=false", "model.microbatches=2"]).model.microbatches == 2
