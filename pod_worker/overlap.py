@@ -178,9 +178,10 @@ class OverlappedGradStep:
             self._first_block_rest = jax.jit(first_block_rest)
             self._embed_backward = jax.jit(embed_backward_pinned, donate_argnums=(3,))
 
-    def launch(self, params, tokens: jax.Array, normalizer: jax.Array) -> Launched:
-        """Dispatch the whole step (forward, head, backward block by block) and start each
-        gradient's device->host copy as soon as its program is queued. Returns at once."""
+    def launch(self, params, tokens: jax.Array, normalizer: jax.Array, to_host: bool = True) -> Launched:
+        """Dispatch the whole step (forward, head, backward block by block) and, with to_host, start
+        each gradient's device->host copy as soon as its program is queued. Returns at once."""
+        start_copies = _start_copies if to_host else (lambda tree: None)
         names = block_names(self.config)
         with activate_rules(self.mesh):
             x = self._embed(params["embedding"], tokens)
@@ -190,19 +191,19 @@ class OverlappedGradStep:
                 vjps.append(vjp)
             g_emb_head, g_norm, g_x, ce, z = self._head(params["embedding"], params["final_norm"], x,
                                                         tokens, normalizer)
-            _start_copies(g_norm)
+            start_copies(g_norm)
             grads = {"final_norm": g_norm}
             for name, vjp in zip(reversed(names[1:]), reversed(vjps[1:])):
                 grads[name], g_x = self._block_backward(vjp, g_x)
-                _start_copies(grads[name])
+                start_copies(grads[name])
             early = self._first_block_early(vjps[0], g_x)
-            _start_copies(early)
+            start_copies(early)
             rest, g_x = self._first_block_rest(vjps[0], g_x)
-            _start_copies(rest)
+            start_copies(rest)
             grads[names[0]] = {**rest, self.early: early}
             del vjps
             grads["embedding"] = self._embed_backward(params["embedding"], tokens, g_x, g_emb_head)
-            _start_copies(grads["embedding"])
+            start_copies(grads["embedding"])
         leaves, treedef = jax.tree.flatten(grads)
         if treedef != self._treedef:
             raise AssertionError(f"gradient tree {treedef} != parameter tree {self._treedef}")

@@ -93,16 +93,17 @@ class Pod:
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
             trainer = PodTrainer(config)
             trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
+            # Built before the old one closes: if it fails, the pod keeps a working exchange.
+            exchange = self._new_exchange(run_id, trainer, config, list(peers))
             if self.exchange is not None:
                 self.exchange.close()
-            self._peers = list(peers)
-            self.exchange = self._new_exchange(run_id, trainer, config)
+            self._peers, self.exchange = list(peers), exchange
             epoch = self.seq.reset(trainer.step, "reconfigured")
             self._setup = Setup(trainer, config, num_pods, epoch)
         return trainer
 
-    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig) -> Exchange:
-        return Exchange(run_id, self.pod_index, self._peers, trainer.leaf_specs, self.listener, dcn=config.dcn)
+    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig, peers: list[str]) -> Exchange:
+        return Exchange(run_id, self.pod_index, peers, trainer.leaf_specs, self.listener, dcn=config.dcn)
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
@@ -195,8 +196,9 @@ class Pod:
             if run_id:
                 # A fresh DCN inbox under a new run id: nothing a peer sent before the restore
                 # (streams of the abandoned timeline) can be taken for a step of the new one.
+                exchange = self._new_exchange(run_id, trainer, setup.config, self._peers)
                 self.exchange.close()
-                self.exchange = self._new_exchange(run_id, trainer, setup.config)
+                self.exchange = exchange
             self.exchange.inbox.set_next_step(trainer.step)
             epoch = self.seq.reset(trainer.step, "restored to a checkpoint")
             self._setup = dataclasses.replace(setup, epoch=epoch)

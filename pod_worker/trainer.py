@@ -189,10 +189,11 @@ class PodTrainer:
             self._norm_cache = cached
         return cached[1]
 
-    def gradients(self, tokens: jax.Array, global_tokens: int) -> tuple[list[jax.Array], float, float]:
-        """Forward/backward on this pod's shard; returns the gradient leaves (still on the device,
-        every device->host copy already started, so the exchange can take them one by one while
-        later ones are still copying) and the loss sums."""
+    def gradients(self, tokens: jax.Array, global_tokens: int, to_host: bool = True
+                  ) -> tuple[list[jax.Array], float, float]:
+        """Forward/backward on this pod's shard; returns the gradient leaves (still on the device;
+        with to_host, every device->host copy already started, so the exchange can take them one
+        by one while later ones are still copying) and the loss sums."""
         norm = self._normalizer(global_tokens)
         if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
             grads, ce, z = self._grad_compiled(self.params, tokens, norm)
@@ -200,8 +201,9 @@ class PodTrainer:
             with activate_rules(self.mesh):
                 grads, ce, z = self._grad_step(self.params, tokens, norm)
         leaves = jax.tree.leaves(grads)
-        for leaf in leaves:     # start every device->host copy before waiting on any of them
-            leaf.copy_to_host_async()
+        if to_host:
+            for leaf in leaves:     # start every device->host copy before waiting on any of them
+                leaf.copy_to_host_async()
         return leaves, float(ce), float(z)
 
     def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None,
@@ -228,7 +230,8 @@ class PodTrainer:
         exposed_exchange_s: from the end of the gradient program until every summed leaf is on the
         devices (here the whole exchange, since nothing overlaps it)."""
         t0 = time.perf_counter()
-        grads, ce, z = self.gradients(batch, global_tokens)   # returns once the program is done
+        # Returns once the program is done; a single pod's gradient never leaves the device.
+        grads, ce, z = self.gradients(batch, global_tokens, to_host=all_reduce is not None)
         t1 = time.perf_counter()
         summed, link = all_reduce(grads) if all_reduce is not None else (grads, None)
         t2 = time.perf_counter()
@@ -248,8 +251,8 @@ class PodTrainer:
         exchange, which overlaps it; exposed_exchange_s the part after the backward pass, until
         every summed leaf is on the devices."""
         t0 = time.perf_counter()
-        norm = jax.device_put(np.float32(global_tokens), self.scalar_sharding)
-        launched = self._overlapped.launch(self.params, batch, norm)
+        launched = self._overlapped.launch(self.params, batch, self._normalizer(global_tokens),
+                                           to_host=all_reduce is not None)
         t1 = time.perf_counter()
         if all_reduce is not None:
             summed, link = all_reduce(launched.leaves, order=launched.order)

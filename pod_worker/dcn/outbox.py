@@ -9,6 +9,7 @@ the step and the peer (on_error), drops the rest of that step's chunks, and reco
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -37,8 +38,10 @@ class Pacer:
     def active(self) -> bool:
         return self.bytes_per_s > 0 or self.latency_s > 0
 
-    def wait(self, nbytes: int, queued_at: float) -> None:
-        """Sleep until a chunk of `nbytes` queued at `queued_at` would have crossed the link."""
+    def wait(self, nbytes: int, queued_at: float, stop: threading.Event | None = None,
+             deadline: float = math.inf) -> None:
+        """Sleep until a chunk of `nbytes` queued at `queued_at` would have crossed the link, or
+        until `stop` is set or `deadline` (time.monotonic) passes, whichever comes first."""
         now = time.monotonic()
         ready = queued_at + self.latency_s
         if self.bytes_per_s > 0:
@@ -47,8 +50,9 @@ class Pacer:
                 begin = max(self._free_at, now - self.burst_bytes / self.bytes_per_s)
                 self._free_at = begin + nbytes / self.bytes_per_s
                 ready = max(ready, self._free_at)
-        if ready > now:
-            time.sleep(ready - now)
+        until = min(ready, deadline)
+        if until > now:
+            (stop or threading.Event()).wait(until - now)
 
 
 class _Link(threading.Thread):
@@ -76,7 +80,7 @@ class _Link(threading.Thread):
                                                   out.secret, out.stopped)
                     self._connection.handshake(deadline)
                 if out.pacer.active:
-                    out.pacer.wait(len(payload), queued_at)
+                    out.pacer.wait(len(payload), queued_at, out.stopped, deadline)
                 self._connection.send(header, payload, deadline)
             except Exception as exc:    # LinkError, ZMQError, or a bug: the step fails, the link lives on
                 self._failed_step = step

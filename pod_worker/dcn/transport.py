@@ -273,6 +273,8 @@ class Listener:
         except ValueError as exc:      # InvalidChunk
             return self._refuse(peer, f"a chunk from pod {pod}: {exc}")
         peer.steps.add(step)
+        if len(peer.steps) > 2:    # only the current and the next step can still be live
+            peer.steps = set(sorted(peer.steps)[-2:])
 
 
 # -- the sending side ------------------------------------------------------------------------------
