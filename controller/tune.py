@@ -29,9 +29,6 @@ from multipod.controller.tune_grid import (
     parse_mesh_list,
     parse_remat_list,
 )
-from multipod.controller.tune_runner import run_grid
-from multipod.controller.tune_table import best_row, mib, print_table, rank, write_config, write_report
-from multipod.model.config import REMAT_POLICIES
 
 DCN_NOTE = ("Tuning one pod's layout: across pods the DCN axis is always data-parallel, so every pod "
             "uses this layout and the global batch is split evenly over the pods.")
@@ -51,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meshes", type=parse_mesh_list, help="only these DATAxMODEL meshes, e.g. 2x2,4x1")
     parser.add_argument("--microbatches", type=parse_int_list, help="only these microbatch counts, e.g. 1,2,4")
     parser.add_argument("--remat", type=parse_remat_list,
-                        help=f"only these remat policies ({','.join(REMAT_POLICIES)})")
+                        help="only these remat policies, comma-separated (the values of model.remat)")
     parser.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
                         help="try sequence parallelism on, off, or both (default both)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (median; default 5)")
@@ -82,6 +79,8 @@ def main(args: argparse.Namespace) -> int:
     """Run `multipod tune`; returns the exit code (0: a best candidate was written)."""
     from multipod.controller.config import ConfigError, load_config
     from multipod.controller.metrics import out
+    from multipod.controller.tune_runner import run_grid
+    from multipod.controller.tune_table import best_row, mib, print_table, rank, write_config, write_report
     overrides = list(args.overrides)
     if args.global_batch is not None:
         overrides.append(f"data.global_batch={args.global_batch}")
@@ -89,6 +88,8 @@ def main(args: argparse.Namespace) -> int:
     for name, value in (("--devices", args.devices), ("--pods", args.pods), ("--steps", args.steps)):
         if value < 1:
             raise ConfigError(name, f"must be >= 1, got {value}")
+    if not args.candidate_timeout > 0:
+        raise ConfigError("--candidate-timeout", f"must be > 0 seconds, got {args.candidate_timeout:g}")
     if config.data.global_batch % args.pods:
         raise ConfigError("data.global_batch", f"{config.data.global_batch} does not split over {args.pods} pods")
     per_pod = config.data.global_batch // args.pods

@@ -11,9 +11,6 @@ import argparse
 import dataclasses
 import re
 
-from multipod.model.config import REMAT_POLICIES
-from multipod.pod_worker.config import MeshConfig
-
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # Microbatch counts the grid tries when none are asked for (those that split a data shard evenly).
@@ -59,6 +56,7 @@ def parse_int_list(text: str) -> list[int]:
 
 def parse_remat_list(text: str) -> list[str]:
     """'none,full' -> ['none', 'full']; every name must be one of REMAT_POLICIES."""
+    from multipod.model.config import REMAT_POLICIES  # here: building the CLI parser must not import jax
     values = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in values if v not in REMAT_POLICIES]
     if not values or bad:
@@ -107,6 +105,7 @@ def enumerate_candidates(model_cfg, per_pod_batch: int, devices: int, meshes=Non
     skipped: list[str] = []
     if meshes is None:
         meshes, skipped = _meshes(model_cfg, per_pod_batch, devices)
+    from multipod.model.config import REMAT_POLICIES
     remats = list(remats or REMAT_POLICIES)
     candidates = []
     for data, model in meshes:
@@ -128,6 +127,7 @@ def enumerate_candidates(model_cfg, per_pod_batch: int, devices: int, meshes=Non
 def candidate_config(base, candidate: Candidate):
     """The run config (controller.config.Config) with a candidate's layout applied; not validated,
     so an impossible requested value reaches the probe and comes back as that candidate's error."""
+    from multipod.pod_worker.config import MeshConfig
     model = dataclasses.replace(base.model, sequence_parallel=candidate.sequence_parallel,
                                 microbatches=candidate.microbatches, remat=candidate.remat)
     return dataclasses.replace(base, model=model, mesh=MeshConfig(data=candidate.data, model=candidate.model))

@@ -171,9 +171,10 @@ def run_grid(config, candidates: list[Candidate], devices: int, per_pod_batch: i
             if error is None and any(i not in rows for i in pending):
                 error, current = "the tuning process finished without a result for this candidate", None
             if error is not None:
-                victim = current if current is not None else next(i for i in pending if i not in rows)
-                rows[victim] = {"status": "error", "error": error}
-                progress.finish(len(rows), candidates[victim], rows[victim])
+                victim = current if current is not None else next((i for i in pending if i not in rows), None)
+                if victim is not None:   # None: the probe failed after its last result; nothing to charge
+                    rows[victim] = {"status": "error", "error": error}
+                    progress.finish(len(rows), candidates[victim], rows[victim])
             pending = [i for i in pending if i not in rows]
     finally:
         progress.close()

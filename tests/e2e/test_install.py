@@ -54,3 +54,13 @@ def test_the_wheel_exposes_only_the_multipod_namespace(tmp_path):
     assert helped.returncode == 0, helped.stderr
     for command in ("worker", "train", "local", "tune", "peak-flops"):
         assert command in helped.stdout
+
+
+def test_building_the_command_line_imports_no_jax():
+    """`multipod worker` must set its simulated devices before jax starts, and --help must be quick:
+    parsing any command but tune's --remat leaves jax unimported."""
+    code = ("import sys, multipod.cli as c; p = c.build_parser(); "
+            "[p.parse_args(a) for a in (['worker', '--pod-index', '0'], ['train', '--workers', 'x:1'], "
+            "['local'], ['tune'], ['peak-flops'])]; print('jax' in sys.modules)")
+    result = _run(sys.executable, "-c", code, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr

@@ -95,3 +95,5 @@ def test_bad_tune_arguments_are_named():
     assert result.returncode == 2 and "remat policies are none, full, selective" in result.stderr
     result = run_cli("tune", "--config", TINY, "--memory-limit", "lots")
     assert result.returncode == 2 and "not a size: 'lots'" in result.stderr
+    result = run_cli("tune", "--config", TINY, "--candidate-timeout", "0")
+    assert result.returncode == 2 and "--candidate-timeout: must be > 0 seconds" in result.stderr
