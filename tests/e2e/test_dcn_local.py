@@ -19,7 +19,7 @@ def test_three_pods_on_a_slow_link_stay_identical(tmp_path):
         # Reduce-scatter + all-gather: each pod sends 2 (N - 1) / N of its float32 gradient.
         assert r["dcn_bytes_sent"] == 2 * 2 * params * 4
         for pod in r["pods"]:
-            assert 0.0 <= pod["idle_s"] <= pod["exchange_s"]
+            assert pod["idle_s"] >= 0.0
             assert pod["dcn_bytes_sent"] > 0
 
 

