@@ -75,16 +75,38 @@ class ConfigureReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ..., hardware_flops_per_step: _Optional[float] = ..., memory_argument_bytes: _Optional[int] = ..., memory_output_bytes: _Optional[int] = ..., memory_temp_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tokens", "global_tokens", "full_fingerprint")
+    __slots__ = ("step", "tokens", "global_tokens", "full_fingerprint", "extra_shards")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_SHARDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: bytes
     global_tokens: int
     full_fingerprint: bool
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., full_fingerprint: _Optional[bool] = ...) -> None: ...
+    extra_shards: _containers.RepeatedCompositeFieldContainer[Shard]
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., full_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ...) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("slot", "tokens")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    tokens: bytes
+    def __init__(self, slot: _Optional[int] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class ShardResult(_message.Message):
+    __slots__ = ("slot", "loss_sum", "z_loss_sum", "tokens")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    Z_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    loss_sum: float
+    z_loss_sum: float
+    tokens: int
+    def __init__(self, slot: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "fingerprint_s", "idle_s", "exposed_exchange_s")
@@ -105,7 +127,7 @@ class StepTimings(_message.Message):
     def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "fingerprint", "timings", "dcn_bytes_sent", "dcn_bytes_received", "full_fingerprint")
+    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "fingerprint", "timings", "dcn_bytes_sent", "dcn_bytes_received", "full_fingerprint", "shards")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +141,7 @@ class StepReply(_message.Message):
     DCN_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DCN_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     pod_index: int
     loss_sum: float
@@ -132,7 +155,62 @@ class StepReply(_message.Message):
     dcn_bytes_sent: int
     dcn_bytes_received: int
     full_fingerprint: str
-    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., full_fingerprint: _Optional[str] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ShardResult]
+    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., full_fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ...) -> None: ...
+
+class MembershipRequest(_message.Message):
+    __slots__ = ("run_id", "hosts", "num_pods")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PODS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    hosts: _containers.RepeatedScalarFieldContainer[int]
+    num_pods: int
+    def __init__(self, run_id: _Optional[str] = ..., hosts: _Optional[_Iterable[int]] = ..., num_pods: _Optional[int] = ...) -> None: ...
+
+class MembershipReply(_message.Message):
+    __slots__ = ("step", "fingerprint", "full_fingerprint", "config_hash", "aborted_step")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    fingerprint: str
+    full_fingerprint: str
+    config_hash: str
+    aborted_step: bool
+    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., full_fingerprint: _Optional[str] = ..., config_hash: _Optional[str] = ..., aborted_step: _Optional[bool] = ...) -> None: ...
+
+class SendStateRequest(_message.Message):
+    __slots__ = ("transfer_id", "to_pod", "to_address")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_POD_FIELD_NUMBER: _ClassVar[int]
+    TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    to_pod: int
+    to_address: str
+    def __init__(self, transfer_id: _Optional[str] = ..., to_pod: _Optional[int] = ..., to_address: _Optional[str] = ...) -> None: ...
+
+class ReceiveStateRequest(_message.Message):
+    __slots__ = ("transfer_id", "from_pod")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_POD_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    from_pod: int
+    def __init__(self, transfer_id: _Optional[str] = ..., from_pod: _Optional[int] = ...) -> None: ...
+
+class TransferReply(_message.Message):
+    __slots__ = ("step", "full_fingerprint", "bytes", "seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    full_fingerprint: str
+    bytes: int
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., full_fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("step", "directory", "metadata_json", "background", "keep")
@@ -225,7 +303,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address")
+    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address", "config_hash", "fingerprint", "run_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +312,9 @@ class StatusReply(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DCN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     configured: bool
@@ -242,7 +323,10 @@ class StatusReply(_message.Message):
     state: WorkerState
     pid: int
     dcn_address: str
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ...) -> None: ...
+    config_hash: str
+    fingerprint: str
+    run_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

@@ -80,6 +80,21 @@ class PodWorkerStub:
                 request_serializer=multipod__pb2.StatusRequest.SerializeToString,
                 response_deserializer=multipod__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.SetMembership = channel.unary_unary(
+                '/multipod.PodWorker/SetMembership',
+                request_serializer=multipod__pb2.MembershipRequest.SerializeToString,
+                response_deserializer=multipod__pb2.MembershipReply.FromString,
+                _registered_method=True)
+        self.SendState = channel.unary_unary(
+                '/multipod.PodWorker/SendState',
+                request_serializer=multipod__pb2.SendStateRequest.SerializeToString,
+                response_deserializer=multipod__pb2.TransferReply.FromString,
+                _registered_method=True)
+        self.ReceiveState = channel.unary_unary(
+                '/multipod.PodWorker/ReceiveState',
+                request_serializer=multipod__pb2.ReceiveStateRequest.SerializeToString,
+                response_deserializer=multipod__pb2.TransferReply.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/multipod.PodWorker/Shutdown',
                 request_serializer=multipod__pb2.ShutdownRequest.SerializeToString,
@@ -155,6 +170,32 @@ class PodWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetMembership(self, request, context):
+        """Degraded mode and rejoin. Fails the exchange of a step still running at once (that step
+        fails, the state stays as before it), waits for the pod to be free, and sets up a new
+        data-plane exchange under run_id among the pods in `hosts`. FAILED_PRECONDITION: not
+        configured, or this pod is not among the hosts. INVALID_ARGUMENT: a malformed assignment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SendState(self, request, context):
+        """State transfer over the data plane (no shared storage): the donor streams its parameters
+        and optimizer state to a rejoining pod. The receiver stages what arrives and takes it only
+        once the whole state is there and its fingerprint matches the donor's; anything less leaves
+        its state untouched. UNAVAILABLE: the stream broke or did not finish within the deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReceiveState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -203,6 +244,21 @@ def add_PodWorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=multipod__pb2.StatusRequest.FromString,
                     response_serializer=multipod__pb2.StatusReply.SerializeToString,
+            ),
+            'SetMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetMembership,
+                    request_deserializer=multipod__pb2.MembershipRequest.FromString,
+                    response_serializer=multipod__pb2.MembershipReply.SerializeToString,
+            ),
+            'SendState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendState,
+                    request_deserializer=multipod__pb2.SendStateRequest.FromString,
+                    response_serializer=multipod__pb2.TransferReply.SerializeToString,
+            ),
+            'ReceiveState': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveState,
+                    request_deserializer=multipod__pb2.ReceiveStateRequest.FromString,
+                    response_serializer=multipod__pb2.TransferReply.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -432,6 +488,87 @@ class PodWorker:
             '/multipod.PodWorker/Status',
             multipod__pb2.StatusRequest.SerializeToString,
             multipod__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/multipod.PodWorker/SetMembership',
+            multipod__pb2.MembershipRequest.SerializeToString,
+            multipod__pb2.MembershipReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/multipod.PodWorker/SendState',
+            multipod__pb2.SendStateRequest.SerializeToString,
+            multipod__pb2.TransferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReceiveState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/multipod.PodWorker/ReceiveState',
+            multipod__pb2.ReceiveStateRequest.SerializeToString,
+            multipod__pb2.TransferReply.FromString,
             options,
             channel_credentials,
             insecure,
