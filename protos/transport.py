@@ -1,5 +1,6 @@
 """How every gRPC channel and listening port is opened (controller -> worker; the workers' data
-plane is pod_worker/dcn/transport.py). One place, so message limits, authentication and TLS are the same everywhere.
+plane is pod_worker/dcn/transport.py). One place, so message limits, keepalive, authentication and
+TLS are the same everywhere.
 
 Security model (docs/reliability.md):
   * a shared secret (`--auth-token` or MULTIPOD_AUTH_TOKEN) travels in the `x-multipod-token`
@@ -259,5 +260,11 @@ def add_port(server: grpc.Server, address: str, security: Security | None = None
             [(_read(security.tls_key), _read(security.tls_cert))],
             root_certificates=_read(security.tls_ca) if security.tls_ca else None,
             require_client_auth=bool(security.tls_ca))
-        return server.add_secure_port(address, credentials)
-    return server.add_insecure_port(address)
+    # grpcio raises RuntimeError when nothing could be bound (the port is taken: servers bind
+    # without SO_REUSEPORT, see channel_options); callers expect 0 and name the address.
+    try:
+        if security.tls_cert:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        return 0
