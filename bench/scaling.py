@@ -83,7 +83,8 @@ def run(cores: list[int], batch: int, seq_len: int, steps: int, settings: list[s
                          "optimizer.warmup_steps=2", "run.sample_tokens=0", "run.eval_batches=0",
                          "run.step_timeout_s=600", *settings]
             cmd = [sys.executable, "-m", "multipod.cli", "train", "--workers", ",".join(addresses),
-                   "--steps", str(steps), "--seed", "1", "--run-dir", str(folder / "run")]
+                   "--steps", str(steps), "--seed", "1", "--run-dir", str(folder / "run"),
+                   "--checkpoint-dir", str(folder / "checkpoints")]
             for o in overrides:
                 cmd += ["--set", o]
             result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=3000)

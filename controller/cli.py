@@ -30,8 +30,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in the checkpoint directory")
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (run.checkpoint_every)")
-    parser.add_argument("--checkpoint-dir", help="checkpoint directory, readable by every pod "
-                        "(run.checkpoint_dir; default RUN_DIR/checkpoints)")
+    parser.add_argument("--checkpoint-dir", help="checkpoint directory, readable by every pod (run.checkpoint_dir; "
+                        "required by train; local defaults to RUN_DIR/checkpoints)")
     parser.add_argument("--max-restarts", type=int,
                         help="recoveries from failed pods before giving up (run.max_restarts)")
     parser.add_argument("--on-spike", choices=("none", "rewind"),
@@ -85,13 +85,19 @@ def _run_dir(args: argparse.Namespace) -> pathlib.Path:
 
 
 def _train(args, addresses_fn) -> int:
+    from multipod.controller.config import ConfigError
     from multipod.controller.metrics import out
     from multipod.controller.summary import print_summary
     from multipod.controller.training import run_training
     from multipod.protos.transport import set_default_security
     config = resolve_config(args)
+    if args.command == "train" and not config.run.checkpoint_dir:
+        # Pod 0 writes the checkpoints: the default, under the controller's run directory, would
+        # land on pod 0's own disk, where the other pods cannot read it when they restore.
+        raise ConfigError("run.checkpoint_dir", "multipod train with --workers needs a checkpoint directory "
+                          "that every pod can read (shared storage): pass --checkpoint-dir DIR or "
+                          "--set run.checkpoint_dir=DIR")
     if args.resume and not (args.run_dir or config.run.checkpoint_dir):
-        from multipod.controller.config import ConfigError
         raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
     security = security_from_args(args)
     if args.command == "local" and not security.token:

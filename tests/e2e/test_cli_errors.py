@@ -32,10 +32,29 @@ def test_bad_config_value_names_the_field(tmp_path):
     assert "optimizer.learning_rate" in result.stderr
 
 
-def test_unreachable_worker_is_reported_by_address_within_the_deadline():
+def test_train_without_a_checkpoint_dir_is_refused_before_contacting_a_worker(tmp_path):
+    """With remote workers the default checkpoint directory (under the controller's run
+    directory) would be on pod 0's own disk: `multipod train` needs one every pod can read."""
+    with socket.socket() as worker:     # stands in for a worker; nothing may connect to it
+        worker.bind(("127.0.0.1", 0))
+        worker.listen()
+        worker.setblocking(False)
+        address = f"127.0.0.1:{worker.getsockname()[1]}"
+        result = run_cli("train", "--workers", address, "--config", TINY, "--run-dir", str(tmp_path / "run"),
+                         timeout=60)
+        with pytest.raises(BlockingIOError):
+            worker.accept()             # no connection is waiting: the controller never dialled
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "error: config: run.checkpoint_dir:" in result.stderr and "--checkpoint-dir" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unreachable_worker_is_reported_by_address_within_the_deadline(tmp_path):
     address = f"127.0.0.1:{_free_port()}"
     start = time.monotonic()
     result = run_cli("train", "--workers", address, "--config", TINY, "--set", "run.connect_timeout_s=2",
+                     "--set", f"run.checkpoint_dir={tmp_path / 'checkpoints'}", "--run-dir", str(tmp_path / "run"),
                      timeout=60)
     assert result.returncode == 1
     assert f"pod 0 ({address}) is unreachable" in result.stderr
@@ -51,7 +70,7 @@ def mismatched_pods(tmp_path_factory):
 
 def test_pods_with_different_mesh_shapes_are_refused(mismatched_pods, tmp_path):
     result = run_cli("train", "--workers", ",".join(mismatched_pods.addresses), "--config", TINY,
-                     "--run-dir", str(tmp_path), timeout=120)
+                     "--run-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "checkpoints"), timeout=120)
     assert result.returncode == 1
     assert "pods disagree on mesh shape" in result.stderr
     assert "pod 0" in result.stderr and "pod 1" in result.stderr

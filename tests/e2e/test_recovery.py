@@ -217,12 +217,13 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
     a hung worker is named within the health deadline; once the user restarts it, the run
     recovers; a failure beyond --max-restarts stops the run with the last good checkpoint intact."""
     token = "token-for-the-remote-test-0123456789"
-    run_dir = tmp_path / "run"
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"])   # for LocalPods
     with LocalPods(2, 1, tmp_path / "workers", security=Security(token=token)) as pods:
         env = dict(env, MULTIPOD_AUTH_TOKEN=token)
         run = _Live("train", "--workers", ",".join(pods.addresses), "--config", TINY, "--steps", "60",
                     "--checkpoint-every", "3", "--max-restarts", "1", "--run-dir", str(run_dir),
+                    "--checkpoint-dir", str(checkpoints),
                     "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
                     "--set", "run.health_interval_s=0.5", "--set", "run.health_timeout_s=2",
                     "--set", "run.step_timeout_s=120", "--set", "dcn.timeout_s=120",
@@ -253,8 +254,8 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
     last = re.search(r"the last good checkpoint is (\S+) \(step (\d+)\)", stderr)
     assert last, stderr
     path, step = pathlib.Path(last.group(1)), int(last.group(2))
-    assert path == run_dir / "checkpoints" / str(step) and step > 0
-    assert step in checkpoint.steps(str(run_dir / "checkpoints"))     # intact, ready for --resume
+    assert path == checkpoints / str(step) and step > 0
+    assert step in checkpoint.steps(str(checkpoints))     # intact, ready for --resume
     assert checkpoint.read_metadata(str(path))["step"] == step
 
 
