@@ -1,4 +1,6 @@
 """The data pipeline: batches are a function of (seed, step) only."""
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,56 @@ def test_errors(tmp_path):
     (tmp_path / "tiny.txt").write_text("abc")
     with pytest.raises(DataError, match="seq_len"):
         Batches(load_corpus(str(tmp_path / "tiny.txt")), 16, 2, 0)
+
+
+def test_the_loader_reports_what_it_read_and_what_it_skipped(tmp_path, monkeypatch, capsys):
+    from multipod.controller import data
+    root = tmp_path / "corpus"
+    (root / ".git").mkdir(parents=True)
+    (root / ".git" / "config").write_text("[core]\n")       # inside a hidden directory
+    (root / ".notes").write_text("private\n")
+    (root / "a.txt").write_text("a" * 600)
+    (root / "b.bin").write_bytes(b"\x00\x01" * 100)         # binary: a NUL byte
+    (root / "c.txt").write_text("c" * 50)                   # unreadable, below
+    (root / "d.txt").write_text("d" * 600)                  # reaches the cap: the last file read
+    (root / "e.txt").write_text("e" * 700)
+    (root / "f.txt").write_text("f" * 800)
+    monkeypatch.setattr(data, "MAX_CORPUS_BYTES", 1000)
+    read_bytes = pathlib.Path.read_bytes
+
+    def unreadable_c(self):
+        if self.name == "c.txt":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_bytes(self)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", unreadable_c)
+
+    tokens = load_corpus(str(root))
+    assert bytes(tokens) == b"a" * 600 + b"\0" + b"d" * 600 + b"\0"
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"corpus {root}: read 2 file(s) (1.2 KiB); skipped 6 file(s) (1.7 KiB): "), line
+    assert "2 over the 1000 B cap: e.txt, f.txt" in line
+    assert "1 unreadable: c.txt (Permission denied)" in line
+    assert "1 not text (contain NUL bytes): b.bin" in line
+    assert "2 hidden: .git/config, .notes" in line
+
+    _, report = data.read_corpus(str(root))
+    assert (report.files_read, report.bytes_read) == (2, 1200)
+    skipped = {why: (s.files, s.bytes) for why, s in report.skipped.items()}
+    assert skipped == {data.HIDDEN: (2, 15), data.NOT_TEXT: (1, 200), data.UNREADABLE: (1, 50),
+                       "over the 1000 B cap": (2, 1500)}
+
+
+def test_a_corpus_without_text_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "image.bin").write_bytes(bytes(range(256)))
+    with pytest.raises(DataError, match=r"no text to train on: .*1 not text .*image\.bin"):
+        load_corpus(str(tmp_path))
+
+
+def test_the_default_corpus_skips_nothing(capsys):
+    tokens = load_corpus("")
+    line = capsys.readouterr().out
+    assert line.strip().endswith("; nothing skipped") and f"read {len(corpus_files('')):,} file(s)" in line
+    assert tokens.size > 1 << 20
 
 
 def test_text_round_trip():
