@@ -6,15 +6,23 @@ One job per module, each read top to bottom:
   transport.py    zmq sockets, the HMAC handshake that binds a connection to a pod, frames, CURVE
   inbox.py        validation of every chunk, preallocated receive buffers, waiting for leaves
   outbox.py       the links to the peers (threads that send queued chunks) and the slow-link Pacer
-  collectives.py  WholeGradient (2 pods) and ReduceScatterAllGather (N > 2), one interface
-  exchange.py     Exchange.all_reduce: the public entry that puts them together
+  collectives.py  WholeGradient (2 pods), ReduceScatterAllGather (N > 2) and SlotGather (degraded
+                  mode: failed pods' slots computed by survivors), one interface
+  exchange.py     Exchange.all_reduce: the public entry that puts them together; Exchange.abort
 """
 from multipod.pod_worker.dcn.exchange import Exchange, ExchangeStats
 from multipod.pod_worker.dcn.inbox import ExchangeError, InvalidChunk
 from multipod.pod_worker.dcn.outbox import Pacer
-from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_REDUCE, PHASE_WHOLE, LeafSpec, Plan
+from multipod.pod_worker.dcn.plan import (
+    PHASE_GATHER,
+    PHASE_REDUCE,
+    PHASE_SLOT_BASE,
+    PHASE_WHOLE,
+    LeafSpec,
+    Plan,
+)
 from multipod.pod_worker.dcn.transport import Listener
 from multipod.pod_worker.dcn.wire import BLOCK, WireCodec
 
-__all__ = ["BLOCK", "PHASE_GATHER", "PHASE_REDUCE", "PHASE_WHOLE", "Exchange", "ExchangeError", "ExchangeStats",
-           "InvalidChunk", "LeafSpec", "Listener", "Pacer", "Plan", "WireCodec"]
+__all__ = ["BLOCK", "PHASE_GATHER", "PHASE_REDUCE", "PHASE_SLOT_BASE", "PHASE_WHOLE", "Exchange", "ExchangeError",
+           "ExchangeStats", "InvalidChunk", "LeafSpec", "Listener", "Pacer", "Plan", "WireCodec"]

@@ -1,6 +1,6 @@
-"""The two collective algorithms, as two classes with one interface:
+"""The collective algorithms, as classes with one interface:
 
-    run(step, leaves, order, on_leaf, deadline, stats) -> the summed leaves, by leaf index
+    run(step, leaves, order, on_leaf, deadline, stats, extra) -> the summed leaves, by leaf index
 
   * WholeGradient (2 pods): each pod sends its whole gradient to the other. A peer's chunk is
     added to this pod's own values as it lands (own + peer == peer + own bitwise: IEEE addition
@@ -9,6 +9,13 @@
     of its gradient to pod p (reduce-scatter); pod p sums the slices in pod-index order and sends
     its reduced slice to every pod (all-gather). Every pod, the owner included, uses the decoded
     bytes of the owner's slice, so all pods end with bitwise-identical sums.
+  * SlotGather (degraded mode: some pods are down and live pods compute their slots too): every
+    live pod sends the whole gradient of every slot it hosts to every other live pod, each slot
+    encoded on the grid the healthy algorithm would have encoded it on; then every pod rebuilds,
+    locally, exactly what the healthy algorithm computes from those N slot gradients (the same
+    additions in the same order, the same re-encoding of each reduced chunk), so the sum is
+    bitwise the healthy one. It costs more bytes than the healthy algorithm for N > 2 (whole
+    gradients, not slices), and (N - 1) extra slice sums on each pod.
 
 Both take the leaves in `order` (e.g. the last layer's first, as the backward pass produces them)
 and read each one only when its turn comes, so host copies still under way (or leaves not yet
@@ -23,7 +30,7 @@ import numpy as np
 
 from multipod.pod_worker.dcn.inbox import Inbox
 from multipod.pod_worker.dcn.outbox import Outbox
-from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_REDUCE, PHASE_WHOLE, Plan
+from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_REDUCE, PHASE_WHOLE, Plan, slot_phase
 
 
 def _values(leaf) -> np.ndarray:
@@ -34,7 +41,7 @@ def _values(leaf) -> np.ndarray:
 class _Collective:
     def __init__(self, plan: Plan, pod_index: int, inbox: Inbox, outbox: Outbox | None):
         self.plan, self.me, self.inbox, self.outbox = plan, pod_index, inbox, outbox
-        self.peers = [p for p in range(plan.num_pods) if p != pod_index]
+        self.peers = [p for p in plan.live if p != pod_index]
 
     def _wait(self, step: int, phase: int, leaf: int, deadline: float, stats) -> dict[int, np.ndarray]:
         start = time.monotonic()
@@ -56,7 +63,7 @@ class _Collective:
 
 
 class WholeGradient(_Collective):
-    def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats) -> list:
+    def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats, extra=None) -> list:
         plan, state = self.plan, self.inbox.state(step)
         own: list[np.ndarray | None] = [None] * len(plan.leaves)
         for i in order:
@@ -81,7 +88,7 @@ class WholeGradient(_Collective):
 
 
 class ReduceScatterAllGather(_Collective):
-    def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats) -> list:
+    def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats, extra=None) -> list:
         plan, me, state = self.plan, self.me, self.inbox.state(step)
         compressed = plan.codec.compression != "none"
         own: list[np.ndarray | None] = [None] * len(plan.leaves)
@@ -108,4 +115,48 @@ class ReduceScatterAllGather(_Collective):
         for i in order:
             self._wait(step, PHASE_GATHER, i, deadline, stats)
             results[i] = on_leaf(i, state.output[i].reshape(plan.leaves[i].shape))
+        return results
+
+
+class SlotGather(_Collective):
+    def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats, extra=None) -> list:
+        plan, state = self.plan, self.inbox.state(step)
+        codec = plan.codec
+        compressed = codec.compression != "none"
+        mine = {self.me: leaves, **(extra or {})}
+        # decoded[slot][leaf]: the values every pod uses for that slot (its own bytes if uncompressed).
+        decoded: dict[int, list] = {s: [None] * len(plan.leaves) for s in mine}
+        for i in order:         # every hosted slot's whole leaf to every live peer, on the slot grid
+            for s in sorted(mine):
+                values = _values(mine[s][i])
+                out = np.empty(values.size, values.dtype) if compressed else None
+                for a, b in plan.slot_grid(i):
+                    payload = codec.encode(values[a:b])
+                    for p in self.peers:
+                        stats.bytes_sent += self.outbox.put(step, deadline, p, slot_phase(s), i, a, payload)
+                    if out is not None:
+                        codec.decode_into(payload, out[a:b])
+                decoded[s][i] = values if out is None else out
+        results: list = [None] * len(plan.leaves)
+        for i in order:
+            start = time.monotonic()
+            try:
+                got = self.inbox.wait_slots(step, i, deadline)
+            finally:
+                stats.idle_s += time.monotonic() - start
+            parts = [decoded[s][i] if s in decoded else got[s] for s in range(plan.num_pods)]
+            total = state.output[i]
+            if plan.whole:      # WholeGradient: own + peer, which is slot 0 + slot 1 (addition commutes)
+                np.add(parts[0], parts[1], out=total)
+            else:
+                for a, b in plan.ranges[i]:     # what owner p reduces, then what its all-gather carries
+                    reduced = np.add(parts[0][a:b], parts[1][a:b])
+                    for q in range(2, plan.num_pods):
+                        reduced += parts[q][a:b]
+                    if not compressed:
+                        total[a:b] = reduced
+                        continue
+                    for ca, cb in plan.chunks(i, a, b):
+                        codec.decode_into(codec.encode(reduced[ca - a:cb - a]), total[ca:cb])
+            results[i] = on_leaf(i, total.reshape(plan.leaves[i].shape))
         return results

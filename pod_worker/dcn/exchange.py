@@ -1,13 +1,17 @@
 """Exchange: this pod's side of one run's gradient exchange, assembled from the package's parts
-(plan, inbox on the worker's listener, outbox to the peers, one of the two collectives)."""
+(plan, inbox on the worker's listener, outbox to the live peers, one of the collectives).
+
+Healthy, every pod computes its own slot of the pod-ordered sum. Degraded (`hosts`), a live pod
+also computes the slots of failed pods the controller gave it; the sum is bitwise the healthy one
+(collectives.SlotGather). abort() ends a step stuck waiting on a hung pod at once."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
 from multipod.model.config import ConfigError
-from multipod.pod_worker.dcn.collectives import ReduceScatterAllGather, WholeGradient
-from multipod.pod_worker.dcn.inbox import Inbox
+from multipod.pod_worker.dcn.collectives import ReduceScatterAllGather, SlotGather, WholeGradient
+from multipod.pod_worker.dcn.inbox import ExchangeError, Inbox
 from multipod.pod_worker.dcn.outbox import Outbox, Pacer
 from multipod.pod_worker.dcn.plan import LeafSpec, Plan
 from multipod.pod_worker.dcn.transport import Listener, parse_address
@@ -45,14 +49,21 @@ def tune_malloc() -> None:
 
 
 class Exchange:
-    """`addresses`: every pod's data-plane address, in pod order (this pod's own included).
-    `listener`: this worker's Listener (needed with more than one pod); `dcn` (a DcnConfig)
-    overrides the keyword settings; `secret` defaults to the listener's (else the process's) token."""
+    """`addresses`: every pod's data-plane address, in pod order (this pod's own included), one
+    per slot of the sum. `listener`: this worker's Listener (needed with more than one live pod);
+    `dcn` (a DcnConfig) overrides the keyword settings; `secret` defaults to the listener's (else
+    the process's) token.
+
+    `hosts` (degraded mode): hosts[slot] is the pod computing slot's shard; None (or the
+    identity) when every pod computes its own. A pod that hosts any slot hosts its own; this pod
+    must be one of them. Only the live pods (the hosts) are connected to or waited for.
+    ValueError if the assignment does not fit."""
 
     def __init__(self, run_id: str, pod_index: int, addresses: list[str], leaves: list[LeafSpec],
                  listener: Listener | None = None, *, chunk_bytes: int = 2 << 20, timeout_s: float = 60.0,
                  streams: int = 1, compression: str = "none", link_gbps: float = 0.0,
-                 link_latency_ms: float = 0.0, encrypt: bool = False, secret: str | None = None, dcn=None):
+                 link_latency_ms: float = 0.0, encrypt: bool = False, secret: str | None = None, dcn=None,
+                 hosts: list[int] | None = None):
         if dcn is not None:
             chunk_bytes, timeout_s, streams, compression = dcn.chunk_bytes, dcn.timeout_s, dcn.streams, dcn.compression
             link_gbps, link_latency_ms, encrypt = dcn.link_gbps, dcn.link_latency_ms, dcn.encrypt
@@ -66,14 +77,21 @@ class Exchange:
         tune_malloc()
         self.run_id, self.pod_index, self.timeout_s = run_id, pod_index, timeout_s
         self.num_pods = len(addresses)
-        self.plan = Plan(self.num_pods, leaves, chunk_bytes, compression)
+        if not 0 <= pod_index < self.num_pods:
+            raise ValueError(f"pod_index {pod_index} is not one of the {self.num_pods} pods")
+        self.plan = Plan(self.num_pods, leaves, chunk_bytes, compression, hosts)
+        if pod_index not in self.plan.live:
+            raise ValueError(f"pod {pod_index} is not among the hosts {list(self.plan.hosts)}: it computes no slot")
+        self.hosted = self.plan.hosted(pod_index)       # this pod's slots, its own first
         self.inbox = Inbox(run_id, pod_index, self.plan)
         self.listener = listener
         self.outbox: Outbox | None = None
-        if self.num_pods > 1:
+        self._closed = ""       # why, once closed or aborted
+        live = self.plan.live
+        if len(live) > 1 or (listener is not None and self.num_pods > 1):
             if listener is None:
                 raise ValueError("an exchange between several pods needs this worker's data-plane listener")
-            for pod, address in enumerate(addresses):
+            for pod, address in ((p, addresses[p]) for p in live):
                 try:
                     curve = parse_address(address)[1]
                 except ValueError as exc:
@@ -81,20 +99,38 @@ class Exchange:
                 if encrypt and not curve:
                     raise ConfigError("dcn.encrypt", f"pod {pod}'s data plane at {address} is not encrypted "
                                                      f"(start its worker with --dcn-encrypt)")
-            peers = {p: a for p, a in enumerate(addresses) if p != pod_index}
-            self.outbox = Outbox(pod_index, run_id, peers, streams, secret, Pacer(link_gbps, link_latency_ms / 1e3),
-                                 self.inbox.fail)
+            peers = {p: addresses[p] for p in live if p != pod_index}     # never a failed pod's address
+            if peers:
+                self.outbox = Outbox(pod_index, run_id, peers, streams, secret,
+                                     Pacer(link_gbps, link_latency_ms / 1e3), self.inbox.fail)
             listener.attach(self.inbox)
-        algorithm = WholeGradient if self.plan.whole else ReduceScatterAllGather
+        if self.plan.degraded:
+            algorithm = SlotGather
+        else:
+            algorithm = WholeGradient if self.plan.whole else ReduceScatterAllGather
         self.collective = algorithm(self.plan, pod_index, self.inbox, self.outbox)
 
     def close(self) -> None:
+        """Stop receiving and sending (idempotent); a step still waiting fails at once."""
+        if not self._closed:
+            self._closed = f"the exchange of pod {self.pod_index} (run {self.run_id}) was closed"
+        self.inbox.abort(self._closed)
         if self.listener is not None:
             self.listener.detach(self.inbox)
         if self.outbox is not None:
             self.outbox.close()
 
-    def all_reduce(self, step: int, leaves, on_leaf=None, order: list[int] | None = None) -> tuple[list, ExchangeStats]:
+    def abort(self, why: str) -> None:
+        """Make a step waiting in this exchange (now or later) fail at once with ExchangeError(why),
+        e.g. one stuck on a hung pod; then close. The exchange cannot be used again: build a new
+        one under a new run id."""
+        if not self._closed:
+            self._closed = why
+        self.inbox.abort(self._closed)      # first: wakes the waiting step before the links stop
+        self.close()
+
+    def all_reduce(self, step: int, leaves, on_leaf=None, order: list[int] | None = None,
+                   extra: dict[int, list] | None = None) -> tuple[list, ExchangeStats]:
         """Send this pod's gradient leaves, receive the peers', and return the sum over all pods in
         pod-index order (by leaf index), bitwise identical on every pod.
 
@@ -102,17 +138,31 @@ class Exchange:
         computed); each is read only when its turn comes. `order`: the leaf indices in the order
         to take them (default 0, 1, ...); every pod must pass the same. `on_leaf(index, summed)`
         (e.g. an async host->device put) is called on each leaf as soon as it is summed; its
-        results are returned."""
+        results are returned.
+
+        Degraded mode: `leaves` are this pod's own slot's; `extra` = {slot: leaves} of exactly the
+        other slots `hosts` gives this pod (ValueError otherwise), each read in `order` too.
+        ExchangeError if the exchange fails, times out, or was aborted or closed."""
         n = len(self.plan.leaves)
         order = list(range(n)) if order is None else [int(i) for i in order]
         if sorted(order) != list(range(n)):
             raise ValueError(f"order must be a permutation of the {n} leaf indices")
+        extra = dict(extra or {})
+        if sorted(extra) != self.hosted[1:]:
+            raise ValueError(f"pod {self.pod_index} computes the extra slots {self.hosted[1:]} (hosts "
+                             f"{list(self.plan.hosts) if self.plan.degraded else 'all healthy'}), got extra "
+                             f"slots {sorted(extra)}")
+        for slot, slot_leaves in extra.items():
+            if len(slot_leaves) != n:
+                raise ValueError(f"extra slot {slot}: {len(slot_leaves)} leaves, the gradient has {n}")
+        if self._closed:
+            raise ExchangeError(self._closed)
         on_leaf = on_leaf or (lambda index, value: value)
         stats = ExchangeStats()
         deadline = time.monotonic() + self.timeout_s
         state = self.inbox.state(step)
         # Not waiting for the peers' acknowledgements: every byte they need is queued, and a peer
         # that does not get it fails its own step. The links drain while this pod updates.
-        results = self.collective.run(step, leaves, order, on_leaf, deadline, stats)
+        results = self.collective.run(step, leaves, order, on_leaf, deadline, stats, extra)
         stats.bytes_received = sum(s.bytes for s in state.slots.values())
         return results, stats

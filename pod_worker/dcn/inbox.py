@@ -6,6 +6,12 @@ with this many pods, its leaf exists, its offset lies on the plan's chunk grid o
 pod sends this pod, its size is the size the plan says, and it was not received before. A refused
 chunk writes nothing: the step is never corrupted. Its reason is kept, so a step that then misses
 that peer's bytes fails at the deadline saying why.
+
+Degraded mode (plan.hosts): a slot's chunks are accepted only from the live pod that hosts the
+slot, on the slot grid (plan.slot_grid); wait_slots hands the step every other live pod's slots.
+Pods that are not live have no place in a step: nothing of theirs is accepted or waited for.
+
+abort() makes every wait fail at once and refuses every later chunk (the exchange is done for).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import time
 
 import numpy as np
 
-from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_WHOLE, LeafSpec, Plan
+from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_SLOT_BASE, PHASE_WHOLE, LeafSpec, Plan, slot_phase
 
 
 class InvalidChunk(ValueError):
@@ -29,11 +35,11 @@ class ExchangeError(RuntimeError):
 class _Slot:
     """What one peer sends this pod in one phase of one step: one target per leaf."""
 
-    def __init__(self, plan: Plan, spans: list[tuple[int, int]], targets: list[np.ndarray]):
+    def __init__(self, spans: list[tuple[int, int]], targets: list[np.ndarray], counts: list[int]):
         self.spans = spans
         self.targets = targets
         self.seen = [set() for _ in spans]
-        self.missing = [plan.chunk_count(i, a, b) for i, (a, b) in enumerate(spans)]
+        self.missing = list(counts)         # chunks still to come, by leaf
         self.bytes = 0
         self.unfused: list[list[tuple[int, int]]] = [[] for _ in spans]   # 2 pods: ranges still to add
 
@@ -50,6 +56,13 @@ class _StepState:
         # last chunk lands. N > 2: the all-gather writes every owner's reduced slice into it.
         self.output = [np.empty(l.size, l.dtype) for l in plan.leaves]
         self.own: list[np.ndarray | None] = [None] * len(plan.leaves)   # 2 pods: this pod's values
+        if plan.degraded:   # every slot another live pod hosts, whole, on the slot grid
+            counts = [len(plan.slot_grid(i)) for i in range(len(plan.leaves))]
+            for slot, host in enumerate(plan.hosts):
+                if host != pod:
+                    self.slots[(slot_phase(slot), host)] = _Slot(
+                        [(0, l.size) for l in plan.leaves], [np.empty(l.size, l.dtype) for l in plan.leaves], counts)
+            return
         for phase in plan.phases():
             for peer in (p for p in range(plan.num_pods) if p != pod):
                 spans = [plan.span(phase, peer, pod, i) for i in range(len(plan.leaves))]
@@ -57,7 +70,8 @@ class _StepState:
                     targets = [self.output[i][a:b] for i, (a, b) in enumerate(spans)]
                 else:
                     targets = [np.empty(b - a, l.dtype) for (a, b), l in zip(spans, plan.leaves)]
-                self.slots[(phase, peer)] = _Slot(plan, spans, targets)
+                counts = [plan.chunk_count(i, a, b) for i, (a, b) in enumerate(spans)]
+                self.slots[(phase, peer)] = _Slot(spans, targets, counts)
 
 
 class Inbox:
@@ -74,6 +88,7 @@ class Inbox:
         self._steps: dict[int, _StepState] = {}
         self._refusals: dict[int, str] = {}     # pod -> why its last refused chunk was refused
         self._next_step = 0                     # the step this pod will complete next
+        self._aborted = ""                      # why, once aborted
 
     def set_next_step(self, step: int) -> None:
         """The pod is now working towards `step`: drop anything older (it can no longer be used)."""
@@ -101,13 +116,19 @@ class Inbox:
     # -- from the listener ----------------------------------------------------------------------
     def _accept(self, pod: int, step: int, phase: int, leaf: int, offset: int, size: int):
         """Validate a chunk's header and reserve its place; returns where to decode it to."""
+        if self._aborted:
+            raise InvalidChunk(f"the exchange of pod {self.pod_index} was aborted ({self._aborted})")
         if not 0 <= pod < self.num_pods or pod == self.pod_index:
             raise InvalidChunk(f"pod {pod} is not a peer of pod {self.pod_index} (pods 0..{self.num_pods - 1})")
+        if pod not in self.plan.live:
+            raise InvalidChunk(f"pod {pod} is not taking part in the exchange (the live pods are {self.plan.live})")
         if phase not in self.plan.phases():
             raise InvalidChunk(f"phase {phase} is not used with {self.num_pods} pods (expected one of "
                                f"{self.plan.phases()})")
         if leaf >= len(self.leaves):
             raise InvalidChunk(f"leaf {leaf} out of range (the gradient has {len(self.leaves)} leaves)")
+        if self.plan.degraded:
+            return self._accept_slot(pod, step, phase - PHASE_SLOT_BASE, leaf, offset, size)
         state = self._state(step)
         slot = state.slots[(phase, pod)]
         start, stop = slot.spans[leaf]
@@ -132,6 +153,24 @@ class Inbox:
                 own = own[offset:offset + count]
         return slot, slot.targets[leaf][offset - start:offset - start + count], own
 
+    def _accept_slot(self, pod: int, step: int, slot_index: int, leaf: int, offset: int, size: int):
+        host = self.plan.hosts[slot_index]
+        if host != pod:
+            raise InvalidChunk(f"slot {slot_index} is computed by pod {host}, not by pod {pod}")
+        chunk = self.plan.slot_chunk(leaf, offset)
+        if chunk is None:
+            raise InvalidChunk(f"leaf {leaf}: offset {offset} is not on the chunk grid of slot {slot_index}")
+        index, stop = chunk
+        expected = self.plan.payload_bytes(leaf, stop - offset)
+        if size != expected:
+            raise InvalidChunk(f"leaf {leaf}: a chunk of {size} bytes at offset {offset} of slot {slot_index}, "
+                               f"expected {expected}")
+        slot = self._state(step).slots[(slot_phase(slot_index), pod)]
+        if index in slot.seen[leaf]:
+            raise InvalidChunk(f"leaf {leaf}: duplicate chunk at offset {offset} of slot {slot_index}, step {step}")
+        slot.seen[leaf].add(index)
+        return slot, slot.targets[leaf][offset:stop], None
+
     def receive(self, pod: int, step: int, phase: int, leaf: int, offset: int, payload) -> None:
         """One chunk from `pod` (authenticated by the transport). InvalidChunk if it does not fit;
         then nothing was written."""
@@ -144,6 +183,12 @@ class Inbox:
             slot.missing[leaf] -= 1
             if slot.missing[leaf] == 0:
                 self._cond.notify_all()
+
+    def abort(self, why: str) -> None:
+        """Fail every wait, now and later, with ExchangeError(why); refuse every later chunk."""
+        with self._cond:
+            self._aborted = why or "the exchange was aborted"
+            self._cond.notify_all()
 
     def refused_chunk(self, pod: int, why: str) -> None:
         with self._cond:
@@ -181,6 +226,8 @@ class Inbox:
         with self._cond:
             state = self._state(step)
             while True:
+                if self._aborted:
+                    raise ExchangeError(self._aborted)
                 if state.errors:
                     detail = "; ".join(f"pod {p}: {why}" for p, why in sorted(state.errors.items()))
                     raise ExchangeError(f"step {step}: gradient exchange failed: {detail}")
@@ -197,3 +244,35 @@ class Inbox:
                     raise ExchangeError(f"step {step}: gradient from {detail} did not arrive within the DCN "
                                         f"deadline")
                 self._cond.wait(remaining)
+
+    def wait_slots(self, step: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
+        """Degraded mode: block until `leaf` of every slot another live pod hosts has arrived;
+        returns it by slot. ExchangeError at the deadline, on abort, or as soon as any live
+        peer's part of the step has failed (naming the slots it hosts)."""
+        hosts = self.plan.hosts
+        remote = [s for s, h in enumerate(hosts) if h != self.pod_index]
+        with self._cond:
+            state = self._state(step)
+            while True:
+                if self._aborted:
+                    raise ExchangeError(self._aborted)
+                if state.errors:
+                    detail = "; ".join(f"pod {p} (computing slots {self._slots_of(p)}): {why}"
+                                       for p, why in sorted(state.errors.items()))
+                    raise ExchangeError(f"step {step}: gradient exchange failed: {detail}")
+                slots = {s: state.slots[(slot_phase(s), hosts[s])] for s in remote}
+                missing = [s for s, got in slots.items() if got.missing[leaf] > 0]
+                if not missing:
+                    return {s: got.targets[leaf] for s, got in slots.items()}
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    detail = ", ".join(
+                        f"slot {s} from pod {hosts[s]} ({slots[s].bytes} of its bytes so far, leaf {leaf} incomplete"
+                        + (f"; its last refused chunk: {self._refusals[hosts[s]]}" if hosts[s] in self._refusals
+                           else "") + ")"
+                        for s in missing)
+                    raise ExchangeError(f"step {step}: gradient of {detail} did not arrive within the DCN deadline")
+                self._cond.wait(remaining)
+
+    def _slots_of(self, pod: int) -> list[int]:
+        return [s for s, h in enumerate(self.plan.hosts) if h == pod]

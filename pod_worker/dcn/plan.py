@@ -1,11 +1,21 @@
 """The plan: who sends which slice of which leaf to whom, cut into which chunks.
 
-A pure function of (num_pods, leaves, chunk_bytes, compression), identical on every pod (the
-config hash is checked before training starts), so a receiver knows every chunk it must get.
+A pure function of (num_pods, leaves, chunk_bytes, compression, hosts), identical on every pod
+(the config hash is checked before training starts, the hosts come from the controller), so a
+receiver knows every chunk it must get.
 
   * 2 pods (PHASE_WHOLE): every pod sends its whole gradient to the other.
   * N > 2 pods: pod p owns slice p of every leaf (owned_ranges). PHASE_REDUCE: every pod sends
     slice p of its gradient to pod p. PHASE_GATHER: pod p sends its reduced slice to every pod.
+  * Degraded (hosts is not the identity: hosts[slot] is the pod computing slot's shard): every
+    live pod sends the whole gradient of every slot it hosts to every other live pod, in phase
+    PHASE_SLOT_BASE + slot, cut on the grid the healthy algorithm encodes that slot's values on
+    (slot_grid), so that every pod can rebuild the healthy sum bit for bit (collectives.SlotGather).
+
+The phase byte of a data frame, over the whole data plane:
+    0 PHASE_WHOLE, 1 PHASE_REDUCE, 2 PHASE_GATHER      the healthy gradient exchange
+    8 PHASE_STATE_MANIFEST, 9 PHASE_STATE              a state transfer (transfer.py)
+    16 + slot (PHASE_SLOT_BASE), slot < MAX_PODS = 32  the degraded exchange
 """
 from __future__ import annotations
 
@@ -19,6 +29,10 @@ from multipod.pod_worker.dcn.wire import WireCodec
 PHASE_WHOLE = 0     # 2 pods: the sender's whole gradient
 PHASE_REDUCE = 1    # N > 2: the receiver's slice of the sender's gradient
 PHASE_GATHER = 2    # N > 2: the sender's reduced slice
+PHASE_STATE_MANIFEST = 8    # state transfer: the donor's step and fingerprint
+PHASE_STATE = 9             # state transfer: raw bytes of a parameter or optimizer-state leaf
+PHASE_SLOT_BASE = 16        # degraded: PHASE_SLOT_BASE + slot carries that slot's whole gradient
+MAX_SLOTS = 32              # the phase byte leaves room for 240; the worker serves at most 32 pods
 
 
 @dataclass(frozen=True)
@@ -42,8 +56,31 @@ def owned_ranges(size: int, num_pods: int) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1]) for k in range(num_pods)]
 
 
+def check_hosts(hosts, num_pods: int) -> tuple[int, ...] | None:
+    """`hosts` as a tuple, or None if it is the identity (every pod computes its own shard).
+    ValueError if it is not an assignment of the slots to live pods."""
+    if hosts is None:
+        return None
+    hosts = tuple(int(h) for h in hosts)
+    if len(hosts) != num_pods:
+        raise ValueError(f"hosts must name a pod for each of the {num_pods} slots, got {list(hosts)}")
+    if any(not 0 <= h < num_pods for h in hosts):
+        raise ValueError(f"hosts {list(hosts)}: every host must be a pod in [0, {num_pods})")
+    if any(hosts[h] != h for h in set(hosts)):
+        raise ValueError(f"hosts {list(hosts)}: a pod that hosts a slot must compute its own slot too")
+    if num_pods > MAX_SLOTS:
+        raise ValueError(f"degraded mode supports at most {MAX_SLOTS} pods, got {num_pods}")
+    return None if hosts == tuple(range(num_pods)) else hosts
+
+
+def slot_phase(slot: int) -> int:
+    """The phase of the chunks carrying `slot`'s gradient in degraded mode."""
+    return PHASE_SLOT_BASE + slot
+
+
 class Plan:
-    def __init__(self, num_pods: int, leaves: list[LeafSpec], chunk_bytes: int, compression: str):
+    def __init__(self, num_pods: int, leaves: list[LeafSpec], chunk_bytes: int, compression: str,
+                 hosts: list[int] | tuple[int, ...] | None = None):
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
         self.num_pods = num_pods
@@ -54,13 +91,32 @@ class Plan:
         self.whole = num_pods <= 2
         self.ranges = [owned_ranges(l.size, num_pods) for l in leaves]
         self.total_bytes = sum(l.nbytes for l in leaves)
+        self.hosts = check_hosts(hosts, num_pods)      # None: healthy
+        self.degraded = self.hosts is not None
+        self.live = sorted(set(self.hosts)) if self.degraded else list(range(num_pods))
+        # Degraded: the slot grid of every leaf, and each chunk's (index, stop) by its offset.
+        self._grids: list[list[tuple[int, int]]] = []
+        self._grid_at: list[dict[int, tuple[int, int]]] = []
+        if self.degraded:
+            for i in range(len(leaves)):
+                grid = self._slot_grid(i)
+                self._grids.append(grid)
+                self._grid_at.append({a: (k, b) for k, (a, b) in enumerate(grid)})
 
     def phases(self) -> tuple[int, ...]:
+        if self.degraded:
+            return tuple(slot_phase(s) for s in range(self.num_pods))
         return (PHASE_WHOLE,) if self.whole else (PHASE_REDUCE, PHASE_GATHER)
+
+    def hosted(self, pod: int) -> list[int]:
+        """The slots `pod` computes (degraded mode), its own first; [pod] when healthy."""
+        if not self.degraded:
+            return [pod]
+        return [pod] + [s for s, h in enumerate(self.hosts) if h == pod and s != pod]
 
     def span(self, phase: int, sender: int, receiver: int, leaf: int) -> tuple[int, int]:
         """The element range of `leaf` that `sender` sends `receiver` in `phase`."""
-        if phase == PHASE_WHOLE:
+        if phase == PHASE_WHOLE or phase >= PHASE_SLOT_BASE:
             return 0, self.leaves[leaf].size
         if phase == PHASE_REDUCE:
             return self.ranges[leaf][receiver]
@@ -74,6 +130,22 @@ class Plan:
 
     def chunk_count(self, leaf: int, start: int, stop: int) -> int:
         return math.ceil((stop - start) / self.chunk_elems[leaf])
+
+    def _slot_grid(self, leaf: int) -> list[tuple[int, int]]:
+        # The chunks the healthy algorithm encodes one pod's values of `leaf` in (int8 blocks
+        # restart at every chunk, so the grid decides the decoded values): 2 pods, the whole
+        # leaf; N > 2, each owner's slice on its own grid (reduce-scatter).
+        if self.whole:
+            return list(self.chunks(leaf, 0, self.leaves[leaf].size))
+        return [c for a, b in self.ranges[leaf] for c in self.chunks(leaf, a, b)]
+
+    def slot_grid(self, leaf: int) -> list[tuple[int, int]]:
+        """Degraded: the chunks a slot's values of `leaf` are encoded and sent in."""
+        return self._grids[leaf]
+
+    def slot_chunk(self, leaf: int, offset: int) -> tuple[int, int] | None:
+        """Degraded: (index, stop) of the slot-grid chunk of `leaf` starting at `offset`, if any."""
+        return self._grid_at[leaf].get(offset)
 
     def payload_bytes(self, leaf: int, count: int) -> int:
         """Wire bytes of a chunk of `count` values of `leaf`."""
