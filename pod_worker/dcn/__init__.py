@@ -9,6 +9,7 @@ One job per module, each read top to bottom:
   collectives.py  WholeGradient (2 pods), ReduceScatterAllGather (N > 2) and SlotGather (degraded
                   mode: failed pods' slots computed by survivors), one interface
   exchange.py     Exchange.all_reduce: the public entry that puts them together; Exchange.abort
+  transfer.py     send_state / StateReceiver: a live pod's state to a rejoining pod
 """
 from multipod.pod_worker.dcn.exchange import Exchange, ExchangeStats
 from multipod.pod_worker.dcn.inbox import ExchangeError, InvalidChunk
@@ -17,12 +18,16 @@ from multipod.pod_worker.dcn.plan import (
     PHASE_GATHER,
     PHASE_REDUCE,
     PHASE_SLOT_BASE,
+    PHASE_STATE,
+    PHASE_STATE_MANIFEST,
     PHASE_WHOLE,
     LeafSpec,
     Plan,
 )
+from multipod.pod_worker.dcn.transfer import StateReceiver, TransferError, TransferStats, send_state
 from multipod.pod_worker.dcn.transport import Listener
 from multipod.pod_worker.dcn.wire import BLOCK, WireCodec
 
-__all__ = ["BLOCK", "PHASE_GATHER", "PHASE_REDUCE", "PHASE_SLOT_BASE", "PHASE_WHOLE", "Exchange", "ExchangeError",
-           "ExchangeStats", "InvalidChunk", "LeafSpec", "Listener", "Pacer", "Plan", "WireCodec"]
+__all__ = ["BLOCK", "PHASE_GATHER", "PHASE_REDUCE", "PHASE_SLOT_BASE", "PHASE_STATE", "PHASE_STATE_MANIFEST",
+           "PHASE_WHOLE", "Exchange", "ExchangeError", "ExchangeStats", "InvalidChunk", "LeafSpec", "Listener", "Pacer",
+           "Plan", "StateReceiver", "TransferError", "TransferStats", "WireCodec", "send_state"]

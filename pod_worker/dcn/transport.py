@@ -18,6 +18,11 @@ from there); the receiver gets libzmq's frame, validates the header, and only th
 decodes the frame's buffer into its preallocated destination: one user-space copy on each side.
 Frames over MAX_FRAME_BYTES are refused by libzmq itself (ZMQ_MAXMSGSIZE: the peer is dropped).
 
+Replies to data frames: none for the gradient exchange (a peer that misses bytes fails its own
+step). A sink may answer a frame it took (its receive returns bytes: ACK + them, on the same
+connection), and, if it sets `replies`, a frame it refused (REFUSED + why): the state transfer
+(transfer.py) uses both to learn that the receiver holds everything, or why it will not.
+
 Encryption: an address "curve://HOST:PORT" is a CURVE listener; its keys are derived from the
 secret, so only holders of the secret can even complete the transport's own handshake.
 """
@@ -41,7 +46,7 @@ from multipod.pod_worker.dcn.wire import BLOCK
 
 log = logging.getLogger(__name__)
 
-HELLO, CHALLENGE, PROOF, OK, REFUSED, DATA = b"H", b"C", b"P", b"K", b"R", b"D"
+HELLO, CHALLENGE, PROOF, OK, REFUSED, DATA, ACK = b"H", b"C", b"P", b"K", b"R", b"D", b"A"
 HEADER = struct.Struct("<HHQBIQ")        # version, pod, step, phase, leaf, offset (values)
 _PODS = struct.Struct("<HHH")            # version, client pod, server pod
 NONCE_BYTES = 32
@@ -99,8 +104,13 @@ class _Peer:
 
 class Listener:
     """This worker's data-plane socket: accepts peers that prove the secret and hands their data
-    frames to the attached sink (the current exchange's Inbox). One thread does it all; a bad
-    frame is logged, counted and dropped, never fatal."""
+    frames to the attached sink (the current exchange's Inbox, or a transfer's StateReceiver).
+    One thread does it all; a bad frame is logged, counted and dropped, never fatal.
+
+    A sink has: run_id (only connections of that run reach it); receive(pod, step, phase, leaf,
+    offset, payload) -> None or reply bytes, raising ValueError to refuse; refused_chunk(pod,
+    why); lost(pod, steps, why), when a connection of its run that proved `pod` closes; and
+    optionally replies = True (refusals are answered to the sender)."""
 
     def __init__(self, pod_index: int, listen: str, secret: str = "", curve: bool = False):
         self.pod_index = pod_index
@@ -138,7 +148,7 @@ class Listener:
         self._thread.start()
 
     def attach(self, sink) -> None:
-        """Hand data frames to `sink` from now on (an Inbox: run_id, receive, refused_chunk, lost)."""
+        """Hand data frames to `sink` from now on (see the class doc for what a sink has)."""
         if sink is not self._sink:
             for peer in self._peers.values():
                 peer.steps.clear()
@@ -188,7 +198,8 @@ class Listener:
             return      # logged once per connection
         log.warning("data plane of pod %d refused: %s", self.pod_index, why)
         sink = self._sink
-        if sink is not None and peer is not None and peer.pod is not None:
+        # Only a refusal within the sink's own run says something about what it waits for.
+        if sink is not None and peer is not None and peer.pod is not None and peer.run_id == sink.run_id:
             sink.refused_chunk(peer.pod, why)
 
     def _on_event(self, event: dict) -> None:
@@ -211,7 +222,7 @@ class Listener:
             self._refuse(peer, peer.refused)
             return
         if kind == DATA:
-            self._on_data(peer, frames)
+            self._on_data(ident, peer, frames)
         elif kind == HELLO:
             self._on_hello(ident, peer, frames)
         elif kind == PROOF:
@@ -254,7 +265,7 @@ class Listener:
         peer.pod, peer.run_id, peer.challenge = client, run_id, None
         self._reply(ident, OK)
 
-    def _on_data(self, peer: _Peer, frames: list) -> None:
+    def _on_data(self, ident: bytes, peer: _Peer, frames: list) -> None:
         if peer.pod is None:
             return self._refuse(peer, "a data frame on a connection that has not proved the secret")
         if len(frames) != 4 or len(frames[2].bytes) != HEADER.size:
@@ -269,9 +280,14 @@ class Listener:
             return self._refuse(peer, f"a chunk of run {peer.run_id!r} from pod {pod}, which is not this pod's "
                                       f"current run")
         try:
-            sink.receive(pod, step, phase, leaf, offset, frames[3].buffer)
+            reply = sink.receive(pod, step, phase, leaf, offset, frames[3].buffer)
         except ValueError as exc:      # InvalidChunk
-            return self._refuse(peer, f"a chunk from pod {pod}: {exc}")
+            self._refuse(peer, f"a chunk from pod {pod}: {exc}")
+            if getattr(sink, "replies", False):
+                self._reply(ident, REFUSED, str(exc).encode()[:1024])   # the DEALER takes <= 4096 bytes
+            return
+        if reply is not None:
+            self._reply(ident, ACK, reply)
         peer.steps.add(step)
         if len(peer.steps) > 2:    # only the current and the next step can still be live
             peer.steps = set(sorted(peer.steps)[-2:])
@@ -356,3 +372,32 @@ class Connection:
         self.socket.send(DATA, zmq.SNDMORE)
         self.socket.send(header, zmq.SNDMORE)
         self.socket.send(payload, copy=False)
+
+
+def receive_any(connections: list[Connection], until: float, deadline: float,
+                doing: str = "waiting for a reply from") -> tuple[Connection, list[bytes]] | None:
+    """The next reply (ACK or REFUSED frames) the listener sends on any of `connections` (to one
+    peer, after their handshakes), or None once `until` passes (polled at least once). LinkError
+    at the deadline, if a connection breaks, or on stop."""
+    poller = zmq.Poller()
+    for c in connections:
+        poller.register(c.socket, zmq.POLLIN)
+        poller.register(c._monitor, zmq.POLLIN)
+    peer = connections[0]
+    while True:
+        if any(c.stop.is_set() for c in connections):
+            raise LinkError(f"{doing} pod {peer.peer}: stopped")
+        now = time.monotonic()
+        ready = dict(poller.poll(max(0.0, min(until - now, deadline - now, 0.2)) * 1000))
+        for c in connections:
+            if c._monitor in ready:
+                event = parse_monitor_message(c._monitor.recv_multipart())
+                raise LinkError(f"{doing} pod {c.peer} at {c.address}: connection "
+                                f"{zmq.Event(event['event']).name.lower()}")
+            if c.socket in ready:
+                return c, c.socket.recv_multipart()
+        now = time.monotonic()
+        if now >= deadline:
+            raise LinkError(f"{doing} pod {peer.peer} at {peer.address} timed out")
+        if now >= until:
+            return None
