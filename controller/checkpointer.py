@@ -85,15 +85,16 @@ class Checkpointer:
         return f"{self.last_good.path} (step {self.last_good.step})" if self.last_good else none
 
     def save(self, step: int) -> None:
-        """Start a background checkpoint of the state after `step` steps on pod 0. A pod that does
-        not answer is a PodFailure; a refused save is reported and the run goes on."""
+        """Start a background checkpoint of the state after `step` steps on the first live pod
+        (pod 0 unless it failed). A pod that does not answer is a PodFailure; a refused save is
+        reported and the run goes on."""
         run = self.config.run
         meta = {"data_offset": self.data_offset, "data_position": step + self.data_offset,
                 "data_path": self.config.data.path, "seed": run.seed, "run_id": self.cluster.base_run_id,
                 "num_pods": self.cluster.size, "saved_at": time.time()}
         request = pb.SaveRequest(step=step, directory=self.directory, metadata_json=json.dumps(meta),
                                  background=True, keep=run.keep_checkpoints)
-        writer = self.cluster.clients[0]
+        writer = self.cluster.live_clients[0]
         try:
             reply = writer.call("Save", request, run.step_timeout_s)
         except WorkerError as exc:
@@ -145,7 +146,7 @@ class Checkpointer:
 
     def _restore(self, path: str = "", directory: str = "") -> int:
         from multipod.controller.config import ConfigError  # here: importing config imports jax
-        clients = self.cluster.clients
+        clients = self.cluster.live_clients       # in degraded mode the failed pods rejoin later
         run_id = self.cluster.next_generation()    # the pods' DCN links start afresh
         timeout = self.config.run.step_timeout_s + self.config.dcn.timeout_s + 60.0
         first = []

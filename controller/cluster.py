@@ -17,13 +17,14 @@ if TYPE_CHECKING:
     from multipod.controller.config import Config
 
 # What the pods must agree on. A freshly configured pod starts from the seed's initial state,
-# so a restarted pod's step and fingerprint are compared with a survivor's first reply as well.
-AGREEMENT = (("protocol version", lambda r: r.protocol_version),
-             ("mesh shape (data, model)", lambda r: tuple(r.mesh_shape)),
-             ("device count", lambda r: r.num_devices),
-             ("config hash", lambda r: r.config_hash),
-             ("initial step", lambda r: r.step),
-             ("initial state fingerprint", lambda r: r.fingerprint))
+# so a restarted pod's step and fingerprint are compared with a survivor's first reply as well
+# (unless the run reattached to pods mid-run: their first replies hold that state, not the seed's).
+STATIC_AGREEMENT = (("protocol version", lambda r: r.protocol_version),
+                    ("mesh shape (data, model)", lambda r: tuple(r.mesh_shape)),
+                    ("device count", lambda r: r.num_devices),
+                    ("config hash", lambda r: r.config_hash))
+AGREEMENT = STATIC_AGREEMENT + (("initial step", lambda r: r.step),
+                                ("initial state fingerprint", lambda r: r.fingerprint))
 
 
 def parallel(fn, items):
@@ -49,7 +50,8 @@ def failure_from_probes(clients, probes: list[Probe], bad: list[int], context: s
     message = "; ".join(f"{clients[i].name} is not responding: {probes[i].detail}" for i in bad)
     if context:
         message = f"{message} ({context})" if message else context
-    return PodFailure(message, bad, [i for i in bad if probes[i].verdict is Verdict.HUNG])
+    return PodFailure(message, [clients[i].pod_index for i in bad],
+                      [clients[i].pod_index for i in bad if probes[i].verdict is Verdict.HUNG])
 
 
 class Watchdog:
@@ -84,8 +86,9 @@ class Watchdog:
 
 class Cluster:
     """The run's pods: their clients, the replies of the first configure (the reference a
-    restarted pod must match), and the run id under which their DCN links are set up (a new
-    generation after every restore, so stale links are never mixed with new ones)."""
+    restarted pod must match), the run id under which their DCN links are set up (a new
+    generation after every restore or membership change, so stale links are never mixed with new
+    ones), and in degraded mode which pod computes which slot's shard (`hosts`)."""
 
     def __init__(self, clients: list, config: Config):
         self.clients = clients
@@ -93,11 +96,56 @@ class Cluster:
         self.base_run_id = uuid.uuid4().hex
         self.generation = 0
         self.first_replies: list[pb.ConfigureReply] | None = None
+        self.fresh_reference = True            # first_replies hold the seed's initial state
         self.dcn_addresses: list[str] = []     # every pod's data-plane endpoint (StatusReply.dcn_address)
+        self.hosts: list[int] = list(range(len(clients)))   # hosts[slot]: the pod computing slot's shard
 
     @property
     def size(self) -> int:
+        """The number of pods the run was configured for (= shards per global batch)."""
         return len(self.clients)
+
+    @property
+    def live(self) -> list[int]:
+        """The pods taking part in the steps (all of them unless degraded)."""
+        return sorted(set(self.hosts))
+
+    @property
+    def live_clients(self) -> list:
+        return [self.clients[p] for p in self.live]
+
+    @property
+    def degraded(self) -> bool:
+        return len(self.live) < self.size
+
+    def set_membership(self, pods: list[int], timeout_s: float) -> list[pb.MembershipReply]:
+        """Give `pods` the current hosts under a new run id (a step stuck in an old exchange
+        fails at once); their replies, in the order of `pods`."""
+        run_id = self.next_generation()
+        hosts = [] if not self.degraded else list(self.hosts)
+        request = pb.MembershipRequest(run_id=run_id, hosts=hosts, num_pods=self.size)
+        return parallel(lambda p: self.clients[p].call("SetMembership", request, timeout_s), pods)
+
+    def transfer_state(self, donor: int, receiver: int, timeout_s: float) -> tuple[pb.TransferReply, pb.TransferReply]:
+        """Stream `donor`'s state to `receiver` over the data plane; (sent, received) replies.
+        RunError if the receiver's verified fingerprint is not the donor's."""
+        transfer_id = f"{self.run_id}.transfer.{donor}.{receiver}.{uuid.uuid4().hex[:8]}"
+        receive = self.clients[receiver].call_async(
+            "ReceiveState", pb.ReceiveStateRequest(transfer_id=transfer_id, from_pod=donor), timeout_s)
+        try:
+            sent = self.clients[donor].call("SendState", pb.SendStateRequest(
+                transfer_id=transfer_id, to_pod=receiver, to_address=self.dcn_addresses[receiver]), timeout_s)
+        except BaseException:
+            receive.cancel()
+            raise
+        if not receive.wait(timeout_s):
+            receive.cancel()
+            raise RunError(f"{self.clients[receiver].name} did not confirm the state transfer within {timeout_s:g}s")
+        got = receive.result()
+        if (got.step, got.full_fingerprint) != (sent.step, sent.full_fingerprint):
+            raise RunError(f"state transfer {self.clients[donor].name} -> {self.clients[receiver].name}: received "
+                           f"step {got.step} ({got.full_fingerprint}), sent step {sent.step} ({sent.full_fingerprint})")
+        return sent, got
 
     @property
     def run_id(self) -> str:
@@ -117,13 +165,13 @@ class Cluster:
         timeout = self.config.run.health_timeout_s
         return [s.dcn_address for s in parallel(lambda c: c.status(timeout), self.clients)]
 
-    def _configure(self, targets: list) -> list[pb.ConfigureReply]:
+    def _configure(self, targets: list, keep_state: bool = False) -> list[pb.ConfigureReply]:
         addresses = [c.address for c in self.clients]
         worker_json = self.config.worker_config().to_json()
         request = lambda c: pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=c.pod_index, num_pods=len(self.clients),
             peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id,
-            dcn_addresses=self.dcn_addresses)
+            dcn_addresses=self.dcn_addresses, keep_state=keep_state)
         timeout = self.config.run.configure_timeout_s
         return parallel(lambda c: c.call("Configure", request(c), timeout), targets)
 
@@ -164,7 +212,7 @@ class Cluster:
         survivors = [c.pod_index for c in self.clients if c.pod_index not in pods]
         ref_pod = survivors[0] if survivors else 0
         reference, ref_name = self.first_replies[ref_pod], self.clients[ref_pod].name
-        for what, get in AGREEMENT:
+        for what, get in AGREEMENT if self.fresh_reference else STATIC_AGREEMENT:
             bad = [(c, get(r)) for c, r in zip(targets, replies) if get(r) != get(reference)]
             if bad:
                 detail = ", ".join(f"{c.name} has {v}" for c, v in bad)
@@ -175,24 +223,44 @@ class Cluster:
         return replies
 
     def probe_all(self) -> list[Probe]:
-        """One health check of every pod, in parallel, each with the health deadline."""
+        """One health check of every live pod, in parallel, each with the health deadline."""
         timeout = self.config.run.health_timeout_s
-        return parallel(lambda c: c.probe(timeout), self.clients)
+        return parallel(lambda c: c.probe(timeout), self.live_clients)
 
-    def diagnose(self, message: str) -> PodFailure:
-        """Probe every pod and name the ones that do not answer, with `message` as context."""
+    def diagnose(self, message: str, suspects: list[int] = ()) -> PodFailure:
+        """Probe every live pod and name the ones that do not answer, with `message` as context;
+        if all answer, the `suspects` (pods whose step failed for a reason of their own)."""
         probes = self.probe_all()
+        clients = self.live_clients
         bad = [i for i, probe in enumerate(probes) if not probe.serving]
-        return failure_from_probes(self.clients, probes, bad, message)
+        failure = failure_from_probes(clients, probes, bad, message)
+        if not failure.pods and suspects:
+            failure = PodFailure(str(failure), tuple(suspects), ())
+        return failure
 
     def watchdog(self) -> Watchdog:
-        """A watchdog over every pod, started."""
+        """A watchdog over every live pod, started."""
         run = self.config.run
-        return Watchdog(self.clients, run.health_interval_s, run.health_timeout_s)
+        return Watchdog(self.live_clients, run.health_interval_s, run.health_timeout_s)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Wait until every pod serves again (WorkerError naming one that does not)."""
         parallel(lambda c: c.wait_serving(timeout_s), self.clients)
+
+    def reattach(self) -> list[pb.ConfigureReply] | None:
+        """A controller restarted mid-run: take the pods as they are if every one is configured
+        with this run's config and all hold the same state at the same step (Configure with
+        keep_state; their links restart under a new run id). None if they do not (the caller
+        configures afresh and restores a checkpoint)."""
+        self.dcn_addresses = self.collect_dcn_addresses()
+        try:
+            replies = self._configure(self.clients, keep_state=True)
+        except Exception:   # e.g. a pod not configured (FAILED_PRECONDITION): not reattachable
+            return None
+        if any(len({get(r) for r in replies}) > 1 for _, get in AGREEMENT):
+            return None
+        self.first_replies, self.fresh_reference = list(replies), False
+        return replies
 
     def unconfigured(self) -> list[int]:
         """The pods that are not configured (restarted since the last configure)."""

@@ -67,7 +67,10 @@ class RunConfig:
     checkpoint_every: int = 100   # save every N steps and at the end (0: only at the end)
     keep_checkpoints: int = 3     # keep the newest k checkpoints
     checkpoint_dir: str = ""      # "" = <run dir>/checkpoints; must be readable by every pod
-    max_restarts: int = 3         # recoveries from a failed/hung pod before the run gives up
+    # A failed pod: "degrade" (its shard goes to the survivors, bitwise as if nothing happened,
+    # and it rejoins from a live peer) or "restore" (every pod back to the last checkpoint).
+    on_pod_failure: str = "degrade"
+    max_restarts: int = 3         # pod failures (either mode) before the run gives up
     restart_timeout_s: float = 120.0  # how long to wait for a failed pod to serve again
     health_interval_s: float = 2.0    # the watchdog probes every pod's health this often
     health_timeout_s: float = 5.0     # a pod whose health check takes longer is hung
@@ -86,6 +89,8 @@ class RunConfig:
                      "spike_threshold", "spike_window"):
             positive(f"run.{name}", getattr(self, name))
         non_negative("run.progress_timeout_s", self.progress_timeout_s)
+        if self.on_pod_failure not in ("degrade", "restore"):
+            raise ConfigError("run.on_pod_failure", f"must be degrade or restore, got {self.on_pod_failure!r}")
         if self.on_spike not in ("none", "rewind"):
             raise ConfigError("run.on_spike", f"must be none or rewind, got {self.on_spike!r}")
         non_negative("run.seed", self.seed)

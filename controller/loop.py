@@ -1,8 +1,10 @@
 """The step loop: it only runs steps. Step RPCs are pipelined `run.dispatch_depth` deep (the
 shards of step s+1 travel while step s computes, so the controller stays off the critical path);
 each finished step is checked (every pod's fingerprint and skip decision must agree), recorded,
-and shown to the components' hooks: the checkpointer at every step boundary, the spike policy
-after every step. The cluster is an argument, so tests drive the loop with fake pods."""
+and shown to the components' hooks: the checkpointer and the failover (rejoins) at every step
+boundary, the spike policy after every step. Each step goes to the live pods: in degraded mode
+a pod also gets the shards of the failed pods it hosts (Cluster.hosts). The cluster is an
+argument, so tests drive the loop with fake pods."""
 from __future__ import annotations
 
 import collections
@@ -43,21 +45,24 @@ class StepLoop:
     """Runs the steps of one segment (from a start step to run.steps) on `cluster`.
 
     checkpointer: anything with on_step(step, drain), called at every step boundary and at the
-    end; spike: a SpikePolicy; recorder: where finished steps' records go."""
+    end; failover: None or anything with on_step(step, drain) -> whether the live pods changed;
+    spike: a SpikePolicy; recorder: where finished steps' records go."""
 
     def __init__(self, cluster: Cluster, batches, checkpointer, spike: SpikePolicy, recorder: Recorder,
-                 accounting: Accounting):
-        self.cluster, self.batches, self.checkpointer = cluster, batches, checkpointer
+                 accounting: Accounting, failover=None):
+        self.cluster, self.batches, self.checkpointer, self.failover = cluster, batches, checkpointer, failover
         self.spike, self.recorder, self.accounting = spike, recorder, accounting
         self.run_config = cluster.config.run
         data = cluster.config.data
         self.global_tokens = data.global_batch * data.seq_len
-        self._pending: collections.deque = collections.deque()   # (step, calls) in flight, oldest first
+        # (step, (clients, hosts), calls) in flight, oldest first
+        self._pending: collections.deque = collections.deque()
         self._watchdog: Watchdog | None = None
         self._last_done = 0.0        # perf_counter when the previous step finished (step time)
         self._last_progress = 0.0    # monotonic time of the last finished step (progress deadline)
         self._data_offset = 0
         self._restarts = 0
+        self._partial = None         # (step, clients, hosts, replies) of a step some pods finished
 
     def run(self, start: int, data_offset: int = 0, restarts: int = 0) -> None:
         """Steps start..run.steps-1, step s training on batch s + data_offset, then the final
@@ -69,10 +74,16 @@ class StepLoop:
                               dtype=token_dtype(self.cluster.config.model.vocab_size))
         self._watchdog = self.cluster.watchdog()
         self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
+        if self._partial is not None and self._partial[0] == start - 1:
+            self._record_partial(*self._partial)
+        self._partial = None
         try:
             try:
                 for step in range(start, stop):
                     self.checkpointer.on_step(step, self.drain)
+                    if self.failover is not None and self.failover.on_step(step, self.drain):
+                        self._watchdog.stop()          # a pod rejoined: watch it too
+                        self._watchdog = self.cluster.watchdog()
                     got, shards = prefetch.next(DATA_TIMEOUT_S)
                     if got != step:
                         raise RunError(f"the data pipeline delivered step {got} for step {step}")
@@ -84,12 +95,12 @@ class StepLoop:
             except Spike:
                 # The pods are healthy: let the steps in flight finish before the rewind restores
                 # every pod (their results belong to the abandoned timeline).
-                for _, calls in self._pending:
+                for _, _, calls in self._pending:
                     for call in calls:
                         call.wait(self.run_config.step_timeout_s)
                 raise
         finally:
-            for _, calls in self._pending:
+            for _, _, calls in self._pending:
                 for call in calls:
                     call.cancel()
             self._pending.clear()
@@ -108,19 +119,38 @@ class StepLoop:
         self._pending.popleft()
 
     def _dispatch(self, step: int, shards: list[bytes]) -> None:
+        """Send step `step` to every live pod: its own shard, and the shards of the failed pods
+        it hosts (each in its slot)."""
         timeout = self.run_config.step_timeout_s
         every = self.run_config.full_fingerprint_every
         full = bool(every) and (step + 1) % every == 0    # the state after a multiple of N steps
-        calls = [client.call_async("Step", pb.StepRequest(step=step, tokens=tokens, global_tokens=self.global_tokens,
-                                                          full_fingerprint=full),
-                                   timeout) for client, tokens in zip(self.cluster.clients, shards)]
-        self._pending.append((step, calls))
+        hosts = list(self.cluster.hosts)
+        clients = self.cluster.live_clients
+        calls = []
+        for client in clients:
+            pod = client.pod_index
+            extra = [pb.Shard(slot=slot, tokens=shards[slot]) for slot, host in enumerate(hosts)
+                     if host == pod and slot != pod]
+            request = pb.StepRequest(step=step, tokens=shards[pod], global_tokens=self.global_tokens,
+                                     full_fingerprint=full, extra_shards=extra)
+            calls.append(client.call_async("Step", request, timeout))
+        self._pending.append((step, (clients, hosts), calls))
 
-    def _complete(self, step: int, calls: list) -> None:
+    def _record_partial(self, step: int, clients, hosts, replies) -> None:
+        """The record of a step the survivors finished while a failed pod did not: its loss
+        counts the shards whose results came back (partial_loss), its state is checked as any."""
+        check_agreement(step, clients, replies)
+        record = step_record(step, replies, 0.0, self.accounting, hosts=hosts)
+        record.update(partial_loss=True, skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
+                      restarts=self._restarts, data_index=step + self._data_offset)
+        self.recorder.write(record)
+
+    def _complete(self, step: int, who: tuple, calls: list) -> None:
         """Wait for one step's replies (watching the pods meanwhile), check and record it."""
+        clients, hosts = who
         progress_timeout = self.run_config.progress_timeout_s or self.run_config.step_timeout_s
         results, errors = [], []
-        for call in calls:
+        for client, call in zip(clients, calls):
             while not call.wait(POLL_S):
                 if self._watchdog.failure is not None:
                     raise self._watchdog.failure
@@ -129,15 +159,23 @@ class StepLoop:
             try:
                 results.append(call.result())
             except WorkerError as exc:
-                errors.append(exc)
+                errors.append((client.pod_index, exc))
         if errors:
+            if results:
+                # Some pods finished the step before one failed (it died after sending its
+                # gradient): if the survivors carry on from the step after it, it is recorded from
+                # their replies (run() does that), never run again.
+                self._partial = (step, [c for c in clients if c.pod_index in {r.pod_index for r in results}], hosts,
+                                 results)
             # The root cause first: a pod that failed outright, not its peers aborting or
-            # losing their link to it.
-            errors.sort(key=lambda e: e.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE))
-            raise self.cluster.diagnose(f"step {step} failed: " + "; ".join(str(e) for e in errors))
-        check_agreement(step, self.cluster.clients, results)
+            # losing their link to it (or cancelled by it).
+            knock_on = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            errors.sort(key=lambda e: e[1].code in knock_on)
+            suspects = [pod for pod, e in errors if e.code not in knock_on]
+            raise self.cluster.diagnose(f"step {step} failed: " + "; ".join(str(e) for _, e in errors), suspects)
+        check_agreement(step, clients, results)
         now = time.perf_counter()
-        record = step_record(step, results, now - self._last_done, self.accounting)
+        record = step_record(step, results, now - self._last_done, self.accounting, hosts=hosts)
         self._last_done, self._last_progress = now, time.monotonic()
         record.update(skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
                       restarts=self._restarts, data_index=step + self._data_offset)

@@ -37,18 +37,30 @@ class Accounting:
     hardware_flops_per_step: float = 0.0  # XLA's count for the whole step over all pods; 0: unknown
 
 
-def step_record(step: int, replies, step_time_s: float, accounting: Accounting) -> dict:
-    """The metrics record of one step from every pod's StepReply: the loss over all pods'
-    tokens, the slowest pod's phase timings, throughput, and MFU/HFU (None without a peak)."""
-    tokens = sum(r.tokens for r in replies)
+def _shards(replies) -> list:
+    """Every shard's result (ShardResult) in slot order; the replies themselves if they carry none."""
+    shards = [s for r in replies for s in r.shards]
+    return sorted(shards, key=lambda s: s.slot) if shards else list(replies)
+
+
+def step_record(step: int, replies, step_time_s: float, accounting: Accounting,
+                hosts: list[int] | None = None) -> dict:
+    """The metrics record of one step from every live pod's StepReply: the loss over all
+    shards' tokens (summed in slot order, so a degraded step reports the very loss a healthy one
+    would), the slowest pod's phase timings, throughput, MFU/HFU (None without a peak), and
+    which pod computed which shard (`hosts`, by slot)."""
+    shards = _shards(replies)
+    tokens = sum(r.tokens for r in shards)
     tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
     flops_per_token, peak, devices = accounting.model_flops_per_token, accounting.peak_flops, accounting.num_devices
     # Hardware FLOPs: XLA's count of what the pods' compiled steps execute, recompute included.
     hw_step = accounting.hardware_flops_per_step
     hw_per_token = hw_step / tokens if hw_step and tokens else None
     return {
-        "step": step, "loss": sum(r.loss_sum for r in replies) / tokens,
-        "z_loss": sum(r.z_loss_sum for r in replies) / tokens,
+        "step": step, "loss": sum(r.loss_sum for r in shards) / tokens,
+        "z_loss": sum(r.z_loss_sum for r in shards) / tokens,
+        "hosts": list(hosts) if hosts is not None else list(range(len(replies))),
+        "live_pods": len(replies),
         "grad_norm": replies[0].grad_norm, "learning_rate": replies[0].learning_rate,
         "skipped": replies[0].skipped, "fingerprints": [r.fingerprint for r in replies],
         # The full BLAKE2b hashes, on the steps that took them (run.full_fingerprint_every).
@@ -64,7 +76,7 @@ def step_record(step: int, replies, step_time_s: float, accounting: Accounting) 
         # on the devices.
         "exposed_exchange_s": max(r.timings.exposed_exchange_s for r in replies),
         "fingerprint_time_s": max(r.timings.fingerprint_s for r in replies),
-        "pods": [{"compute_s": r.timings.compute_s, "exchange_s": r.timings.exchange_s,
+        "pods": [{"pod": r.pod_index, "compute_s": r.timings.compute_s, "exchange_s": r.timings.exchange_s,
                   "exposed_exchange_s": r.timings.exposed_exchange_s,
                   "update_s": r.timings.update_s, "wait_s": r.timings.wait_s,
                   "fingerprint_s": r.timings.fingerprint_s, "idle_s": r.timings.idle_s,
@@ -141,6 +153,7 @@ class Recorder:
         self.sink, self.progress = sink, progress
         self.records: dict[int, dict] = {}
         self.skipped_steps: set[int] = set()
+        self.steps_written = 0      # records written, replays included (lost steps = this - distinct steps)
 
     def note_skipped(self, step: int, skipped: bool) -> int:
         """Track steps whose update was skipped; returns how many there are so far."""
@@ -151,6 +164,7 @@ class Recorder:
     def write(self, record: dict) -> None:
         """Log, show and keep one step's record."""
         self.sink.write(record)
+        self.steps_written += 1
         self.records[record["step"]] = record
         self.progress.update(record)
 
@@ -185,11 +199,16 @@ class ProgressLine:
             self._progress.start()
 
     def update(self, record: dict) -> None:
+        hosts = record.get("hosts") or []
+        live = record.get("live_pods", len(hosts))
+        degraded = f"  degraded {live}/{len(hosts)} pods" if live < len(hosts) else ""
         stats = (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
-                 f"MFU {_fmt(record['mfu'], '.1%')}  step {record['step_time_s']:.2f}s")
+                 f"MFU {_fmt(record['mfu'], '.1%')}  step {record['step_time_s']:.2f}s{degraded}")
+        changed = live != getattr(self, "_live", live)     # a pod failed or rejoined: say so at once
+        self._live = live
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"] + 1, stats=stats)
-        elif time.monotonic() - self._last_print > 5 or record["step"] + 1 == self.total:
+        elif time.monotonic() - self._last_print > 5 or record["step"] + 1 == self.total or changed:
             self._last_print = time.monotonic()
             print(f"step {record['step'] + 1}/{self.total}  {stats}", flush=True)
 

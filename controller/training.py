@@ -16,6 +16,7 @@ from multipod.controller.config import Config, ConfigError
 from multipod.controller.data import Batches, load_corpus
 from multipod.controller.errors import PodFailure, RunError
 from multipod.controller.events import EventLog
+from multipod.controller.failover import Failover
 from multipod.controller.loop import StepLoop
 from multipod.controller.metrics import Accounting, MetricsLog, ProgressLine, Recorder, load_measured_peak, out
 from multipod.controller.recovery import Recovery
@@ -81,20 +82,53 @@ def _accounting(cluster: Cluster, replies) -> Accounting:
     return accounting
 
 
+def _reattach(cluster: Cluster, run_dir: pathlib.Path):
+    """--resume after the controller itself died: the live workers' replies if every one still
+    holds the same state at the same step (no checkpoint is read), else None. The data position
+    continues from the last step recorded in metrics.jsonl."""
+    replies = cluster.reattach()
+    if replies is None:
+        return None, 0
+    offset = 0
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        last = json.loads(lines[-1]) if lines else {}
+        offset = int(last.get("data_index", last.get("step", 0))) - int(last.get("step", 0))
+    except (OSError, ValueError):
+        pass
+    return replies, offset
+
+
 def train(cluster: Cluster, run_dir: pathlib.Path, batches: Batches, progress: ProgressLine | None = None,
           resume: bool = False, supervisor=None) -> Summary:
-    """Configure `cluster`, then train to run.steps, recovering from pod failures and rewinding
-    loss spikes; returns the run summary."""
+    """Configure `cluster`, then train to run.steps, recovering from pod failures (degraded mode
+    or a checkpoint restore, run.on_pod_failure) and rewinding loss spikes; returns the run
+    summary. With resume, reattach to workers that still hold a consistent state, else restore
+    the newest checkpoint."""
     config, run = cluster.config, cluster.config.run
-    out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
-    replies = cluster.configure()
+    reattached, offset = _reattach(cluster, run_dir) if resume else (None, 0)
+    if reattached is not None:
+        replies = reattached
+        out(f"reattached to {cluster.size} live pod(s) at step {replies[0].step} (every state hash equal): "
+            f"no checkpoint read")
+    else:
+        out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
+        replies = cluster.configure()
     accounting = _accounting(cluster, replies)
     events = EventLog(run_dir / "events.jsonl")
     checkpointer = Checkpointer(cluster, checkpoint_dir(config, run_dir), events)
     spike = SpikePolicy(run)
     recovery = Recovery(cluster, checkpointer, spike, events, supervisor)
+    failover = Failover(cluster, events, supervisor)
     try:
-        if resume:
+        if reattached is not None:
+            start = int(replies[0].step)
+            checkpointer.data_offset = offset
+            events.write("reattached", step=start, data_offset=offset, fingerprint=replies[0].fingerprint)
+            if start > run.steps:
+                raise ConfigError("run.steps", f"{run.steps} is behind the pods' step {start}; "
+                                  f"resume with --steps {start} or more")
+        elif resume:
             start = checkpointer.resume()
             out(f"resumed from {checkpointer.last_good.path} (step {start}, "
                 f"data position {start + checkpointer.data_offset})")
@@ -104,23 +138,37 @@ def train(cluster: Cluster, run_dir: pathlib.Path, batches: Batches, progress: P
         else:
             start = int(replies[0].step)   # the checkpointer takes a baseline at this first boundary
         recorder = Recorder(MetricsLog(run_dir, append=resume), progress or ProgressLine(run.steps, start))
-        loop = StepLoop(cluster, batches, checkpointer, spike, recorder, accounting)
+        loop = StepLoop(cluster, batches, checkpointer, spike, recorder, accounting,
+                        failover if run.on_pod_failure == "degrade" else None)
+        first_step = start
         try:
             while True:
                 try:
-                    loop.run(start, data_offset=checkpointer.data_offset, restarts=recovery.restarts)
+                    loop.run(start, data_offset=checkpointer.data_offset,
+                             restarts=recovery.restarts + failover.failures)
                     checkpointer.collect(block=True)
                     break
                 except PodFailure as failure:
-                    start = recovery.recover(failure)
+                    if run.on_pod_failure == "degrade":
+                        start = failover.degrade(failure)
+                    else:
+                        start = recovery.recover(failure)
                 except Spike as spiked:
                     start = recovery.rewind(spiked)
         finally:
+            failover.close()
             recorder.close()
             checkpointer.collect(block=False)
     finally:
         events.close()
+    records = recorder.in_order()
+    # Steps trained more than once: a restore or rewind replays the steps after its checkpoint.
+    lost = max(0, recorder.steps_written - len(records)) if records else 0
     extra = {"skipped_steps": len(recorder.skipped_steps), "restarts": recovery.restarts,
              "rewinds": recovery.rewinds, "failed_checkpoints": checkpointer.failed,
-             "last_checkpoint": checkpointer.last_good.path if checkpointer.last_good else None}
-    return finish(run, cluster.clients[0], run_dir, batches, recorder.in_order(), extra=extra)
+             "last_checkpoint": checkpointer.last_good.path if checkpointer.last_good else None,
+             "on_pod_failure": run.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
+             "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
+             "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
+             "first_step": first_step, "reattached": reattached is not None}
+    return finish(run, cluster.live_clients[0], run_dir, batches, records, extra=extra)

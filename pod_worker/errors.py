@@ -11,6 +11,7 @@
                                             or did not finish in time; the pod was reconfigured/restored)
     Cancelled          CANCELLED            the caller went away while the step waited
     CorruptCheckpoint  DATA_LOSS            the arrays read back are not the ones written
+      CorruptTransfer                       a peer's state arrived, but not the state it hashed
     SaveNotFound       NOT_FOUND            no such save was started on this pod
 """
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Cancelled(PodError):
 
 class CorruptCheckpoint(PodError):
     """The checkpoint's arrays do not match the fingerprint saved with them."""
+
+
+class CorruptTransfer(CorruptCheckpoint):
+    """A state transfer delivered arrays whose fingerprint is not the donor's."""
 
 
 class SaveNotFound(PodError):

@@ -20,7 +20,14 @@ from multipod.pod_worker import checkpoint, faults
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import Exchange, Listener
-from multipod.pod_worker.errors import CorruptCheckpoint, InvalidRequest, NotReady, SaveNotFound, SavePending
+from multipod.pod_worker.errors import (
+    CorruptCheckpoint,
+    CorruptTransfer,
+    InvalidRequest,
+    NotReady,
+    SaveNotFound,
+    SavePending,
+)
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
 from multipod.protos import multipod_pb2 as pb
@@ -34,6 +41,15 @@ class Setup:
     config: WorkerConfig
     num_pods: int
     epoch: int
+    # hosts[slot]: the pod computing slot's shard (SetMembership); None while every pod is live.
+    hosts: tuple[int, ...] | None = None
+    run_id: str = ""
+
+    def extra_slots(self, pod_index: int) -> list[int]:
+        """The failed pods' slots this pod computes besides its own (degraded mode)."""
+        if self.hosts is None:
+            return []
+        return [slot for slot, host in enumerate(self.hosts) if host == pod_index and slot != pod_index]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +72,27 @@ class PodStatus:
     configured: bool
     step: int
     state: int      # pb.WorkerState
+    config_hash: str = ""
+    checksum: str = ""   # on-device checksum of the state ("" if not configured or busy)
+    run_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """The pod after SetMembership: where it stands, to compare with the other pods."""
+    step: int
+    checksum: str
+    full_fingerprint: str
+    config_hash: str
+    aborted_step: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Transferred:
+    step: int
+    full_fingerprint: str
+    bytes: int
+    seconds: float
 
 
 class Pod:
@@ -71,6 +108,8 @@ class Pod:
         self._setup: Setup | None = None
         self._peers: list[str] = []
         self._writer = checkpoint.Writer()
+        # (step, on-device checksum) of the state as of its last change, for Status: never recomputed there.
+        self._checksum: tuple[int, str] = (0, "")
 
     @property
     def trainer(self) -> PodTrainer | None:
@@ -85,7 +124,7 @@ class Pod:
         return setup
 
     # -- configure -----------------------------------------------------------------------------
-    def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> PodTrainer:
+    def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> tuple[PodTrainer, str]:
         """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id` with
         `peers` (every pod's data-plane address, in pod order);
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
@@ -98,38 +137,170 @@ class Pod:
             if self.exchange is not None:
                 self.exchange.close()
             self._peers, self.exchange = list(peers), exchange
+            self._checksum = (trainer.step, trainer.checksum())
             epoch = self.seq.reset(trainer.step, "reconfigured")
-            self._setup = Setup(trainer, config, num_pods, epoch)
-        return trainer
+            self._setup = Setup(trainer, config, num_pods, epoch, run_id=run_id)
+            # Read inside the hold: a step may donate the state's buffers once it is released.
+            fp = trainer.fingerprint()
+        return trainer, fp
 
-    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig, peers: list[str]) -> Exchange:
-        return Exchange(run_id, self.pod_index, peers, trainer.leaf_specs, self.listener, dcn=config.dcn)
+    def reattach(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
+                 deadline: float) -> tuple[PodTrainer, str]:
+        """A new controller takes the pod over mid-run: keep the trainer and its state if it was
+        configured with exactly `config` for `num_pods` at the same peers (NotReady otherwise);
+        only the exchange restarts, under `run_id`, with every pod taking part. A step still
+        waiting in the old exchange fails at once (its state stays as before it)."""
+        setup = self.setup()
+        if setup.config.config_hash() != config.config_hash() or setup.num_pods != num_pods or self._peers != peers:
+            raise NotReady(f"pod {self.pod_index} runs another configuration: it cannot be reattached as it is")
+        if self.exchange is not None:
+            self.exchange.abort(f"pod {self.pod_index}: a new controller took the pod over")
+        with self.seq.hold("a reattach", deadline):
+            setup = self.setup()
+            trainer = setup.trainer
+            exchange = self._new_exchange(run_id, trainer, config, list(peers))
+            if self.exchange is not None:
+                self.exchange.close()
+            self.exchange = exchange
+            exchange.inbox.set_next_step(trainer.step)
+            epoch = self.seq.reset(trainer.step, "taken over by a new controller")
+            self._setup = dataclasses.replace(setup, epoch=epoch, hosts=None, run_id=run_id)
+            fp = trainer.fingerprint()
+        return trainer, fp
+
+    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig, peers: list[str],
+                      hosts: tuple[int, ...] | None = None) -> Exchange:
+        return Exchange(run_id, self.pod_index, peers, trainer.leaf_specs, self.listener, dcn=config.dcn,
+                        hosts=list(hosts) if hosts is not None else None)
+
+    # -- membership: degraded mode and rejoin ---------------------------------------------------
+    def set_membership(self, run_id: str, hosts: list[int] | None, deadline: float) -> Membership:
+        """From the next step on, exchange under `run_id` among the pods in `hosts` (hosts[slot]:
+        the pod computing slot's shard; None: every pod its own). A step still waiting in the old
+        exchange fails at once (its state stays as before it: the controller retries it); steps
+        queued before this call are refused. InvalidRequest if the assignment does not fit."""
+        setup = self.setup()
+        num_pods = setup.num_pods
+        if hosts is not None:
+            hosts = tuple(int(h) for h in hosts)
+            if len(hosts) != num_pods or any(not 0 <= h < num_pods for h in hosts):
+                raise InvalidRequest(f"hosts must give a pod in [0, {num_pods}) for each of the {num_pods} slots, "
+                                     f"got {list(hosts)}")
+            if any(hosts[h] != h for h in set(hosts)):
+                raise InvalidRequest(f"hosts {list(hosts)}: a live pod must compute its own shard")
+            if self.pod_index not in hosts:
+                raise NotReady(f"pod {self.pod_index} is not among the hosts {list(hosts)}: it has to rejoin first")
+            if hosts == tuple(range(num_pods)):
+                hosts = None
+        aborted = self.seq.state == pb.WORKER_STATE_STEPPING
+        if self.exchange is not None:
+            self.exchange.abort(f"pod {self.pod_index}: the controller changed the pods taking part")
+        with self.seq.hold("a membership change", deadline):
+            setup = self.setup()
+            trainer = setup.trainer
+            exchange = self._new_exchange(run_id, trainer, setup.config, self._peers, hosts)
+            if self.exchange is not None:
+                self.exchange.close()
+            self.exchange = exchange
+            exchange.inbox.set_next_step(trainer.step)
+            epoch = self.seq.reset(trainer.step, "given a new membership")
+            self._setup = dataclasses.replace(setup, epoch=epoch, hosts=hosts, run_id=run_id)
+            self._checksum = (trainer.step, trainer.checksum())
+            return Membership(trainer.step, self._checksum[1], trainer.fingerprint(), setup.config.config_hash(),
+                              aborted)
+
+    def send_state(self, transfer_id: str, to_pod: int, to_address: str, deadline: float) -> Transferred:
+        """Stream this pod's parameters and optimizer state to a rejoining pod over the data plane
+        (between steps: waits until `deadline` for a running one)."""
+        import jax
+
+        from multipod.pod_worker.dcn.transfer import send_state
+        setup = self.setup()
+        if not 0 <= to_pod < setup.num_pods or to_pod == self.pod_index:
+            raise InvalidRequest(f"to_pod {to_pod} is not another pod of the run")
+        with self.seq.hold("sending the state to a rejoining pod", deadline):
+            trainer = self.setup().trainer
+            state = trainer.host_state()
+            fp = fingerprint(state["params"], state["opt_state"])
+            leaves = [np.asarray(leaf) for leaf in jax.tree.leaves((state["params"], state["opt_state"]))]
+            dcn = setup.config.dcn
+            stats = send_state(self.pod_index, transfer_id, to_pod, to_address, leaves, trainer.step, fp,
+                               self.listener.secret, deadline, chunk_bytes=dcn.chunk_bytes, streams=dcn.streams)
+        return Transferred(trainer.step, fp, stats.bytes, stats.seconds)
+
+    def receive_state(self, transfer_id: str, from_pod: int, deadline: float) -> Transferred:
+        """Take a live pod's parameters and optimizer state over the data plane. What arrives is
+        staged; it replaces the state only when complete and its fingerprint is the donor's.
+        Anything less (a cut stream, a wrong hash) leaves the state as it was."""
+        import jax
+
+        from multipod.pod_worker.dcn import LeafSpec
+        from multipod.pod_worker.dcn.transfer import StateReceiver
+        setup = self.setup()
+        if not 0 <= from_pod < setup.num_pods or from_pod == self.pod_index:
+            raise InvalidRequest(f"from_pod {from_pod} is not another pod of the run")
+        start = time.perf_counter()
+        with self.seq.hold("receiving a peer's state", deadline, state=pb.WORKER_STATE_RESTORING):
+            setup = self.setup()
+            trainer = setup.trainer
+            current = (trainer.params, trainer.opt_state)
+            leaves, treedef = jax.tree.flatten(current)
+            specs = [LeafSpec(tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves]
+            receiver = StateReceiver(transfer_id, self.pod_index, from_pod, specs,
+                                     chunk_bytes=setup.config.dcn.chunk_bytes)
+            self.listener.attach(receiver)
+            try:
+                step, donor_fp, arrays, nbytes = receiver.wait(deadline)
+            finally:
+                if self.exchange is not None:
+                    self.listener.attach(self.exchange.inbox)
+            params, opt_state = jax.tree.unflatten(treedef, arrays)
+            fp = fingerprint(params, opt_state)
+            if fp != donor_fp:
+                raise CorruptTransfer(f"the state from pod {from_pod} hashes to {fp}, the donor's is {donor_fp}: "
+                                      f"not taken")
+            trainer.load_state(params, opt_state, step)
+            self._checksum = (trainer.step, trainer.checksum())
+            if self.exchange is not None:
+                self.exchange.inbox.set_next_step(trainer.step)
+            epoch = self.seq.reset(trainer.step, "given a peer's state")
+            self._setup = dataclasses.replace(setup, epoch=epoch)
+        return Transferred(step, fp, nbytes, time.perf_counter() - start)
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
-             is_active: Callable[[], bool], full_fingerprint: bool = False) -> tuple[StepOutcome, float]:
+             is_active: Callable[[], bool], full_fingerprint: bool = False,
+             extra: dict[int, np.ndarray] | None = None) -> tuple[StepOutcome, float]:
         """Run training step `step` on this pod's shard (validated against `setup`) once the steps
         before it are done; returns the outcome and the seconds spent waiting for them. The
         sequencer's errors say why a step cannot run; a step that fails leaves the state as it
         was and refuses later steps until the pod is restored or reconfigured. With
-        full_fingerprint the outcome carries the full hash of the new state too."""
+        full_fingerprint the outcome carries the full hash of the new state too. extra: {slot:
+        tokens} of the failed pods' shards this pod computes too (exactly setup.extra_slots)."""
         trainer = setup.trainer
+        extra = extra or {}
+        want = setup.extra_slots(self.pod_index)
+        if sorted(extra) != want:
+            raise InvalidRequest(f"step {step}: pod {self.pod_index} computes the extra shards of slots {want}, "
+                                 f"the request carries {sorted(extra)}")
         self.seq.check_not_done(step)
         # The shard goes to the devices now, while an earlier step may still be computing.
         on_device = trainer.put_batch(tokens)
+        extra_on_device = {slot: trainer.put_batch(t) for slot, t in extra.items()}
         wait_start = time.perf_counter()
         self.seq.begin_step(step, setup.epoch, deadline, is_active)
         wait_s = time.perf_counter() - wait_start
         ok = False
         try:
-            outcome = self._train(setup, step, on_device, global_tokens, full_fingerprint)
+            outcome = self._train(setup, step, on_device, global_tokens, full_fingerprint, extra_on_device)
+            self._checksum = (trainer.step, outcome.fingerprint)
             ok = True
         finally:
             self.seq.finish_step(step, trainer.step, ok)
         return outcome, wait_s
 
     def _train(self, setup: Setup, step: int, on_device, global_tokens: int,
-               full_fingerprint: bool = False) -> StepOutcome:
+               full_fingerprint: bool = False, extra: dict | None = None) -> StepOutcome:
         trainer, exchange = setup.trainer, self.exchange
         exchange.inbox.set_next_step(step)
         all_reduce = None
@@ -139,7 +310,8 @@ class Pod:
             all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=trainer.put_leaf, **kw)
         if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)
-        outcome = trainer.train_step(on_device, global_tokens, all_reduce, full_fingerprint=full_fingerprint)
+        outcome = trainer.train_step(on_device, global_tokens, all_reduce, full_fingerprint=full_fingerprint,
+                                     extra=extra)
         exchange.inbox.set_next_step(trainer.step)
         return outcome
 
@@ -193,10 +365,11 @@ class Pod:
                 raise CorruptCheckpoint(f"checkpoint {path} is corrupt: the restored state's fingerprint {fp} "
                                         f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
             trainer.load_state(state["params"], state["opt_state"], state["step"])
+            self._checksum = (trainer.step, trainer.checksum())
             if run_id:
                 # A fresh DCN inbox under a new run id: nothing a peer sent before the restore
                 # (streams of the abandoned timeline) can be taken for a step of the new one.
-                exchange = self._new_exchange(run_id, trainer, setup.config, self._peers)
+                exchange = self._new_exchange(run_id, trainer, setup.config, self._peers, setup.hosts)
                 self.exchange.close()
                 self.exchange = exchange
             self.exchange.inbox.set_next_step(trainer.step)
@@ -221,9 +394,13 @@ class Pod:
         return np.asarray(generate(params, setup.config.model, prompt, num_tokens, temperature, seed), np.int32)
 
     def status(self) -> PodStatus:
-        """What the pod is doing; never waits."""
-        trainer = self.trainer
-        return PodStatus(configured=trainer is not None, step=trainer.step if trainer else 0, state=self.seq.state)
+        """What the pod is doing, with its state's step and checksum as of the last change; never waits."""
+        setup = self._setup
+        if setup is None:
+            return PodStatus(configured=False, step=0, state=self.seq.state)
+        step, checksum = self._checksum
+        return PodStatus(configured=True, step=step, state=self.seq.state,
+                         config_hash=setup.config.config_hash(), checksum=checksum, run_id=setup.run_id)
 
     def close(self) -> None:
         """Let pending checkpoint writes finish (bounded) and close the DCN exchange."""

@@ -26,6 +26,7 @@ from multipod.pod_worker import errors
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import ExchangeError, Listener
+from multipod.pod_worker.dcn.transfer import TransferError
 from multipod.pod_worker.pod import Pod, Setup
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.transport import MalformedMessage, Security, add_port, default_security, server_interceptors
@@ -88,7 +89,7 @@ def _handler(method):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CheckpointError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ExchangeError as exc:
+        except (ExchangeError, TransferError) as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # a bug or a resource error: report it, keep serving
             log.exception("%s failed", method.__name__)
@@ -167,12 +168,16 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             raise _invalid("run_id is empty")
         config = WorkerConfig.from_json(request.worker_config_json)
         dcn_addresses = list(request.dcn_addresses) or [""] * request.num_pods   # one pod: no data plane
-        trainer = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id)
+        if request.keep_state:
+            trainer, fp = self.pod.reattach(config, request.num_pods, dcn_addresses, request.run_id,
+                                            _deadline(context))
+        else:
+            trainer, fp = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id)
         import jax
         return pb.ConfigureReply(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=pod_index,
             mesh_shape=list(trainer.mesh_shape), num_devices=trainer.num_devices,
-            config_hash=config.config_hash(), fingerprint=trainer.fingerprint(),
+            config_hash=config.config_hash(), fingerprint=fp,
             param_count=sum(s.nbytes // s.dtype.itemsize for s in trainer.leaf_specs),
             device_kind=jax.devices()[0].device_kind, step=trainer.step, **_accounting(trainer))
 
@@ -182,9 +187,17 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         tokens = _decode_tokens(setup, request.tokens, setup.config.train.global_batch // setup.num_pods)
         if request.global_tokens <= 0:
             raise _invalid("global_tokens must be positive")
+        rows = setup.config.train.global_batch // setup.num_pods
+        extra = {}
+        for shard in request.extra_shards:
+            if shard.slot in extra or shard.slot == self.pod.pod_index or shard.slot >= setup.num_pods:
+                raise _invalid(f"extra shard for slot {shard.slot}: a duplicate, this pod's own, or out of range")
+            extra[shard.slot] = _decode_tokens(setup, shard.tokens, rows)
         outcome, wait_s = self.pod.step(setup, request.step, tokens, request.global_tokens, _deadline(context),
-                                        context.is_active, full_fingerprint=request.full_fingerprint)
+                                        context.is_active, full_fingerprint=request.full_fingerprint, extra=extra)
         link = outcome.link
+        shards = [pb.ShardResult(slot=self.pod.pod_index if slot is None else slot, loss_sum=loss, z_loss_sum=z,
+                                 tokens=count) for slot, loss, z, count in outcome.shards]
         return pb.StepReply(
             step=request.step, pod_index=self.pod.pod_index, loss_sum=outcome.loss_sum,
             z_loss_sum=outcome.z_loss_sum, tokens=outcome.tokens, grad_norm=outcome.grad_norm,
@@ -195,7 +208,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
                                    idle_s=link.idle_s if link else 0.0,
                                    exposed_exchange_s=outcome.exposed_exchange_s),
             dcn_bytes_sent=link.bytes_sent if link else 0,
-            dcn_bytes_received=link.bytes_received if link else 0)
+            dcn_bytes_received=link.bytes_received if link else 0, shards=shards)
 
     @_handler
     def Evaluate(self, request: pb.EvaluateRequest, context) -> pb.EvaluateReply:
@@ -272,7 +285,39 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         return pb.StatusReply(protocol_version=protos.PROTOCOL_VERSION, pod_index=self.pod.pod_index,
                               configured=status.configured, step=status.step, num_devices=len(jax.devices()),
                               state=status.state, pid=os.getpid(),
-                              dcn_address=self.pod.listener.address if self.pod.listener else "")
+                              dcn_address=self.pod.listener.address if self.pod.listener else "",
+                              config_hash=status.config_hash, fingerprint=status.checksum, run_id=status.run_id)
+
+    @_handler
+    def SetMembership(self, request: pb.MembershipRequest, context) -> pb.MembershipReply:
+        """Degraded mode and rejoin: a new exchange among the pods in `hosts` (pod.set_membership)."""
+        setup = self.pod.setup()
+        if not request.run_id:
+            raise _invalid("run_id is empty")
+        if request.num_pods != setup.num_pods:
+            raise _invalid(f"num_pods={request.num_pods}, the pod was configured for {setup.num_pods}")
+        membership = self.pod.set_membership(request.run_id, list(request.hosts) or None, _deadline(context))
+        return pb.MembershipReply(step=membership.step, fingerprint=membership.checksum,
+                                  full_fingerprint=membership.full_fingerprint, config_hash=membership.config_hash,
+                                  aborted_step=membership.aborted_step)
+
+    @_handler
+    def SendState(self, request: pb.SendStateRequest, context) -> pb.TransferReply:
+        """Stream this pod's state to a rejoining pod over the data plane."""
+        if not request.transfer_id or not request.to_address:
+            raise _invalid("transfer_id and to_address are required")
+        sent = self.pod.send_state(request.transfer_id, int(request.to_pod), request.to_address, _deadline(context))
+        return pb.TransferReply(step=sent.step, full_fingerprint=sent.full_fingerprint, bytes=sent.bytes,
+                                seconds=sent.seconds)
+
+    @_handler
+    def ReceiveState(self, request: pb.ReceiveStateRequest, context) -> pb.TransferReply:
+        """Take a live pod's state, verified by its fingerprint before it replaces this pod's."""
+        if not request.transfer_id:
+            raise _invalid("transfer_id is empty")
+        got = self.pod.receive_state(request.transfer_id, int(request.from_pod), _deadline(context))
+        return pb.TransferReply(step=got.step, full_fingerprint=got.full_fingerprint, bytes=got.bytes,
+                                seconds=got.seconds)
 
     @_handler
     def Shutdown(self, request, context) -> pb.ShutdownReply:

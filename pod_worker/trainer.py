@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +81,8 @@ class StepOutcome:
     link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
     exposed_exchange_s: float = 0.0  # end of this pod's backward pass -> every summed leaf on its devices
     full_fingerprint: str = ""       # BLAKE2b of a host copy of the state, when the step was asked for it
+    # Degraded mode: every shard computed, own first (None for own), as (slot, loss_sum, z_loss_sum, tokens).
+    shards: list = field(default_factory=list)
 
 
 class PodTrainer:
@@ -207,42 +209,61 @@ class PodTrainer:
         return leaves, float(ce), float(z)
 
     def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None,
-                   full_fingerprint: bool = False) -> StepOutcome:
+                   full_fingerprint: bool = False, extra: dict[int, jax.Array] | None = None) -> StepOutcome:
         """The per-step core: gradients -> exchange -> update -> fingerprint.
 
         all_reduce(grads) -> (summed, stats) sums the pods' gradient leaves in pod order (the DCN
         exchange); None for a single pod, whose gradient never leaves the device. The state
         changes only if every part succeeds. The fingerprint is the on-device checksum; with
         full_fingerprint the BLAKE2b of a host copy of the state is taken too (counted in
-        fingerprint_s)."""
+        fingerprint_s).
+
+        extra (degraded mode): {slot: batch} of failed pods' shards this pod computes too, each
+        with the very program of its own shard (so each gradient is bitwise the one that pod
+        would have computed); they reach all_reduce as extra={slot: leaves}, kept apart, and the
+        exchange sums each in its slot."""
+        extra = dict(sorted((extra or {}).items()))
+        if extra and all_reduce is None:
+            raise ValueError("extra shards need an exchange to sum them in their slots")
         if self._overlapped is not None:
-            outcome = self._train_step_overlapped(batch, global_tokens, all_reduce)
+            outcome = self._train_step_overlapped(batch, global_tokens, all_reduce, extra)
         else:
-            outcome = self._train_step_fused(batch, global_tokens, all_reduce)
+            outcome = self._train_step_fused(batch, global_tokens, all_reduce, extra)
         if full_fingerprint:
             start = time.perf_counter()
             outcome.full_fingerprint = self.fingerprint()
             outcome.fingerprint_s += time.perf_counter() - start
         return outcome
 
-    def _train_step_fused(self, batch: jax.Array, global_tokens: int, all_reduce) -> StepOutcome:
+    @staticmethod
+    def _tokens(batch) -> int:
+        return int(batch.shape[0] * (batch.shape[1] - 1))
+
+    def _train_step_fused(self, batch: jax.Array, global_tokens: int, all_reduce, extra: dict) -> StepOutcome:
         """One compiled gradient program, then the exchange of its leaves, then the update.
         exposed_exchange_s: from the end of the gradient program until every summed leaf is on the
         devices (here the whole exchange, since nothing overlaps it)."""
         t0 = time.perf_counter()
         # Returns once the program is done; a single pod's gradient never leaves the device.
         grads, ce, z = self.gradients(batch, global_tokens, to_host=all_reduce is not None)
+        shards, extra_grads = [(None, ce + z, z, self._tokens(batch))], {}
+        for slot, shard in extra.items():
+            extra_grads[slot], ce_k, z_k = self.gradients(shard, global_tokens, to_host=True)
+            shards.append((slot, ce_k + z_k, z_k, self._tokens(shard)))
         t1 = time.perf_counter()
-        summed, link = all_reduce(grads) if all_reduce is not None else (grads, None)
+        if extra_grads:
+            summed, link = all_reduce(grads, extra=extra_grads)
+        else:
+            summed, link = all_reduce(grads) if all_reduce is not None else (grads, None)
         t2 = time.perf_counter()
         jax.block_until_ready([leaf for leaf in summed if isinstance(leaf, jax.Array)])
         t_ready = time.perf_counter()
         result = self.apply(summed)
         t3 = time.perf_counter()
-        return self._finish(batch, ce, z, result, t3, link, compute_s=t1 - t0, exchange_s=t2 - t1,
+        return self._finish(shards, result, t3, link, compute_s=t1 - t0, exchange_s=t2 - t1,
                             update_s=t3 - t2, exposed_exchange_s=t_ready - t1)
 
-    def _train_step_overlapped(self, batch: jax.Array, global_tokens: int, all_reduce) -> StepOutcome:
+    def _train_step_overlapped(self, batch: jax.Array, global_tokens: int, all_reduce, extra: dict) -> StepOutcome:
         """train_step with dcn.overlap: every per-layer program is dispatched at once, and the
         exchange takes the gradient leaves in readiness order (all_reduce(grads, order=...)),
         blocking on each only when its turn comes while later backward programs keep running.
@@ -251,30 +272,38 @@ class PodTrainer:
         exchange, which overlaps it; exposed_exchange_s the part after the backward pass, until
         every summed leaf is on the devices."""
         t0 = time.perf_counter()
-        launched = self._overlapped.launch(self.params, batch, self._normalizer(global_tokens),
-                                           to_host=all_reduce is not None)
+        norm = self._normalizer(global_tokens)
+        launched = self._overlapped.launch(self.params, batch, norm, to_host=all_reduce is not None)
+        # Failed pods' shards: the same per-layer programs, dispatched now, summed in their slots.
+        others = {slot: self._overlapped.launch(self.params, shard, norm) for slot, shard in extra.items()}
         t1 = time.perf_counter()
-        if all_reduce is not None:
+        if others:
+            summed, link = all_reduce(launched.leaves, order=launched.order,
+                                      extra={slot: o.leaves for slot, o in others.items()})
+        elif all_reduce is not None:
             summed, link = all_reduce(launched.leaves, order=launched.order)
         else:
             summed, link = launched.leaves, None
         jax.block_until_ready(summed)
         t2 = time.perf_counter()
-        backward_end = launched.backward_end(timeout=self.config.dcn.timeout_s)
-        ce, z = float(launched.ce), float(launched.z)
+        backward_end = max(o.backward_end(timeout=self.config.dcn.timeout_s) for o in (launched, *others.values()))
+        shards = [(None, float(launched.ce) + float(launched.z), float(launched.z), self._tokens(batch))]
+        shards += [(slot, float(o.ce) + float(o.z), float(o.z), self._tokens(extra[slot]))
+                   for slot, o in others.items()]
         result = self.apply(summed)
         t3 = time.perf_counter()
-        return self._finish(batch, ce, z, result, t3, link, compute_s=backward_end - t0, exchange_s=t2 - t1,
+        return self._finish(shards, result, t3, link, compute_s=backward_end - t0, exchange_s=t2 - t1,
                             update_s=t3 - t2, exposed_exchange_s=max(0.0, t2 - backward_end))
 
-    def _finish(self, batch, ce: float, z: float, result: StepResult, updated_at: float, link,
-                **timings: float) -> StepOutcome:
-        """The step's checksum (timed from `updated_at`, when the update returned) and its outcome."""
+    def _finish(self, shards: list, result: StepResult, updated_at: float, link, **timings: float) -> StepOutcome:
+        """The step's checksum (timed from `updated_at`, when the update returned) and its
+        outcome; `shards`: (slot, loss_sum, z_loss_sum, tokens) of every shard computed, own first."""
         fp = self.checksum()
         fingerprint_s = time.perf_counter() - updated_at
-        return StepOutcome(loss_sum=ce + z, z_loss_sum=z, tokens=int(batch.shape[0] * (batch.shape[1] - 1)),
-                           grad_norm=result.grad_norm, learning_rate=result.learning_rate, skipped=result.skipped,
-                           fingerprint=fp, fingerprint_s=fingerprint_s, link=link, **timings)
+        return StepOutcome(loss_sum=sum(s[1] for s in shards), z_loss_sum=sum(s[2] for s in shards),
+                           tokens=sum(s[3] for s in shards), grad_norm=result.grad_norm,
+                           learning_rate=result.learning_rate, skipped=result.skipped, fingerprint=fp,
+                           fingerprint_s=fingerprint_s, link=link, shards=shards, **timings)
 
     def put_leaf(self, index: int, value: np.ndarray) -> jax.Array:
         """Start the host->device transfer of one summed gradient leaf (asynchronous)."""

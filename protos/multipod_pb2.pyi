@@ -25,7 +25,7 @@ WORKER_STATE_RESTORING: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses")
+    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses", "keep_state")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PODS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class ConfigureRequest(_message.Message):
     WORKER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DCN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_STATE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     num_pods: int
@@ -40,7 +41,8 @@ class ConfigureRequest(_message.Message):
     worker_config_json: str
     run_id: str
     dcn_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_state: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., keep_state: _Optional[bool] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
     __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes")

@@ -35,7 +35,9 @@ COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", 
           "--checkpoint-every", "3", "--on-spike", "rewind", "--skip-batches", "2",
           "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", "--set", "run.keep_checkpoints=3",
           "--set", "run.spike_window=3", "--set", "dcn.timeout_s=10", "--set", "run.step_timeout_s=60",
-          "--set", "run.health_interval_s=1", "--set", "run.health_timeout_s=5")
+          "--set", "run.health_interval_s=1", "--set", "run.health_timeout_s=5",
+          # These tests are about checkpoint rollback; degraded mode has tests/e2e/test_failover.py.
+          "--set", 'run.on_pod_failure="restore"')
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +229,7 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
                     "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
                     "--set", "run.health_interval_s=0.5", "--set", "run.health_timeout_s=2",
                     "--set", "run.step_timeout_s=120", "--set", "dcn.timeout_s=120",
-                    "--set", "run.restart_timeout_s=300", env=env)
+                    "--set", "run.restart_timeout_s=300", "--set", 'run.on_pod_failure="restore"', env=env)
         hung = None
         try:
             _wait_for_step(run.proc, run_dir, 4)

@@ -1,0 +1,202 @@
+"""End to end: degraded mode (run.on_pod_failure = "degrade", the default) under `multipod local`.
+
+Each run is compared with an uninterrupted run of the same config: the final fingerprint and
+every step's loss must be bitwise equal, every step is recorded exactly once (none is lost or
+run twice), and a failed pod rejoins from a live peer over the data plane and computes its own
+shard again before the end."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+from tests.e2e.test_recovery import _current_pid, _events, _Live, _run, _wait_for_step
+from tests.helpers import TINY, cli_env, read_metrics
+
+# A restarted worker takes a few seconds to serve and configure (compiled steps come from the
+# cache): the runs are long enough (tiny steps) for the failed pods to rejoin well before the end.
+STEPS = 700
+
+
+def _args(pods: int, *extra: str) -> tuple[str, ...]:
+    return ("--pods", str(pods), "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
+            "--checkpoint-every", "50", "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
+            "--set", f"data.global_batch={2 * pods}", "--set", "dcn.timeout_s=30",
+            "--set", "run.step_timeout_s=90", "--set", "run.health_interval_s=0.5",
+            "--set", "run.health_timeout_s=2", *extra)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One persistent compilation cache for every run here (and every restarted worker)."""
+    return dict(cli_env(), JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+@pytest.fixture(scope="module")
+def reference3(tmp_path_factory, env):
+    run_dir = tmp_path_factory.mktemp("reference3")
+    result = _run("local", *_args(3), "--run-dir", str(run_dir), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir
+
+
+def _check_same_as(run_dir: pathlib.Path, reference: pathlib.Path, steps=range(STEPS)) -> list[dict]:
+    """Every step recorded once, with the reference's loss and fingerprint; returns the records.
+    (A step the survivors finished while the failed pod did not is recorded from their replies:
+    its state is checked, its loss covers their shards only.)"""
+    records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
+    assert [r["step"] for r in records] == list(steps), "a step was lost or run twice"
+    for r in records:
+        assert set(r["fingerprints"]) == set(expected[r["step"]]["fingerprints"]), r["step"]
+        if not r.get("partial_loss"):
+            assert r["loss"] == expected[r["step"]]["loss"], r["step"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["fingerprint"] == json.loads((reference / "summary.json").read_text())["fingerprint"]
+    assert summary["lost_steps"] == 0
+    return records
+
+
+def _degraded_then_whole(records: list[dict], pod: int) -> None:
+    """Some steps ran without `pod` (its shard computed elsewhere); it computed its own shard again
+    before the end."""
+    degraded = [r["step"] for r in records if r["hosts"][pod] != pod]
+    assert degraded, "no degraded step"
+    assert all(r["live_pods"] < len(r["hosts"]) for r in records if r["step"] in degraded)
+    last = records[-1]
+    assert last["hosts"] == list(range(len(last["hosts"]))) and last["live_pods"] == len(last["hosts"])
+    assert max(degraded) < last["step"]
+
+
+def test_a_killed_pod_s_shard_goes_to_the_survivors_and_it_rejoins_from_a_peer(reference3, tmp_path, env):
+    run = _Live("local", *_args(3), "--run-dir", str(tmp_path), env=env)
+    try:
+        _wait_for_step(run.proc, tmp_path, 10)
+        os.kill(_current_pid(tmp_path, 1)[0], signal.SIGKILL)
+        run.wait_for("degraded: 2/3 pods", 120)
+        code = run.finish(400)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    out = "".join(run.out)
+    assert code == 0, out + "".join(run.err)
+    assert "degraded 2/3 pods" in out            # the progress line says so
+    records = _check_same_as(tmp_path, reference3)
+    _degraded_then_whole(records, 1)
+    events = {e["event"]: e for e in _events(tmp_path)}
+    assert events["pod_failure"]["pods"] == [1]
+    assert events["degraded"]["live_pods"] == [0, 2]
+    transfer = events["state_transfer"]
+    assert transfer["receiver"] == 1 and transfer["bytes"] > 0 and transfer["seconds"] > 0
+    assert events["rejoin"]["pods"] == [1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rejoins"] == 1 and summary["degraded_s"] > 0 and summary["restarts"] == 0
+
+
+def test_pod_0_killed_during_a_checkpoint_save_and_a_hung_pod(reference3, tmp_path, env):
+    """pod 0 (the checkpoint writer) dies while a save is under way; later pod 2 hangs (SIGSTOP):
+    two failures of different pods at different steps, both absorbed without a rollback."""
+    run = _Live("local", *_args(3), "--run-dir", str(tmp_path), env=env)
+    hung = None
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:     # a save after the baseline has started
+            events = _events(tmp_path) if (tmp_path / "events.jsonl").exists() else []
+            if any(e["event"] == "checkpoint_started" and e["step"] >= 50 for e in events):
+                break
+            time.sleep(0.01)
+        os.kill(_current_pid(tmp_path, 0)[0], signal.SIGKILL)
+        run.wait_for("rejoined", 300)
+        hung = _current_pid(tmp_path, 2)[0]
+        os.kill(hung, signal.SIGSTOP)
+        run.wait_for("degraded: 2/3 pods", 120)
+        code = run.finish(400)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+        if hung is not None:
+            try:
+                os.kill(hung, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert code == 0, "".join(run.out) + "".join(run.err)
+    records = _check_same_as(tmp_path, reference3)
+    _degraded_then_whole(records, 0)
+    _degraded_then_whole(records, 2)
+    failures = [e for e in _events(tmp_path) if e["event"] == "pod_failure"]
+    assert [f["pods"] for f in failures] == [[0], [2]]
+    assert len([e for e in _events(tmp_path) if e["event"] == "rejoin"]) == 2
+
+
+@pytest.fixture(scope="module")
+def remote_pods(tmp_path_factory, env):
+    """Two workers the tests own (nobody restarts them), the token, and a 2-pod reference run."""
+    from multipod.controller.launcher import LocalPods
+    from multipod.protos.transport import Security
+    token = "token-for-the-failover-test-0123456789"
+    env = dict(env, MULTIPOD_AUTH_TOKEN=token)
+    reference = tmp_path_factory.mktemp("reference2")
+    result = _run("local", *_args(2), "--run-dir", str(reference), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"])
+    with LocalPods(2, 1, tmp_path_factory.mktemp("workers"), security=Security(token=token)) as pods:
+        yield pods, env, reference
+
+
+def _train(pods, run_dir: pathlib.Path, env: dict, *extra: str) -> _Live:
+    args = [a for a in _args(2) if a not in ("--pods", "2", "--devices-per-pod", "1")]
+    return _Live("train", "--workers", ",".join(pods.addresses), *args, "--run-dir", str(run_dir),
+                 "--checkpoint-dir", str(run_dir / "checkpoints"), *extra, env=env)
+
+
+def test_a_restarted_controller_reattaches_to_live_workers_without_a_checkpoint(remote_pods, tmp_path):
+    """kill -9 the controller mid-run; `multipod train --resume` takes the workers as they are
+    (every state hash equal) and finishes bitwise equal to the uninterrupted run."""
+    pods, env, reference = remote_pods
+    run = _train(pods, tmp_path, env)
+    try:
+        _wait_for_step(run.proc, tmp_path, 100)
+    finally:
+        run.proc.kill()
+        run.finish(60)
+    again = _train(pods, tmp_path, env, "--resume")
+    try:
+        line = again.wait_for("reattached", 120)
+        code = again.finish(400)
+    finally:
+        if again.proc.poll() is None:
+            again.proc.kill()
+    assert code == 0, "".join(again.out) + "".join(again.err)
+    assert "no checkpoint read" in line and "resumed from" not in "".join(again.out)
+    by_step = {r["step"]: r for r in read_metrics(tmp_path)}     # later records of a step win
+    expected = {r["step"]: r for r in read_metrics(reference)}
+    assert max(by_step) == STEPS - 1
+    for step, r in by_step.items():
+        assert r["loss"] == expected[step]["loss"] and r["fingerprints"] == expected[step]["fingerprints"], step
+    assert json.loads((tmp_path / "summary.json").read_text())["fingerprint"] == \
+        json.loads((reference / "summary.json").read_text())["fingerprint"]
+    assert any(e["event"] == "reattached" for e in _events(tmp_path))
+
+
+def test_two_pods_one_stays_dead_and_the_survivor_finishes_alone(remote_pods, tmp_path):
+    """`multipod train` with workers the test owns and never restarts: pod 1 dies for good, the
+    run finishes on pod 0 alone, bitwise equal to the uninterrupted run. (Runs last: it kills a
+    worker of the shared pair.)"""
+    pods, env, reference = remote_pods
+    run = _train(pods, tmp_path, env, "--set", "run.restart_timeout_s=5")
+    try:
+        _wait_for_step(run.proc, tmp_path, 10)
+        os.kill(pods.procs[1].pid, signal.SIGKILL)
+        run.wait_for("degraded: 1/2 pods", 120)
+        code = run.finish(400)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert code == 0, "".join(run.out) + "".join(run.err)
+    records = _check_same_as(tmp_path, reference)
+    assert records[-1]["hosts"] == [0, 0] and records[-1]["live_pods"] == 1
+    assert any(e["event"] == "rejoin_failed" for e in _events(tmp_path))
