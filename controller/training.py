@@ -171,4 +171,8 @@ def train(cluster: Cluster, run_dir: pathlib.Path, batches: Batches, progress: P
              "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
              "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
              "first_step": first_step, "reattached": reattached is not None}
+    if extra["pod_failures"]:
+        out(f"pod failures: {extra['pod_failures']} ({run.on_pod_failure} mode); steps trained more than once: "
+            f"{lost}; {failover.degraded_s:.1f}s degraded; {failover.rejoins} rejoin(s), "
+            f"{failover.transfer_bytes / 2**20:.1f} MiB of state transferred")
     return finish(run, cluster.live_clients[0], run_dir, batches, records, extra=extra)
