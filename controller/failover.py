@@ -80,6 +80,11 @@ class _Rejoin:
                 if isinstance(exc, RunError):
                     return
 
+    @property
+    def gave_up(self) -> bool:
+        """The watcher ended without the pod becoming ready (error says why)."""
+        return not self.ready.is_set() and not self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -181,9 +186,9 @@ class Failover:
         the membership changed (the next steps go to the new hosts)."""
         ready = [p for p, r in self._rejoining.items() if r.ready.is_set()]
         for pod, watcher in list(self._rejoining.items()):
-            if watcher.error and not watcher.ready.is_set() and not watcher._thread.is_alive():
-                out(f"pod {pod} stays out: {watcher.error}")
-                self.events.write("rejoin_failed", pod=pod, error=watcher.error)
+            if watcher.gave_up:
+                out(f"pod {pod} stays out: {watcher.error or 'it did not come back'}")
+                self.events.write("rejoin_failed", pod=pod, error=watcher.error or "it did not come back")
                 del self._rejoining[pod]
         if not ready:
             return False
