@@ -25,7 +25,7 @@ WORKER_STATE_RESTORING: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses", "keep_state")
+    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses", "keep_state", "host_index", "hosts_per_pod")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PODS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class ConfigureRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DCN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     KEEP_STATE_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_PER_POD_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     num_pods: int
@@ -42,7 +44,9 @@ class ConfigureRequest(_message.Message):
     run_id: str
     dcn_addresses: _containers.RepeatedScalarFieldContainer[str]
     keep_state: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., keep_state: _Optional[bool] = ...) -> None: ...
+    host_index: int
+    hosts_per_pod: int
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., keep_state: _Optional[bool] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
     __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes")
@@ -305,7 +309,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address", "config_hash", "fingerprint", "run_id")
+    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address", "config_hash", "fingerprint", "run_id", "host_index", "hosts_per_pod", "pod_coordinator", "local_devices")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +321,10 @@ class StatusReply(_message.Message):
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_PER_POD_FIELD_NUMBER: _ClassVar[int]
+    POD_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     configured: bool
@@ -328,7 +336,11 @@ class StatusReply(_message.Message):
     config_hash: str
     fingerprint: str
     run_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    host_index: int
+    hosts_per_pod: int
+    pod_coordinator: str
+    local_devices: int
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., run_id: _Optional[str] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., pod_coordinator: _Optional[str] = ..., local_devices: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
