@@ -22,17 +22,18 @@ def write_port_file(port_file: str, port) -> None:
 
 def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_parent: bool = False,
           max_workers: int = RPC_THREADS, security: Security | None = None, dcn_listen: str | None = None,
-          dcn_encrypt: bool = False) -> None:
+          dcn_encrypt: bool = False, layout=None) -> None:
     """Serve one pod until Shutdown is called, the process is signalled, or (with
     exit_with_parent) the process that started it is gone. The data plane listens on dcn_listen
     (default: the gRPC host, an ephemeral port); with a port file, its address goes to
     PORT_FILE.dcn (written first), so a launcher can restart the worker on the same endpoint."""
     server, service, health_servicer, port = start_server(pod_index, listen, security, max_workers,
-                                                          dcn_listen=dcn_listen, dcn_encrypt=dcn_encrypt)
+                                                          dcn_listen=dcn_listen, dcn_encrypt=dcn_encrypt,
+                                                          layout=layout)
     shutdown = service.shutdown_event
     host = listen.rsplit(":", 1)[0]
-    log.info("pod %d serving on %s:%d (pid %d), data plane on %s", pod_index, host, port, os.getpid(),
-             service.pod.listener.address)
+    log.info("%s serving on %s:%d (pid %d), data plane on %s", service.pod.layout.name(pod_index), host, port,
+             os.getpid(), service.pod.listener.address)
     if port_file:   # written last: whoever waits on it may connect at once
         write_port_file(f"{port_file}.dcn", service.pod.listener.address)
         write_port_file(port_file, port)

@@ -17,6 +17,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve on")
     parser.add_argument("--devices", type=int, default=0,
                         help="simulate N CPU devices (0: use the real devices jax finds)")
+    parser.add_argument("--host-index", type=int, default=0,
+                        help="this host's index within its pod (pods of several hosts; 0-based)")
+    parser.add_argument("--hosts-per-pod", type=int, default=1,
+                        help="hosts in this pod: its workers form one jax.distributed cluster and run the pod's "
+                             "step as one program over all its devices")
+    parser.add_argument("--pod-coordinator", default="",
+                        help="HOST:PORT of the pod's jax.distributed coordinator (host 0 serves it; every host of "
+                             "the pod passes the same); required with --hosts-per-pod > 1")
+    parser.add_argument("--distributed-timeout", type=float, default=120.0,
+                        help="seconds to wait for the pod's other hosts to join")
     parser.add_argument("--port-file", help="write the bound port here once serving (for launchers)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="shut down when the process that started this worker exits")
@@ -37,10 +47,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--pod-index must be >= 0")
     if args.devices < 0:
         raise SystemExit("--devices must be >= 0")
+    from multipod.pod_worker.hosts import HostLayout, start_distributed
+    try:
+        layout = HostLayout(args.host_index, args.hosts_per_pod, args.pod_coordinator).check()
+    except ValueError as exc:
+        raise SystemExit(f"error: pod {args.pod_index} host {args.host_index}: {exc}") from None
     if args.devices:
         simulate_cpu_devices(args.devices)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s pod{args.pod_index} %(levelname)s %(name)s: %(message)s")
+    who = f"pod{args.pod_index}" + (f"h{layout.host_index}" if layout.multi else "")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s")
     from multipod.protos.transport import SecurityError, set_default_security
     try:
         security = security_from_args(args)
@@ -53,9 +68,14 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning("serving WITHOUT authentication (--insecure-no-auth)")
     check_exposure(args, security)
     set_default_security(security)   # the worker's DCN links carry the same credentials
+    try:
+        start_distributed(layout, args.distributed_timeout)
+    except Exception as exc:     # e.g. the coordinator never answered, or another host has this index
+        raise SystemExit(f"error: {layout.name(args.pod_index)}: cannot join the pod's cluster at "
+                         f"{layout.coordinator}: {exc}") from None
     from multipod.pod_worker.lifecycle import serve
     serve(args.pod_index, args.listen, port_file=args.port_file, exit_with_parent=args.exit_with_parent,
-          security=security, dcn_listen=args.dcn_listen, dcn_encrypt=args.dcn_encrypt)
+          security=security, dcn_listen=args.dcn_listen, dcn_encrypt=args.dcn_encrypt, layout=layout)
     return 0
 
 

@@ -28,6 +28,7 @@ from multipod.pod_worker.errors import (
     SaveNotFound,
     SavePending,
 )
+from multipod.pod_worker.hosts import HostLayout
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
 from multipod.protos import multipod_pb2 as pb
@@ -99,8 +100,10 @@ class Pod:
     """All state of one pod worker: the trainer, the DCN exchange, the checkpoint writer and the
     step sequencer. Thread-safe: the gRPC adapter calls it from many handler threads."""
 
-    def __init__(self, pod_index: int, listener: Listener | None = None):
+    def __init__(self, pod_index: int, listener: Listener | None = None, layout: HostLayout | None = None):
         self.pod_index = pod_index
+        self.layout = layout or HostLayout()     # this worker's host in a pod of several hosts
+        self._skipped_saves: set[tuple[str, int]] = set()   # hosts other than 0 write nothing
         self.listener = listener    # the worker's data-plane socket (needed with more than one pod)
         self.seq = Sequencer(f"pod {pod_index}")
         # Swapped only inside a sequencer hold (no step runs then); it attaches its inbox to the listener.
@@ -130,7 +133,7 @@ class Pod:
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
         refused from now on."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
-            trainer = PodTrainer(config)
+            trainer = PodTrainer(config, layout=self.layout)
             trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
             # Built before the old one closes: if it fails, the pod keeps a working exchange.
             exchange = self._new_exchange(run_id, trainer, config, list(peers))
@@ -168,9 +171,21 @@ class Pod:
             fp = trainer.fingerprint()
         return trainer, fp
 
+    def _host_address(self, address: str) -> str:
+        """One pod's data-plane address for this host: with several hosts per pod an address may
+        list every host's ("A|B|..."), and host h exchanges with host h of the other pods."""
+        parts = address.split("|")
+        if len(parts) == 1:
+            return address
+        if len(parts) != self.layout.hosts_per_pod:
+            raise InvalidRequest(f"data-plane address {address!r} lists {len(parts)} hosts, the pod has "
+                                 f"{self.layout.hosts_per_pod}")
+        return parts[self.layout.host_index]
+
     def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig, peers: list[str],
                       hosts: tuple[int, ...] | None = None) -> Exchange:
-        return Exchange(run_id, self.pod_index, peers, trainer.leaf_specs, self.listener, dcn=config.dcn,
+        peers = [self._host_address(a) for a in peers]
+        return Exchange(run_id, self.pod_index, peers, trainer.exchange_specs, self.listener, dcn=config.dcn,
                         hosts=list(hosts) if hosts is not None else None)
 
     # -- membership: degraded mode and rejoin ---------------------------------------------------
@@ -224,7 +239,8 @@ class Pod:
             fp = fingerprint(state["params"], state["opt_state"])
             leaves = [np.asarray(leaf) for leaf in jax.tree.leaves((state["params"], state["opt_state"]))]
             dcn = setup.config.dcn
-            stats = send_state(self.pod_index, transfer_id, to_pod, to_address, leaves, trainer.step, fp,
+            stats = send_state(self.pod_index, transfer_id, to_pod, self._host_address(to_address), leaves,
+                               trainer.step, fp,
                                self.listener.secret, deadline, chunk_bytes=dcn.chunk_bytes, streams=dcn.streams)
         return Transferred(trainer.step, fp, stats.bytes, stats.seconds)
 
@@ -307,7 +323,9 @@ class Pod:
         if setup.num_pods > 1:
             # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum -> host->device. The
             # overlapped step (dcn.overlap) passes order= (leaves in the order they become ready).
-            all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=trainer.put_leaf, **kw)
+            # (With several hosts per pod the trainer sums blocks and gathers them itself.)
+            on_leaf = trainer.put_leaf if trainer.assembler is None else None
+            all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=on_leaf, **kw)
         if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)
         outcome = trainer.train_step(on_device, global_tokens, all_reduce, full_fingerprint=full_fingerprint,
@@ -328,6 +346,11 @@ class Pod:
             state = trainer.host_state()
             fp = trainer.fingerprint()
         metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key())
+        if not self.layout.primary:
+            # Every host of a pod holds the whole state: host 0 writes it, the others nothing.
+            root = pathlib.Path(directory).absolute()
+            self._skipped_saves.add((str(root), int(state["step"])))
+            return SaveStarted(root / str(int(state["step"])), fp, int(state["step"]))
         path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
         return SaveStarted(path, fp, int(state["step"]))
 
@@ -335,6 +358,9 @@ class Pod:
         """The path of the finished save of `step`: SavePending if still being written after
         timeout_s, SaveNotFound if never started here, CheckpointError if it failed."""
         self.setup()
+        root = pathlib.Path(directory).absolute()
+        if (str(root), int(step)) in self._skipped_saves:     # a host other than 0: nothing to write
+            return root / str(int(step))
         try:
             return self._writer.wait(directory, step, max(0.0, timeout_s))
         except KeyError as exc:

@@ -27,6 +27,7 @@ from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import ExchangeError, Listener
 from multipod.pod_worker.dcn.transfer import TransferError
+from multipod.pod_worker.hosts import HostLayout
 from multipod.pod_worker.pod import Pod, Setup
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.transport import MalformedMessage, Security, add_port, default_security, server_interceptors
@@ -166,6 +167,13 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             raise _invalid(f"num_pods={request.num_pods} but {len(request.dcn_addresses)} data-plane addresses")
         if not request.run_id:
             raise _invalid("run_id is empty")
+        layout = self.pod.layout
+        hosts = request.hosts_per_pod or 1
+        if (request.host_index, hosts) != (layout.host_index, layout.hosts_per_pod):
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the controller takes this worker for host {request.host_index} of {hosts} of pod "
+                               f"{pod_index}; it is host {layout.host_index} of {layout.hosts_per_pod} "
+                               f"(--host-index / --hosts-per-pod)")
         config = WorkerConfig.from_json(request.worker_config_json)
         dcn_addresses = list(request.dcn_addresses) or [""] * request.num_pods   # one pod: no data plane
         if request.keep_state:
@@ -184,10 +192,11 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
     @_handler
     def Step(self, request: pb.StepRequest, context) -> pb.StepReply:
         setup = self.pod.setup()
-        tokens = _decode_tokens(setup, request.tokens, setup.config.train.global_batch // setup.num_pods)
+        # This host's rows of the pod's shard.
+        rows = setup.config.train.global_batch // setup.num_pods // self.pod.layout.hosts_per_pod
+        tokens = _decode_tokens(setup, request.tokens, rows)
         if request.global_tokens <= 0:
             raise _invalid("global_tokens must be positive")
-        rows = setup.config.train.global_batch // setup.num_pods
         extra = {}
         for shard in request.extra_shards:
             if shard.slot in extra or shard.slot == self.pod.pod_index or shard.slot >= setup.num_pods:
@@ -286,7 +295,9 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
                               configured=status.configured, step=status.step, num_devices=len(jax.devices()),
                               state=status.state, pid=os.getpid(),
                               dcn_address=self.pod.listener.address if self.pod.listener else "",
-                              config_hash=status.config_hash, fingerprint=status.checksum, run_id=status.run_id)
+                              config_hash=status.config_hash, fingerprint=status.checksum, run_id=status.run_id,
+                              host_index=self.pod.layout.host_index, hosts_per_pod=self.pod.layout.hosts_per_pod,
+                              pod_coordinator=self.pod.layout.coordinator, local_devices=jax.local_device_count())
 
     @_handler
     def SetMembership(self, request: pb.MembershipRequest, context) -> pb.MembershipReply:
@@ -327,14 +338,14 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
 
 
 def start_server(pod_index: int, listen: str, security: Security | None = None, max_workers: int = RPC_THREADS,
-                 dcn_listen: str | None = None, dcn_encrypt: bool = False):
+                 dcn_listen: str | None = None, dcn_encrypt: bool = False, layout: HostLayout | None = None):
     """Build and start one pod's server and its data-plane listener (on `dcn_listen`, default the
     gRPC host with an ephemeral port; CURVE-encrypted with dcn_encrypt); returns (server,
     PodWorkerService, health servicer, bound port). The pod is `service.pod` (its listener
     `service.pod.listener`); `service.shutdown_event` is set by the Shutdown RPC."""
     token = (security or default_security()).token
     listener = Listener(pod_index, dcn_listen or f"{listen.rsplit(':', 1)[0]}:0", token, curve=dcn_encrypt)
-    pod = Pod(pod_index, listener)
+    pod = Pod(pod_index, listener, layout)
     service = PodWorkerService(pod, threading.Event())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          interceptors=server_interceptors(security), options=protos.channel_options(),

@@ -24,6 +24,7 @@ from multipod.model.partitioning import activate_rules, batch_sharding, make_mes
 from multipod.pod_worker import overlap, programs
 from multipod.pod_worker.config import OptimizerConfig, WorkerConfig
 from multipod.pod_worker.dcn import LeafSpec
+from multipod.pod_worker.hosts import Assembler, HostLayout, host_value
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def fingerprint(*trees) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for tree in trees:
         for leaf in jax.tree.leaves(tree):
-            digest.update(memoryview(np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8)))
+            digest.update(memoryview(np.ascontiguousarray(host_value(leaf)).reshape(-1).view(np.uint8)))
     return digest.hexdigest()
 
 
@@ -86,14 +87,19 @@ class StepOutcome:
 
 
 class PodTrainer:
-    """Parameters, optimizer state and compiled programs of one pod."""
+    """Parameters, optimizer state and compiled programs of one pod. With several hosts
+    (`layout`), every host of the pod builds the same trainer over all the pod's devices
+    (jax.devices() spans the pod's jax.distributed cluster) and runs the same programs."""
 
-    def __init__(self, config: WorkerConfig, devices=None):
+    def __init__(self, config: WorkerConfig, devices=None, layout: HostLayout | None = None):
         self.config = config
+        self.layout = layout = layout or HostLayout()
         devices = list(devices if devices is not None else jax.devices())
         self.mesh_shape = config.mesh.resolve(len(devices))
         self.mesh = make_mesh(*self.mesh_shape, devices=devices)
         self.num_devices = len(devices)
+        if layout.multi:
+            _check_multi_host(config, self.mesh_shape, jax.local_device_count(), layout)
         self.tx = make_optimizer(config.optimizer, config.schedule_steps)
         self.schedule = make_schedule(config.optimizer, config.schedule_steps)
         self.step = 0
@@ -111,7 +117,27 @@ class PodTrainer:
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
         self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(self.params)]
         self._treedef = jax.tree.structure(self.params)
+        # Several hosts: each exchanges one block of every leaf with its peers on the other pods.
+        self.assembler = (Assembler(self.mesh, [s.shape for s in self.leaf_specs],
+                                    jax.tree.leaves(self.param_sharding), layout) if layout.multi else None)
         self._compile()
+
+    @property
+    def exchange_specs(self) -> list[LeafSpec]:
+        """What this host sends over the DCN per step: every gradient leaf, or with several hosts
+        per pod this host's block of every leaf (flat)."""
+        if self.assembler is None:
+            return self.leaf_specs
+        return [LeafSpec((b - a,), spec.dtype) for spec, (a, b) in
+                zip(self.leaf_specs, (self.assembler.block(i) for i in range(len(self.leaf_specs))))]
+
+    def _blocks(self, leaves: list) -> list[np.ndarray]:
+        """This host's block of every gradient leaf, as flat host arrays."""
+        out = []
+        for index, leaf in enumerate(leaves):
+            a, b = self.assembler.block(index)
+            out.append(host_value(leaf).reshape(-1)[a:b])
+        return out
 
     def _opt_shardings(self, opt_abstract):
         by_path = {}
@@ -180,7 +206,11 @@ class PodTrainer:
     def put_batch(self, tokens: np.ndarray) -> jax.Array:
         """Host tokens (int32, or uint8/uint16 as they travel) -> int32 on the pod's devices, split
         over the data axis; the widening runs on the devices."""
-        on_device = jax.device_put(tokens, self.batch_sharding)
+        if self.layout.multi:   # this host's rows of the pod's batch
+            global_shape = (tokens.shape[0] * self.layout.hosts_per_pod, *tokens.shape[1:])
+            on_device = jax.make_array_from_process_local_data(self.batch_sharding, tokens, global_shape)
+        else:
+            on_device = jax.device_put(tokens, self.batch_sharding)
         return on_device if on_device.dtype == jnp.int32 else self._widen(on_device)
 
     def _normalizer(self, global_tokens: int) -> jax.Array:
@@ -203,7 +233,7 @@ class PodTrainer:
             with activate_rules(self.mesh):
                 grads, ce, z = self._grad_step(self.params, tokens, norm)
         leaves = jax.tree.leaves(grads)
-        if to_host:
+        if to_host and self.assembler is None:
             for leaf in leaves:     # start every device->host copy before waiting on any of them
                 leaf.copy_to_host_async()
         return leaves, float(ce), float(z)
@@ -251,7 +281,14 @@ class PodTrainer:
             extra_grads[slot], ce_k, z_k = self.gradients(shard, global_tokens, to_host=True)
             shards.append((slot, ce_k + z_k, z_k, self._tokens(shard)))
         t1 = time.perf_counter()
-        if extra_grads:
+        if self.assembler is not None and all_reduce is not None:
+            # Several hosts: this host exchanges its block of every leaf with the same host of the
+            # other pods; the summed blocks are gathered over the pod's hosts on its devices.
+            blocks = self._blocks(grads)
+            extra_blocks = {slot: self._blocks(g) for slot, g in extra_grads.items()}
+            summed_blocks, link = all_reduce(blocks, extra=extra_blocks) if extra_blocks else all_reduce(blocks)
+            summed = self.assembler([np.asarray(b) for b in summed_blocks])
+        elif extra_grads:
             summed, link = all_reduce(grads, extra=extra_grads)
         else:
             summed, link = all_reduce(grads) if all_reduce is not None else (grads, None)
@@ -338,12 +375,19 @@ class PodTrainer:
 
     def opt_count(self) -> int:
         """Number of updates the optimizer has applied (drives the learning-rate schedule)."""
-        counts = [np.asarray(l) for l in jax.tree.leaves(self.opt_state) if np.ndim(l) == 0]
+        counts = [host_value(l) for l in jax.tree.leaves(self.opt_state) if np.ndim(l) == 0]
         return int(counts[-1]) if counts else self.step
 
     def evaluate(self, tokens: np.ndarray) -> tuple[float, int]:
+        """Loss sum and target tokens of a whole batch (with several hosts, every host is given
+        the whole batch and puts its own rows on its devices)."""
+        if self.layout.multi:
+            batch = jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
+            batch = batch if batch.dtype == jnp.int32 else self._widen(batch)
+        else:
+            batch = self.put_batch(tokens)
         with activate_rules(self.mesh):
-            ce, z = self._eval_step(self.params, self.put_batch(tokens))
+            ce, z = self._eval_step(self.params, batch)
         return float(ce), int(tokens.shape[0] * (tokens.shape[1] - 1))
 
     def fingerprint(self) -> str:
@@ -355,12 +399,12 @@ class PodTrainer:
         """The per-step fingerprint: programs.state_checksum of the state, computed on the devices;
         only its 8 bytes come to the host."""
         program = getattr(self, "_checksum_compiled", None) or self._checksum
-        return programs.checksum_hex(np.asarray(program(self.params, self.opt_state)))
+        return programs.checksum_hex(host_value(program(self.params, self.opt_state)))
 
     def host_state(self) -> dict:
         """Parameters, optimizer state and step as host arrays (for checkpoints and sampling)."""
-        return {"params": jax.tree.map(np.asarray, self.params),
-                "opt_state": jax.tree.map(np.asarray, self.opt_state),
+        return {"params": jax.tree.map(host_value, self.params),
+                "opt_state": jax.tree.map(host_value, self.opt_state),
                 "step": self.step}
 
     def load_state(self, params, opt_state, step: int) -> None:
@@ -375,3 +419,19 @@ class PodTrainer:
         self.opt_state = jax.device_put(opt_state, self.opt_sharding)
         self.step = int(step)
         self._count = None      # read from the restored optimizer state at the next update
+
+
+def _check_multi_host(config: WorkerConfig, mesh_shape: tuple[int, int], local_devices: int,
+                      layout: HostLayout) -> None:
+    """ConfigError naming the field if a pod of several hosts cannot run this config: the model
+    axis must stay inside one host (every host then holds whole parameters), the data axis must
+    split over the hosts, and the overlapped step is single-host only."""
+    from multipod.model.config import ConfigError
+    data, model = mesh_shape
+    if local_devices % model:
+        raise ConfigError("mesh.model", f"{model} does not fit inside one host's {local_devices} device(s): with "
+                          f"{layout.hosts_per_pod} hosts per pod the model axis must stay inside a host")
+    if data % layout.hosts_per_pod:
+        raise ConfigError("mesh.data", f"{data} does not split over {layout.hosts_per_pod} hosts")
+    if config.dcn.overlap:
+        raise ConfigError("dcn.overlap", "the overlapped step runs on single-host pods only")

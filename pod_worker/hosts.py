@@ -1,0 +1,133 @@
+"""Pods of several hosts: one worker process per host; the hosts of a pod form one jax.distributed
+cluster of their own and run the pod's step as one SPMD program over all its devices.
+
+  * layout      HostLayout: this host's index, the pod's host count, the pod's coordinator.
+  * bootstrap   start_distributed, before jax's backend starts (gloo collectives on CPU).
+  * host reads  host_value: a device array's value on this host (every host of a pod holds a
+                full replica of the parameters: the model axis stays inside one host).
+  * exchange    the host-parallel DCN exchange: host h of every pod owns block h of every
+                gradient leaf (Assembler.block), exchanges only that block with host h of the other
+                pods, and one compiled program (the Assembler) puts the summed blocks back
+                together on every device of the pod (an all-gather over the hosts).
+
+One cluster per pod: a failure inside one pod never aborts another pod's processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+    """Where this worker sits in its pod."""
+    host_index: int = 0
+    hosts_per_pod: int = 1
+    coordinator: str = ""      # HOST:PORT of the pod's jax.distributed coordinator (host 0 serves it)
+
+    @property
+    def multi(self) -> bool:
+        return self.hosts_per_pod > 1
+
+    @property
+    def primary(self) -> bool:
+        """Host 0: the one that writes what only one host should write (checkpoints)."""
+        return self.host_index == 0
+
+    def name(self, pod_index: int) -> str:
+        return f"pod {pod_index}" if not self.multi else f"pod {pod_index} host {self.host_index}"
+
+    def check(self) -> HostLayout:
+        """ValueError naming the flag if the layout is inconsistent."""
+        if self.hosts_per_pod < 1:
+            raise ValueError(f"--hosts-per-pod must be >= 1, got {self.hosts_per_pod}")
+        if not 0 <= self.host_index < self.hosts_per_pod:
+            raise ValueError(f"--host-index {self.host_index} is out of range for --hosts-per-pod "
+                             f"{self.hosts_per_pod} (0..{self.hosts_per_pod - 1})")
+        if self.multi:
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--pod-coordinator must be HOST:PORT with --hosts-per-pod {self.hosts_per_pod}, "
+                                 f"got {self.coordinator!r}")
+        return self
+
+
+def start_distributed(layout: HostLayout, timeout_s: float = 120.0) -> None:
+    """Join the pod's jax.distributed cluster (no-op for a single-host pod). Must run before jax
+    starts its backend; on CPU the collectives between the hosts use gloo."""
+    if not layout.multi:
+        return
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    log.info("joining pod cluster at %s as host %d of %d", layout.coordinator, layout.host_index,
+             layout.hosts_per_pod)
+    jax.distributed.initialize(layout.coordinator, num_processes=layout.hosts_per_pod,
+                               process_id=layout.host_index, initialization_timeout=int(timeout_s))
+    # Starting the backend is itself a meeting of every host (they exchange their devices): do
+    # it now, while every host is starting, not on some later request that only one host gets.
+    log.info("pod cluster: %d devices, %d on this host", len(jax.devices()), jax.local_device_count())
+
+
+def host_value(x) -> np.ndarray:
+    """The value of a (possibly multi-host) array on this host. A single-host array is read as
+    is; a multi-host one is put together from this host's shards, which must cover it (they do for
+    everything a pod replicates over its data axis: parameters, optimizer state, gradients)."""
+    import jax
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    out = np.empty(x.shape, x.dtype)
+    covered = np.zeros(x.shape, bool) if x.ndim else None
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+        if covered is not None:
+            covered[shard.index] = True
+    if covered is not None and not covered.all():
+        raise ValueError(f"this host holds only part of an array of shape {x.shape}: the model axis must stay "
+                         f"inside one host")
+    return out
+
+
+class Assembler:
+    """Puts the summed blocks of every host back together as the pod's gradient: one compiled
+    program whose input is one flat array per leaf, sharded over the mesh's data axis so that
+    host h's devices hold block h, and whose output has the parameters' shardings (XLA inserts
+    the all-gather over the hosts)."""
+
+    def __init__(self, mesh, leaf_shapes: list[tuple[int, ...]], leaf_shardings: list, layout: HostLayout):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        self.layout = layout
+        self.shapes = [tuple(s) for s in leaf_shapes]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        data = mesh.shape["data"]
+        if data % layout.hosts_per_pod:
+            raise ValueError(f"the data axis ({data}) must split evenly over the pod's {layout.hosts_per_pod} hosts")
+        # Host h holds data rows [h * D/K, (h + 1) * D/K): its block is split over those rows.
+        self.rows_per_host = data // layout.hosts_per_pod
+        self.padded = [-(-size // layout.hosts_per_pod) for size in self.sizes]   # block length
+        self.padded = [-(-p // self.rows_per_host) * self.rows_per_host for p in self.padded]
+        self.flat_sharding = NamedSharding(mesh, P("data"))
+        shapes, sizes = self.shapes, self.sizes
+        self._program = jax.jit(lambda flats: [f[:n].reshape(s) for f, n, s in zip(flats, sizes, shapes)],
+                                out_shardings=list(leaf_shardings))
+
+    def block(self, index: int) -> tuple[int, int]:
+        """The range of leaf `index` this host exchanges (the unpadded part of its block)."""
+        per = self.padded[index]
+        start = min(self.sizes[index], self.layout.host_index * per)
+        return start, min(self.sizes[index], start + per)
+
+    def __call__(self, blocks: list[np.ndarray]) -> list:
+        """This host's summed blocks (host arrays, by leaf) -> the pod's summed leaves on its devices."""
+        import jax
+        flats = []
+        for index, block in enumerate(blocks):
+            local = np.zeros(self.padded[index], block.dtype)
+            local[:block.size] = block
+            global_shape = (self.padded[index] * self.layout.hosts_per_pod,)
+            flats.append(jax.make_array_from_process_local_data(self.flat_sharding, local, global_shape))
+        return self._program(flats)
