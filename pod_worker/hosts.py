@@ -56,9 +56,11 @@ class HostLayout:
         return self
 
 
-def start_distributed(layout: HostLayout, timeout_s: float = 120.0) -> None:
+def start_distributed(layout: HostLayout, timeout_s: float = 120.0, heartbeat_s: float = 10.0) -> None:
     """Join the pod's jax.distributed cluster (no-op for a single-host pod). Must run before jax
-    starts its backend; on CPU the collectives between the hosts use gloo."""
+    starts its backend; on CPU the collectives between the hosts use gloo. When a host of the pod
+    dies, jax's coordination service stops the others within `heartbeat_s` (they would otherwise
+    wait forever in a collective): the pod fails as a whole and comes back as a whole."""
     if not layout.multi:
         return
     import jax
@@ -66,7 +68,8 @@ def start_distributed(layout: HostLayout, timeout_s: float = 120.0) -> None:
     log.info("joining pod cluster at %s as host %d of %d", layout.coordinator, layout.host_index,
              layout.hosts_per_pod)
     jax.distributed.initialize(layout.coordinator, num_processes=layout.hosts_per_pod,
-                               process_id=layout.host_index, initialization_timeout=int(timeout_s))
+                               process_id=layout.host_index, initialization_timeout=int(timeout_s),
+                               heartbeat_timeout_seconds=max(1, int(heartbeat_s)))
     # Starting the backend is itself a meeting of every host (they exchange their devices): do
     # it now, while every host is starting, not on some later request that only one host gets.
     log.info("pod cluster: %d devices, %d on this host", len(jax.devices()), jax.local_device_count())

@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the pod passes the same); required with --hosts-per-pod > 1")
     parser.add_argument("--distributed-timeout", type=float, default=120.0,
                         help="seconds to wait for the pod's other hosts to join")
+    parser.add_argument("--distributed-heartbeat", type=float, default=10.0,
+                        help="seconds after which the pod's other hosts stop when one of its hosts is gone")
     parser.add_argument("--port-file", help="write the bound port here once serving (for launchers)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="shut down when the process that started this worker exits")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     check_exposure(args, security)
     set_default_security(security)   # the worker's DCN links carry the same credentials
     try:
-        start_distributed(layout, args.distributed_timeout)
+        start_distributed(layout, args.distributed_timeout, args.distributed_heartbeat)
     except Exception as exc:     # e.g. the coordinator never answered, or another host has this index
         raise SystemExit(f"error: {layout.name(args.pod_index)}: cannot join the pod's cluster at "
                          f"{layout.coordinator}: {exc}") from None
