@@ -43,7 +43,11 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
 def add_commands(sub) -> None:
     """Add the controller's commands to the `multipod` subparsers."""
     train = sub.add_parser("train", help="run the controller against running pod workers")
-    train.add_argument("--workers", required=True, help="HOST:PORT of every pod worker, comma-separated, in pod order")
+    train.add_argument("--workers", required=True, metavar="ADDRESSES",
+                       help="the pod workers' HOST:PORT in pod order: comma-separated for pods of one host; "
+                            "for pods of several hosts, pods separated by ';' and a pod's hosts by ',' in host "
+                            "order (e.g. 'a:1,b:1;c:1,d:1': 2 pods x 2 hosts); or @FILE with one pod per line "
+                            "(hosts separated by commas or spaces, '#' comments)")
     _add_train_options(train)
 
     local = sub.add_parser("local", help="simulate pods on this machine and train")
@@ -154,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     from multipod.controller.launcher import LaunchError
     try:
         if args.command == "train":
-            addresses = [a.strip() for a in args.workers.split(",") if a.strip()]
+            from multipod.controller.hosts import parse_workers
+            addresses = parse_workers(args.workers)     # [pod][host]; before anything else is done
             return _train(args, lambda run_dir, config: _Fixed(addresses))
         if args.command == "local":
             return _train(args, lambda run_dir, config: _Local(args, run_dir, config))

@@ -43,12 +43,15 @@ class Probe:
 
 
 class WorkerClient:
-    """RPCs to one pod, each with a deadline."""
+    """RPCs to one pod's worker (or, with host_index, to one host of a pod of several hosts:
+    controller/hosts.py's PodClient holds one per host), each with a deadline."""
 
-    def __init__(self, pod_index: int, address: str):
+    def __init__(self, pod_index: int, address: str, host_index: int | None = None):
         self.pod_index = pod_index
+        self.host_index = host_index
         self.address = address
-        self.name = f"pod {pod_index} ({address})"
+        self.name = (f"pod {pod_index} ({address})" if host_index is None
+                     else f"pod {pod_index} host {host_index} ({address})")
         self.channel = open_channel(address)
         self.stub = pb_grpc.PodWorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -61,8 +64,10 @@ class WorkerClient:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
+            host = "" if self.host_index is None else f" --host-index {self.host_index}"
             raise WorkerError(f"{self.name} is unreachable: no connection within {timeout_s:g}s "
-                              f"(is `multipod worker --pod-index {self.pod_index} --listen {self.address}` running?)",
+                              f"(is `multipod worker --pod-index {self.pod_index}{host} --listen {self.address}` "
+                              f"running?)",
                               grpc.StatusCode.UNAVAILABLE) from None
         try:
             reply = self.health.Check(health_pb2.HealthCheckRequest(service="multipod.PodWorker"),

@@ -9,8 +9,9 @@ import uuid
 from typing import TYPE_CHECKING
 
 from multipod import protos
-from multipod.controller.client import Probe, Verdict, WorkerClient
+from multipod.controller.client import Probe, Verdict
 from multipod.controller.errors import PodFailure, RunError
+from multipod.controller.hosts import make_pod_client, pod_hosts
 from multipod.protos import multipod_pb2 as pb
 
 if TYPE_CHECKING:
@@ -269,9 +270,17 @@ class Cluster:
         return [c.pod_index for c, s in zip(self.clients, statuses) if not s.configured]
 
 
-def connect(addresses: list[str], config: Config) -> Cluster:
-    """A Cluster of clients for every pod, each checked for readiness within the deadline."""
-    clients = [WorkerClient(i, a) for i, a in enumerate(addresses)]
+def connect(addresses: list, config: Config) -> Cluster:
+    """A Cluster of clients for every pod, each checked for readiness within the deadline.
+    addresses[p]: pod p's hosts, a list of HOST:PORT or one string with them separated by ","
+    (hosts.parse_workers makes the lists from --workers). A pod of one host gets a WorkerClient,
+    a pod of several a PodClient over its hosts."""
+    pods = [pod_hosts(entry) for entry in addresses]
+    counts = {len(hosts) for hosts in pods}
+    if len(counts) > 1 or 0 in counts:
+        detail = "; ".join(f"pod {p}: {len(hosts)} host(s)" for p, hosts in enumerate(pods))
+        raise RunError(f"every pod must have the same number of hosts (at least one): {detail}")
+    clients = [make_pod_client(i, hosts) for i, hosts in enumerate(pods)]
     try:
         parallel(lambda c: c.wait_ready(config.run.connect_timeout_s), clients)
     except Exception:

@@ -103,3 +103,24 @@ def test_wrong_protocol_version_is_refused_and_the_worker_keeps_serving(mismatch
 def test_resume_without_saying_which_run_is_refused():
     result = run_cli("local", "--config", TINY, "--resume", timeout=60)
     assert result.returncode == 2 and "--resume" in result.stderr and "--run-dir" in result.stderr
+
+
+def test_pods_listing_different_numbers_of_hosts_are_refused_before_contacting_a_worker(tmp_path):
+    """--workers lists each pod's hosts (";" between pods, "," between hosts, or @FILE): every pod
+    must have as many hosts as the others, and the error names the pod that does not."""
+    with socket.socket() as worker:     # stands in for a worker; nothing may connect to it
+        worker.bind(("127.0.0.1", 0))
+        worker.listen()
+        worker.setblocking(False)
+        address = f"127.0.0.1:{worker.getsockname()[1]}"
+        hosts_file = tmp_path / "hosts.txt"
+        hosts_file.write_text(f"# pod 0\n{address} 127.0.0.1:2\n# pod 1 has one host only\n127.0.0.1:3\n")
+        for workers in (f"{address},127.0.0.1:2;127.0.0.1:3", f"@{hosts_file}"):
+            result = run_cli("train", "--workers", workers, "--config", TINY, "--run-dir", str(tmp_path / "run"),
+                             "--checkpoint-dir", str(tmp_path / "checkpoints"), timeout=60)
+            assert result.returncode == 2, result.stdout + result.stderr
+            assert "error: config: --workers: pod 1 lists 1 host(s) (127.0.0.1:3) but pod 0 lists 2" in result.stderr
+            assert "Traceback" not in result.stderr
+        with pytest.raises(BlockingIOError):
+            worker.accept()             # no connection is waiting: the controller never dialled
+    assert not (tmp_path / "run").exists()

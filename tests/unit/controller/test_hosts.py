@@ -1,0 +1,272 @@
+"""Pods of several hosts on the controller's side: PodClient fans every RPC out to the pod's hosts
+(each its own rows of a step, its own host index and data-plane peers), checks that they agree on
+the pod's layout and names the host that fails; --workers lists each pod's hosts."""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from multipod import protos
+from multipod.controller.client import Probe, Verdict, WorkerClient, WorkerError
+from multipod.controller.cluster import Cluster
+from multipod.controller.errors import RunError
+from multipod.controller.hosts import PodClient, make_pod_client, parse_workers, pod_hosts
+from multipod.model.config import ConfigError
+from multipod.protos import codec, multipod_pb2 as pb
+from tests.unit.controller.fakes import DEAD, HUNG, SERVING, FakeCall, configure_reply, make_config, step_reply
+
+
+class FakeHost:
+    """One host of a pod, with the WorkerClient interface: it records every request; `replies`
+    maps a method to a reply or a WorkerError (or "pending": the call never finishes)."""
+
+    def __init__(self, pod: int, host: int, hosts: int = 2, probe: Probe = SERVING, **status):
+        self.pod_index, self.host_index = pod, host
+        self.address = f"fake:{pod}.{host}"
+        self.name = f"pod {pod} host {host} ({self.address})"
+        self.requests: list[tuple[str, object]] = []
+        self.replies: dict = {"Step": step_reply(pod, 0), "Configure": configure_reply(pod),
+                              "Save": pb.SaveReply(path=f"ckpt-{pod}.{host}")}
+        self._probe = probe
+        self.status_reply = pb.StatusReply(**{
+            **dict(protocol_version=protos.PROTOCOL_VERSION, pod_index=pod, configured=True, host_index=host,
+                   hosts_per_pod=hosts, pod_coordinator=f"fake:{pod}.0:9000", local_devices=1,
+                   num_devices=hosts, dcn_address=f"tcp://dcn:{pod}.{host}"), **status})
+        self.closed = False
+
+    def call_async(self, method: str, request, timeout_s: float) -> FakeCall:
+        self.requests.append((method, request))
+        reply = self.replies[method]
+        if isinstance(reply, str):
+            return FakeCall(pending=True)
+        if isinstance(reply, Exception):
+            return FakeCall(error=reply)
+        return FakeCall(reply)
+
+    def call(self, method: str, request, timeout_s: float):
+        return self.call_async(method, request, timeout_s).result()
+
+    def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
+        return self.status_reply
+
+    def probe(self, timeout_s: float):
+        return self._probe
+
+    def wait_ready(self, timeout_s: float) -> None:
+        pass
+
+    def wait_serving(self, timeout_s: float, probe_s: float = 5.0) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _pod(pod: int = 1, hosts: int = 2, **status) -> PodClient:
+    return PodClient(pod, [FakeHost(pod, h, hosts, **status) for h in range(hosts)])
+
+
+def _tokens(rows: int, base: int = 0) -> np.ndarray:
+    return (base + np.arange(rows * 9, dtype=np.int32)).reshape(rows, 9)
+
+
+# ---- names -------------------------------------------------------------------------------------
+
+def test_a_pod_of_several_hosts_is_named_by_all_its_addresses():
+    pod = _pod(1)
+    assert pod.name == "pod 1 (fake:1.0,fake:1.1)" and pod.address == "fake:1.0,fake:1.1" and pod.pod_index == 1
+    pod.close()
+    assert all(host.closed for host in pod.hosts)
+
+
+def test_a_one_host_pod_is_a_plain_worker_client_and_hosts_are_named():
+    single = make_pod_client(0, ["127.0.0.1:1"])   # channels are lazy: nothing is contacted
+    multi = make_pod_client(2, ["127.0.0.1:1", "127.0.0.1:2"])
+    try:
+        assert type(single) is WorkerClient and single.name == "pod 0 (127.0.0.1:1)"
+        assert isinstance(multi, PodClient) and multi.name == "pod 2 (127.0.0.1:1,127.0.0.1:2)"
+        assert [h.name for h in multi.hosts] == ["pod 2 host 0 (127.0.0.1:1)", "pod 2 host 1 (127.0.0.1:2)"]
+    finally:
+        single.close()
+        multi.close()
+    assert pod_hosts("a:1, b:1") == ["a:1", "b:1"] and pod_hosts(["a:1"]) == ["a:1"] and pod_hosts("a:1") == ["a:1"]
+
+
+# ---- fan-out ------------------------------------------------------------------------------------
+
+def test_step_gives_each_host_its_block_of_rows_of_every_shard():
+    pod = _pod(1)
+    own, extra = _tokens(4), _tokens(4, base=1000)
+    request = pb.StepRequest(step=7, tokens=codec.encode(own), global_tokens=64, full_fingerprint=True,
+                             extra_shards=[pb.Shard(slot=2, tokens=codec.encode(extra))])
+    reply = pod.call_async("Step", request, 10).result()
+    assert reply == pod.hosts[0].replies["Step"]
+    for h, host in enumerate(pod.hosts):
+        [(method, got)] = host.requests
+        assert method == "Step" and got.step == 7 and got.global_tokens == 64 and got.full_fingerprint
+        np.testing.assert_array_equal(codec.decode(got.tokens), own[2 * h:2 * h + 2])
+        assert [s.slot for s in got.extra_shards] == [2]
+        np.testing.assert_array_equal(codec.decode(got.extra_shards[0].tokens), extra[2 * h:2 * h + 2])
+    assert codec.decode(request.tokens).shape == (4, 9)     # the caller's request is left whole
+
+
+def test_step_rows_that_do_not_split_over_the_hosts_are_refused_before_any_host_is_called():
+    pod = _pod(1)
+    with pytest.raises(ConfigError, match=r"3 rows.*2 equal blocks.*multiple of the hosts per pod \(2\)") as info:
+        pod.call_async("Step", pb.StepRequest(step=0, tokens=codec.encode(_tokens(3))), 10)
+    assert info.value.field == "data.global_batch" and "pod 1 (fake:1.0,fake:1.1)" in str(info.value)
+    assert all(not host.requests for host in pod.hosts)
+
+
+def test_configure_tells_each_host_its_index_and_its_peers_on_the_other_pods():
+    pod = _pod(1)
+    request = pb.ConfigureRequest(pod_index=1, num_pods=2, run_id="r.1", worker_config_json="{}",
+                                  peer_addresses=["a,b", "c,d"], dcn_addresses=["tcp://p0h0|tcp://p0h1",
+                                                                                "tcp://p1h0|tcp://p1h1"])
+    assert pod.call("Configure", request, 10) == configure_reply(1)
+    for h, host in enumerate(pod.hosts):
+        [(_, got)] = host.requests
+        assert (got.host_index, got.hosts_per_pod, got.pod_index, got.run_id) == (h, 2, 1, "r.1")
+        assert list(got.dcn_addresses) == [f"tcp://p0h{h}", f"tcp://p1h{h}"]
+    with pytest.raises(RunError, match="pod 0's data-plane address 'tcp://x' lists 1 host"):
+        pod.call("Configure", pb.ConfigureRequest(dcn_addresses=["tcp://x", "tcp://p1h0|tcp://p1h1"]), 10)
+
+
+def test_state_transfer_goes_host_to_host_and_other_requests_go_to_every_host_unchanged():
+    pod = _pod(1)
+    for host in pod.hosts:
+        host.replies["SendState"] = pb.TransferReply(step=3)
+    pod.call("SendState", pb.SendStateRequest(transfer_id="t", to_pod=0, to_address="tcp://p0h0|tcp://p0h1"), 10)
+    assert [host.requests[0][1].to_address for host in pod.hosts] == ["tcp://p0h0", "tcp://p0h1"]
+    save = pb.SaveRequest(step=5, directory="/ckpt", background=True)
+    assert pod.call("Save", save, 10).path == "ckpt-1.0"    # host 0's reply
+    assert [host.requests[1] for host in pod.hosts] == [("Save", save), ("Save", save)]
+
+
+def test_a_failure_on_one_host_fails_the_pods_call_naming_that_host():
+    pod = _pod(1)
+    error = WorkerError("pod 1 host 1 (fake:1.1): Step failed: INVALID_ARGUMENT: bad rows",
+                        grpc.StatusCode.INVALID_ARGUMENT)
+    pod.hosts[1].replies["Step"] = error
+    pod.hosts[0].replies["Step"] = "pending"    # host 0 waits in the pod's collective
+    call = pod.call_async("Step", pb.StepRequest(tokens=codec.encode(_tokens(2))), 10)
+    assert call.wait(30) and call.done()        # done: the pod failed, whatever host 0 still does
+    with pytest.raises(WorkerError) as info:
+        call.result()
+    assert info.value is error and info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    call.cancel()
+    assert pod.hosts[0].requests and all(c.cancelled for c in call.calls[:1])
+    pod.hosts[1].replies["Save"] = error
+    with pytest.raises(WorkerError, match=r"pod 1 host 1 \(fake:1.1\)"):
+        pod.call("Save", pb.SaveRequest(step=1), 10)
+
+
+def test_a_pods_call_is_done_only_when_every_host_is():
+    pod = _pod(1)
+    pod.hosts[1].replies["Step"] = "pending"
+    call = pod.call_async("Step", pb.StepRequest(tokens=codec.encode(_tokens(2))), 10)
+    assert not call.done() and not call.wait(0.01)
+    call.calls[1].finish(step_reply(1, 0))
+    assert call.wait(30) and call.result() == pod.hosts[0].replies["Step"]
+
+
+# ---- status -------------------------------------------------------------------------------------
+
+def test_status_joins_the_hosts_data_plane_addresses_and_is_configured_only_if_every_host_is():
+    pod = _pod(1)
+    status = pod.status(1)
+    assert status.dcn_address == "tcp://dcn:1.0|tcp://dcn:1.1" and status.configured and status.host_index == 0
+    pod.hosts[1].status_reply.configured = False
+    assert not pod.status(1).configured
+
+
+def test_cluster_of_multi_host_pods_configures_each_host_with_its_peers():
+    pods = [_pod(0), _pod(1)]
+    cluster = Cluster(pods, make_config())
+    cluster.configure()
+    assert cluster.dcn_addresses == ["tcp://dcn:0.0|tcp://dcn:0.1", "tcp://dcn:1.0|tcp://dcn:1.1"]
+    for pod in pods:
+        for h, host in enumerate(pod.hosts):
+            [(_, request)] = host.requests
+            assert (request.pod_index, request.host_index, request.hosts_per_pod) == (pod.pod_index, h, 2)
+            assert list(request.dcn_addresses) == [f"tcp://dcn:0.{h}", f"tcp://dcn:1.{h}"]
+            assert list(request.peer_addresses) == ["fake:0.0,fake:0.1", "fake:1.0,fake:1.1"]
+
+
+@pytest.mark.parametrize("host, fields, message", [
+    (1, dict(hosts_per_pod=3), r"pod 1 host 1 \(fake:1.1\) runs with --hosts-per-pod 3, but --workers lists 2 hosts"),
+    (0, dict(hosts_per_pod=1), r"pod 1 host 0 \(fake:1.0\) runs with --hosts-per-pod 1"),
+    (1, dict(host_index=0), r"pod 1 host 0 \(fake:1.0\) and pod 1 host 1 \(fake:1.1\) both claim host index 0"),
+    (1, dict(host_index=5), r"pod 1 host 1 \(fake:1.1\) runs with --host-index 5, out of range .* \(0..1\)"),
+    (1, dict(pod_coordinator="elsewhere:1"),
+     r"hosts of pod 1 disagree on the pod's coordinator.*pod 1 host 1 \(fake:1.1\) has 'elsewhere:1'"),
+    (1, dict(local_devices=2), r"disagree on the device count per host: pod 1 host 1 \(fake:1.1\) has 2"),
+    (1, dict(pod_index=0), r"pod 1 host 1 \(fake:1.1\) serves pod 0"),
+])
+def test_hosts_that_disagree_on_the_pods_layout_are_refused_naming_the_host(host, fields, message):
+    pod = _pod(1)
+    for key, value in fields.items():
+        setattr(pod.hosts[host].status_reply, key, value)
+    with pytest.raises(RunError, match=message):
+        pod.status(1)
+
+
+def test_hosts_listed_out_of_order_are_refused_naming_the_host():
+    pod = PodClient(1, [FakeHost(1, 1), FakeHost(1, 0)])    # host 1's worker listed first
+    with pytest.raises(RunError, match=r"pod 1 host 1 \(fake:1.1\) runs with --host-index 1, but --workers lists "
+                                       r"it as host 0"):
+        pod.status(1)
+
+
+# ---- health -------------------------------------------------------------------------------------
+
+def test_probe_is_the_worst_hosts_verdict_naming_the_host():
+    assert _pod(1).probe(1).serving
+    pod = PodClient(1, [FakeHost(1, 0), FakeHost(1, 1, probe=DEAD)])
+    probe = pod.probe(1)
+    assert probe.verdict is Verdict.DEAD and probe.detail == f"pod 1 host 1 (fake:1.1): {DEAD.detail}"
+    pod = PodClient(1, [FakeHost(1, 0, probe=HUNG), FakeHost(1, 1, probe=DEAD)])
+    probe = pod.probe(1)    # a hung host gets the pod killed and restarted: it counts first
+    assert probe.verdict is Verdict.HUNG and probe.detail.startswith("pod 1 host 0 (fake:1.0): ")
+
+
+# ---- --workers ----------------------------------------------------------------------------------
+
+def test_workers_lists_pods_and_their_hosts():
+    assert parse_workers("a:1,b:1") == [["a:1"], ["b:1"]]                 # one host per pod, as always
+    assert parse_workers(" a:1 , b:1, ") == [["a:1"], ["b:1"]]
+    assert parse_workers("a:1,b:1;c:1,d:1") == [["a:1", "b:1"], ["c:1", "d:1"]]
+    assert parse_workers("a:1, b:1 ; c:1 ,d:1;") == [["a:1", "b:1"], ["c:1", "d:1"]]
+    assert parse_workers("a:1;b:1") == [["a:1"], ["b:1"]]
+
+
+def test_workers_from_a_hosts_file(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# pod 0\n10.0.0.1:50051, 10.0.0.2:50051\n\n10.0.1.1:50051 10.0.1.2:50051  # pod 1\n")
+    assert parse_workers(f"@{hosts}") == [["10.0.0.1:50051", "10.0.0.2:50051"], ["10.0.1.1:50051", "10.0.1.2:50051"]]
+    with pytest.raises(ConfigError, match="cannot read the hosts file"):
+        parse_workers(f"@{tmp_path / 'missing.txt'}")
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="no worker addresses"):
+        parse_workers(f"@{tmp_path / 'empty.txt'}")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("a:1,b:1;c:1", r"pod 1 lists 1 host\(s\) \(c:1\) but pod 0 lists 2 \(a:1, b:1\)"),
+    ("a:1;b:1,c:1", r"pod 1 lists 2 host\(s\) \(b:1, c:1\) but pod 0 lists 1"),
+    ("a:1,b:1;;c:1,d:1", r"pod 1 lists no hosts"),
+    ("a:1,b:1;c:1,a:1", r"a:1 is listed twice: as pod 0 host 0 and as pod 1 host 1"),
+    ("  ", "no worker addresses"),
+])
+def test_bad_workers_lists_are_refused_naming_the_pod(spec, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_workers(spec)
+    assert info.value.field == "--workers"
+
+
+def test_unequal_host_counts_in_a_hosts_file_name_the_pod_and_the_file(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1 b:1\nc:1 d:1\ne:1\n")
+    with pytest.raises(ConfigError, match=rf"pod 2 lists 1 host\(s\) \(e:1\) .* in {hosts}"):
+        parse_workers(f"@{hosts}")
