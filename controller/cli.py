@@ -52,7 +52,13 @@ def add_commands(sub) -> None:
 
     local = sub.add_parser("local", help="simulate pods on this machine and train")
     local.add_argument("--pods", type=int, default=2, help="number of simulated pods (default 2)")
-    local.add_argument("--devices-per-pod", type=int, default=2, help="simulated devices per pod (default 2)")
+    local.add_argument("--hosts-per-pod", type=int, default=1,
+                       help="worker processes per pod, one jax.distributed cluster per pod (default 1)")
+    local.add_argument("--devices-per-host", type=int,
+                       help="simulated devices per worker process (default: 1 with several hosts per pod)")
+    local.add_argument("--devices-per-pod", type=int,
+                       help="simulated devices per pod, all its hosts together, split evenly over them "
+                            "(default 2 with one host per pod; = --hosts-per-pod x --devices-per-host if both given)")
     _add_train_options(local)
 
     peak = sub.add_parser("peak-flops", help="measure per-device matmul FLOP/s and remember it for MFU")
@@ -130,19 +136,50 @@ class _Fixed:
         return False
 
 
+def local_devices(args: argparse.Namespace) -> int:
+    """The simulated devices per pod for `multipod local` (all its hosts together), from
+    --hosts-per-pod, --devices-per-host and --devices-per-pod; ConfigError if they contradict."""
+    from multipod.controller.config import ConfigError
+    hosts, per_host, per_pod = args.hosts_per_pod, args.devices_per_host, args.devices_per_pod
+    if hosts < 1:
+        raise ConfigError("--hosts-per-pod", f"must be >= 1, got {hosts}")
+    for flag, value in (("--devices-per-host", per_host), ("--devices-per-pod", per_pod)):
+        if value is not None and value < 1:
+            raise ConfigError(flag, f"must be >= 1, got {value}")
+    if per_host is not None and per_pod is not None and per_pod != hosts * per_host:
+        raise ConfigError("--devices-per-pod", f"{per_pod} is not --hosts-per-pod x --devices-per-host "
+                          f"({hosts} x {per_host} = {hosts * per_host}): give one of them")
+    if per_pod is not None:
+        if per_pod % hosts:
+            raise ConfigError("--devices-per-pod", f"{per_pod} devices do not split evenly over {hosts} hosts per pod; "
+                              f"give --devices-per-host instead")
+        return per_pod
+    if per_host is not None:
+        return hosts * per_host
+    return 2 if hosts == 1 else hosts
+
+
 class _Local:
     def __init__(self, args, run_dir, config):
         from multipod.controller.launcher import LocalPods
-        # Supervised: a worker that dies is started again on its port (run.max_restarts in all).
-        self.pods = LocalPods(args.pods, args.devices_per_pod, run_dir, supervise=True,
-                              max_restarts=config.run.max_restarts, dcn_encrypt=config.dcn.encrypt)
+        # Supervised: a worker that dies is started again on its port (run.max_restarts in all);
+        # a pod of several hosts is restarted as a whole.
+        self.pods = LocalPods(args.pods, local_devices(args), run_dir, supervise=True,
+                              max_restarts=config.run.max_restarts, dcn_encrypt=config.dcn.encrypt,
+                              hosts_per_pod=args.hosts_per_pod)
 
     def __enter__(self):
         from multipod.controller.metrics import out
         self.pods.__enter__()
-        out(f"started {self.pods.num_pods} pod worker(s) with {self.pods.devices_per_pod} simulated device(s) each: "
-            + ", ".join(self.pods.addresses) + f" (logs in {self.pods.log_dir})")
-        return self.pods.addresses
+        pods = self.pods
+        if pods.multi_host:
+            what = (f"{pods.num_pods} pod(s) of {pods.hosts_per_pod} worker(s) with "
+                    f"{pods.host_devices[0][0]} simulated device(s) each: {pods.workers}")
+        else:
+            what = (f"{pods.num_pods} pod worker(s) with {pods.device_counts[0]} simulated device(s) each: "
+                    + ", ".join(pods.addresses))
+        out(f"started {what} (logs in {pods.log_dir})")
+        return pods.host_addresses     # [pod][host]: controller/cluster.py connect() takes them
 
     def __exit__(self, *exc):
         self.pods.__exit__(*exc)

@@ -1,19 +1,29 @@
 """Pods of several hosts on the controller's side: PodClient fans every RPC out to the pod's hosts
 (each its own rows of a step, its own host index and data-plane peers), checks that they agree on
-the pod's layout and names the host that fails; --workers lists each pod's hosts."""
+the pod's layout and names the host that fails; --workers lists each pod's hosts; LocalPods starts
+and restarts a pod's hosts together."""
 from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
 
 import grpc
 import numpy as np
 import pytest
 
 from multipod import protos
+from multipod.controller.cli import local_devices
 from multipod.controller.client import Probe, Verdict, WorkerClient, WorkerError
 from multipod.controller.cluster import Cluster
 from multipod.controller.errors import RunError
 from multipod.controller.hosts import PodClient, make_pod_client, parse_workers, pod_hosts
+from multipod.controller.launcher import LocalPods
 from multipod.model.config import ConfigError
 from multipod.protos import codec, multipod_pb2 as pb
+from multipod.protos.transport import Security
 from tests.unit.controller.fakes import DEAD, HUNG, SERVING, FakeCall, configure_reply, make_config, step_reply
 
 
@@ -270,3 +280,114 @@ def test_unequal_host_counts_in_a_hosts_file_name_the_pod_and_the_file(tmp_path)
     hosts.write_text("a:1 b:1\nc:1 d:1\ne:1\n")
     with pytest.raises(ConfigError, match=rf"pod 2 lists 1 host\(s\) \(e:1\) .* in {hosts}"):
         parse_workers(f"@{hosts}")
+
+
+# ---- multipod local -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hosts, per_host, per_pod, devices", [
+    (1, None, None, 2), (1, None, 4, 4), (1, 3, None, 3), (2, None, None, 2), (2, 2, None, 4), (2, None, 4, 4),
+    (2, 1, 2, 2)])
+def test_local_devices_per_pod(hosts, per_host, per_pod, devices):
+    args = argparse.Namespace(hosts_per_pod=hosts, devices_per_host=per_host, devices_per_pod=per_pod)
+    assert local_devices(args) == devices
+
+
+@pytest.mark.parametrize("hosts, per_host, per_pod, message", [
+    (2, 1, 4, r"--devices-per-pod: 4 is not --hosts-per-pod x --devices-per-host \(2 x 1 = 2\)"),
+    (2, None, 3, r"--devices-per-pod: 3 devices do not split evenly over 2 hosts"),
+    (0, None, None, r"--hosts-per-pod: must be >= 1"), (2, 0, None, r"--devices-per-host: must be >= 1")])
+def test_local_device_flags_that_contradict_are_refused(hosts, per_host, per_pod, message):
+    args = argparse.Namespace(hosts_per_pod=hosts, devices_per_host=per_host, devices_per_pod=per_pod)
+    with pytest.raises(ConfigError, match=message):
+        local_devices(args)
+
+
+def test_local_pods_split_each_pods_devices_over_its_hosts(tmp_path):
+    pods = LocalPods(2, 4, tmp_path, hosts_per_pod=2)
+    assert pods.host_devices == [[2, 2], [2, 2]] and pods.device_counts == [4, 4]
+    assert pods.log_path(1, 1) == tmp_path / "worker-1-host-1.log"
+    assert LocalPods(2, [[1, 2], 2], tmp_path, hosts_per_pod=2).host_devices == [[1, 2], [1, 1]]
+    assert LocalPods(2, 2, tmp_path).log_path(1) == tmp_path / "worker-1.log"
+    with pytest.raises(ValueError, match="3 devices do not split evenly over 2 hosts"):
+        LocalPods(1, 3, tmp_path, hosts_per_pod=2)
+
+
+# A stand-in worker: holds its --listen port, writes the port files as a worker does, logs its argv.
+FAKE_WORKER = r"""
+import json, pathlib, socket, sys, time
+args = sys.argv[1:]
+opt = lambda name: args[args.index(name) + 1]
+host, port = opt("--listen").rsplit(":", 1)
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind((host, int(port)))
+sock.listen()
+print(json.dumps(args), flush=True)
+port_file = pathlib.Path(opt("--port-file"))
+pathlib.Path(f"{port_file}.dcn").write_text("tcp://" + opt("--dcn-listen").replace(":0", ":1"))
+port_file.write_text(str(sock.getsockname()[1]))
+time.sleep(600)
+"""
+
+
+class _FakeLocalPods(LocalPods):
+    def command(self, pod, host, listen, port_file, dcn_listen):
+        real = super().command(pod, host, listen, port_file, dcn_listen)
+        return [sys.executable, "-c", FAKE_WORKER, *real[real.index("worker") + 1:]]
+
+
+def _argv_lines(path: pathlib.Path) -> list[dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("[")]
+    return [dict(zip(argv[::2], argv[1::2])) for argv in
+            ([a for a in line if a not in ("--exit-with-parent", "--insecure-no-auth")] for line in lines)]
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_local_pods_start_every_host_and_restart_a_pod_as_a_whole(tmp_path, capsys):
+    with _FakeLocalPods(2, 2, tmp_path, hosts_per_pod=2, supervise=True, max_restarts=2,
+                        security=Security()) as pods:
+        assert len({a for hosts in pods.host_addresses for a in hosts}) == 4
+        assert pods.addresses == [",".join(hosts) for hosts in pods.host_addresses]
+        assert pods.workers == ";".join(pods.addresses) and parse_workers(pods.workers) == pods.host_addresses
+        assert len(set(pods.coordinators)) == 2 and all(c.startswith("127.0.0.1:") for c in pods.coordinators)
+        for p in range(2):
+            for h in range(2):
+                [argv] = _argv_lines(pods.log_path(p, h))
+                assert (argv["--pod-index"], argv["--host-index"], argv["--hosts-per-pod"], argv["--devices"]) == (
+                    str(p), str(h), "2", "1")
+                assert argv["--pod-coordinator"] == pods.coordinators[p]
+        before = [[proc.pid for proc in hosts] for hosts in pods.host_procs]
+        addresses, coordinators = pods.host_addresses, list(pods.coordinators)
+
+        pods.kill(1, host=1)            # one host dies: the whole pod starts again
+        _wait_for(lambda: all(proc.pid not in before[1] and proc.poll() is None for proc in pods.host_procs[1])
+                  and len(_argv_lines(pods.log_path(1, 1))) == 2, "pod 1 was not restarted")
+        assert [proc.pid for proc in pods.host_procs[0]] == before[0]      # pod 0 untouched
+        assert pods.restarts == 1 and pods.host_addresses == addresses and pods.coordinators == coordinators
+        for h in range(2):
+            first, again = _argv_lines(pods.log_path(1, h))
+            assert again["--listen"] == addresses[1][h] and again["--pod-coordinator"] == coordinators[1]
+            assert again["--dcn-listen"] == first["--dcn-listen"].replace(":0", ":1")   # the port it had
+
+        pods.kill(0)                    # kill(pod): every host of the pod
+        _wait_for(lambda: all(proc.pid not in before[0] and proc.poll() is None for proc in pods.host_procs[0]),
+                  "pod 0 was not restarted")
+        assert pods.restarts == 2
+    assert all(proc.poll() is not None for hosts in pods.host_procs for proc in hosts)
+    err = capsys.readouterr().err
+    assert "supervisor: pod 1 host 1 worker" in err and "other host(s) stopped: the pod restarts as a whole" in err
+
+
+def test_a_one_host_pod_keeps_its_log_and_port_names(tmp_path):
+    with _FakeLocalPods(2, 1, tmp_path, security=Security()) as pods:
+        assert [len(hosts) for hosts in pods.host_addresses] == [1, 1] and pods.coordinators == ["", ""]
+        assert pods.workers == ",".join(pods.addresses) and pods.procs == [h[0] for h in pods.host_procs]
+        [argv] = _argv_lines(tmp_path / "worker-1.log")
+        assert "--host-index" not in argv and "--pod-coordinator" not in argv
+
