@@ -377,6 +377,23 @@ class Pod:
         path = path or str(checkpoint.latest(directory))
         metadata = checkpoint.read_metadata(path)
         checkpoint.check_compatible(path, metadata, setup.config.state_key())
+        aborted = None
+        if run_id and self.exchange is not None:
+            # A step stuck waiting on a dead peer fails now, not at the DCN deadline: the restore
+            # builds a new exchange under run_id anyway.
+            aborted = self.exchange.run_id
+            self.exchange.abort(f"pod {self.pod_index}: restoring a checkpoint")
+        try:
+            return self._restore(setup, path, run_id, deadline)
+        except BaseException:
+            if aborted is not None and self.exchange is not None and self.exchange.run_id == aborted:
+                # Refused: the pod keeps a working link under its old run id, as it was.
+                old, self.exchange = self.exchange, self._new_exchange(
+                    aborted, setup.trainer, setup.config, self._peers, self.setup().hosts)
+                old.close()
+            raise
+
+    def _restore(self, setup: Setup, path: str, run_id: str, deadline: float) -> Restored:
         with self.seq.hold("a restore", deadline, state=pb.WORKER_STATE_RESTORING):
             setup = self.setup()
             trainer = setup.trainer

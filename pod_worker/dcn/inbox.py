@@ -87,6 +87,7 @@ class Inbox:
         self._cond = threading.Condition()
         self._steps: dict[int, _StepState] = {}
         self._refusals: dict[int, str] = {}     # pod -> why its last refused chunk was refused
+        self._gone: dict[int, str] = {}         # pod -> why a connection of it closed (this run: for good)
         self._next_step = 0                     # the step this pod will complete next
         self._aborted = ""                      # why, once aborted
 
@@ -205,6 +206,19 @@ class Inbox:
                     state.errors.setdefault(pod, f"{why} after {sum(s.bytes for s in slots)} bytes")
             self._cond.notify_all()
 
+    def gone(self, pod: int, why: str) -> None:
+        """Every data link of `pod` in this run has closed (the listener tells): a step waiting
+        for its bytes fails at once, even if none came yet (it died between steps)."""
+        with self._cond:
+            self._gone.setdefault(pod, why)
+            self._cond.notify_all()
+
+    def _check_gone(self, step: int, pods) -> None:
+        gone = {p: self._gone[p] for p in pods if p in self._gone}
+        if gone:
+            detail = "; ".join(f"pod {p}: {why}" for p, why in sorted(gone.items()))
+            raise ExchangeError(f"step {step}: gradient exchange failed: {detail}")
+
     # -- from the step -----------------------------------------------------------------------------
     def set_own(self, step: int, leaf: int, values: np.ndarray) -> None:
         """2 pods: this pod's own (decoded) values of `leaf`, for peers' chunks to be added to."""
@@ -235,6 +249,7 @@ class Inbox:
                 missing = [p for p, s in slots.items() if s.missing[leaf] > 0]
                 if not missing:
                     return {p: s.targets[leaf] for p, s in slots.items()}
+                self._check_gone(step, missing)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     detail = ", ".join(
@@ -264,6 +279,7 @@ class Inbox:
                 missing = [s for s, got in slots.items() if got.missing[leaf] > 0]
                 if not missing:
                     return {s: got.targets[leaf] for s, got in slots.items()}
+                self._check_gone(step, {hosts[s] for s in missing})
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     detail = ", ".join(

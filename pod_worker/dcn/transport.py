@@ -210,6 +210,10 @@ class Listener:
         sink = self._sink
         if peer is not None and peer.pod is not None and sink is not None and peer.run_id == sink.run_id:
             sink.lost(peer.pod, peer.steps, "its data-plane connection closed")
+            # A link that carried data, and the pod's last one in this run: the pod is gone.
+            others = any(p.pod == peer.pod and p.run_id == peer.run_id for p in self._peers.values())
+            if peer.steps and not others and hasattr(sink, "gone"):
+                sink.gone(peer.pod, "every data-plane connection of it closed")
 
     def _on_frames(self, frames: list) -> None:
         ident, kind = frames[0].bytes, frames[1].bytes if len(frames) > 1 else b""
