@@ -100,6 +100,7 @@ class Cluster:
         self.fresh_reference = True            # first_replies hold the seed's initial state
         self.dcn_addresses: list[str] = []     # every pod's data-plane endpoint (StatusReply.dcn_address)
         self.hosts: list[int] = list(range(len(clients)))   # hosts[slot]: the pod computing slot's shard
+        self.pids: dict[int, int] = {}         # each pod's process when configured (Status.pid)
 
     @property
     def size(self) -> int:
@@ -162,9 +163,30 @@ class Cluster:
             client.close()
 
     def collect_dcn_addresses(self) -> list[str]:
-        """Ask every pod (Status) where its data plane listens."""
+        """Ask every pod (Status) where its data plane listens (and note its process, to tell a
+        restarted one later)."""
         timeout = self.config.run.health_timeout_s
-        return [s.dcn_address for s in parallel(lambda c: c.status(timeout), self.clients)]
+        statuses = parallel(lambda c: c.status(timeout), self.clients)
+        self.pids = {c.pod_index: s.pid for c, s in zip(self.clients, statuses)}
+        return [s.dcn_address for s in statuses]
+
+    def restarted(self, pods: list[int]) -> dict[int, str]:
+        """Those of `pods` that serve but were restarted since they were configured (another
+        process, or not configured): a restart quicker than the watchdog's two missed checks
+        still counts as a failure. {pod: why}"""
+        timeout = self.config.run.health_timeout_s
+        found = {}
+        for pod in pods:
+            try:
+                status = self.clients[pod].status(timeout)
+            except Exception:   # noqa: BLE001 - not answering is the probes' business
+                continue
+            known = self.pids.get(pod)
+            if not status.configured:
+                found[pod] = "restarted: it is not configured"
+            elif known is not None and status.pid != known:
+                found[pod] = f"restarted (process {known} is now {status.pid})"
+        return found
 
     def _configure(self, targets: list, keep_state: bool = False) -> list[pb.ConfigureReply]:
         addresses = [c.address for c in self.clients]
@@ -233,6 +255,9 @@ class Cluster:
         if all answer, the `suspects` (pods whose step failed for a reason of their own)."""
         probes = self.probe_all()
         clients = self.live_clients
+        restarted = self.restarted([c.pod_index for c, p in zip(clients, probes) if p.serving])
+        probes = [Probe(Verdict.DEAD, restarted[c.pod_index]) if c.pod_index in restarted else p
+                  for c, p in zip(clients, probes)]
         bad = [i for i, probe in enumerate(probes) if not probe.serving]
         failure = failure_from_probes(clients, probes, bad, message)
         if not failure.pods and suspects:

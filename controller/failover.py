@@ -135,6 +135,7 @@ class Failover:
                 # A survivor that cannot take the membership has failed too: leave it out as well.
                 probes = cluster.probe_all()
                 more = {p for p, probe in zip(live, probes) if not probe.serving}
+                more |= set(cluster.restarted([p for p in live if p not in more]))
                 if not more:
                     raise RunError(f"degraded mode after ({failure}) failed: {exc}") from None
                 failed |= more

@@ -117,3 +117,16 @@ def test_degrade_refuses_survivors_that_diverged_and_counts_failures():
             failover.degrade(PodFailure("pod 2 died", [2]))
     finally:
         failover.close()
+
+
+def test_a_pod_restarted_between_two_health_checks_is_still_named():
+    """A supervisor can bring a worker back before the watchdog misses two checks: the pod serves,
+    but it is a new process that is not configured. The diagnosis names it all the same."""
+    pods = [FakePod(0), FakePod(1), FakePod(2)]
+    cluster = Cluster(pods, make_config())
+    cluster.collect_dcn_addresses()          # as at configure: every pod's process is noted
+    pods[1].configured = False               # pod 1 came back as a fresh process
+    failure = cluster.diagnose("step 7 failed: every error was UNAVAILABLE")
+    assert failure.pods == (1,) and "restarted: it is not configured" in str(failure)
+    pods[1].configured = True
+    assert cluster.diagnose("nothing wrong").pods == ()
