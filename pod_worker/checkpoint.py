@@ -29,8 +29,12 @@ def _manager(root: pathlib.Path, max_to_keep: int | None = None, create: bool = 
     # A host of a multi-host pod reads and writes host arrays on its own (host 0 writes, every
     # host reads): orbax must not wait at barriers for the pod's other processes.
     me = jax.process_index()
-    multiprocessing = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-                       if jax.process_count() > 1 else ocp.options.MultiprocessingOptions())
+    multiprocessing = ocp.options.MultiprocessingOptions()
+    if jax.process_count() > 1:
+        multiprocessing = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        if create:      # orbax will not create the root itself with active_processes set
+            root.mkdir(parents=True, exist_ok=True)
+            create = False
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
                                            create=create, multiprocessing_options=multiprocessing)
     return ocp.CheckpointManager(root, options=options)
