@@ -102,6 +102,7 @@ class Assembler:
 
     def __init__(self, mesh, leaf_shapes: list[tuple[int, ...]], leaf_shardings: list, layout: HostLayout):
         import jax
+        import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
         self.layout = layout
         self.shapes = [tuple(s) for s in leaf_shapes]
@@ -115,8 +116,10 @@ class Assembler:
         self.padded = [-(-p // self.rows_per_host) * self.rows_per_host for p in self.padded]
         self.flat_sharding = NamedSharding(mesh, P("data"))
         shapes, sizes = self.shapes, self.sizes
-        self._program = jax.jit(lambda flats: [f[:n].reshape(s) for f, n, s in zip(flats, sizes, shapes)],
-                                out_shardings=list(leaf_shardings))
+
+        def assemble(flats, flags):
+            return [f[:n].reshape(s) for f, n, s in zip(flats, sizes, shapes)], jnp.min(flags)
+        self._program = jax.jit(assemble, out_shardings=(list(leaf_shardings), NamedSharding(mesh, P())))
 
     def block(self, index: int) -> tuple[int, int]:
         """The range of leaf `index` this host exchanges (the unpadded part of its block)."""
@@ -124,13 +127,23 @@ class Assembler:
         start = min(self.sizes[index], self.layout.host_index * per)
         return start, min(self.sizes[index], start + per)
 
-    def __call__(self, blocks: list[np.ndarray]) -> list:
-        """This host's summed blocks (host arrays, by leaf) -> the pod's summed leaves on its devices."""
+    def __call__(self, blocks: list[np.ndarray] | None, dtypes: list[np.dtype]) -> tuple[list | None, bool]:
+        """This host's summed blocks (host arrays, by leaf; None if its exchange failed) -> the
+        pod's summed leaves on its devices, and whether every host of the pod had its blocks.
+
+        Every host calls this after every exchange, failed or not: it is a collective, and a host
+        that skipped it would leave the others waiting in it. If any host failed, every host
+        learns it here and the step fails alike on all of them (the state stays as it was)."""
         import jax
         flats = []
-        for index, block in enumerate(blocks):
-            local = np.zeros(self.padded[index], block.dtype)
-            local[:block.size] = block
+        for index, dtype in enumerate(dtypes):
+            local = np.zeros(self.padded[index], dtype)
+            if blocks is not None:
+                local[:blocks[index].size] = blocks[index]
             global_shape = (self.padded[index] * self.layout.hosts_per_pod,)
             flats.append(jax.make_array_from_process_local_data(self.flat_sharding, local, global_shape))
-        return self._program(flats)
+        flag = np.full(self.rows_per_host, 0 if blocks is None else 1, np.int32)
+        flags = jax.make_array_from_process_local_data(self.flat_sharding, flag,
+                                                       (self.rows_per_host * self.layout.hosts_per_pod,))
+        leaves, every_host = self._program(flats, flags)
+        return (leaves, True) if bool(host_value(every_host)) else (None, False)

@@ -23,7 +23,7 @@ from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
 from multipod.pod_worker import overlap, programs
 from multipod.pod_worker.config import OptimizerConfig, WorkerConfig
-from multipod.pod_worker.dcn import LeafSpec
+from multipod.pod_worker.dcn import ExchangeError, LeafSpec
 from multipod.pod_worker.hosts import Assembler, HostLayout, host_value
 
 log = logging.getLogger(__name__)
@@ -286,8 +286,19 @@ class PodTrainer:
             # other pods; the summed blocks are gathered over the pod's hosts on its devices.
             blocks = self._blocks(grads)
             extra_blocks = {slot: self._blocks(g) for slot, g in extra_grads.items()}
-            summed_blocks, link = all_reduce(blocks, extra=extra_blocks) if extra_blocks else all_reduce(blocks)
-            summed = self.assembler([np.asarray(b) for b in summed_blocks])
+            failure, summed_blocks = None, None
+            try:
+                summed_blocks, link = all_reduce(blocks, extra=extra_blocks) if extra_blocks else all_reduce(blocks)
+                summed_blocks = [np.asarray(b) for b in summed_blocks]
+            except Exception as exc:   # noqa: BLE001 - re-raised below, after the pod's hosts agree
+                failure = exc
+            # Every host takes part in the gather, failed or not, so that none waits in it alone.
+            summed, every_host = self.assembler(summed_blocks, [s.dtype for s in self.leaf_specs])
+            if failure is not None:
+                raise failure
+            if not every_host:
+                raise ExchangeError("another host of this pod failed its part of the exchange; the step is "
+                                    "undone on every host")
         elif extra_grads:
             summed, link = all_reduce(grads, extra=extra_grads)
         else:

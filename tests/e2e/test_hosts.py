@@ -84,7 +84,7 @@ def test_a_checkpoint_of_two_host_pods_restores_bitwise_onto_two_host_pods(two_h
 
 def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_hosts, tmp_path, env):
     steps = 300     # long enough for the pod's two hosts to restart and rejoin
-    args = [a if a != str(STEPS) else str(steps) for a in COMMON]
+    args = [{str(STEPS): str(steps), "4": "50"}.get(a, a) for a in COMMON]
     reference = tmp_path / "reference"
     result = _run("local", *TWO_HOSTS, *args, "--run-dir", str(reference), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -106,7 +106,9 @@ def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_ho
         assert set(r["fingerprints"]) == set(expected[r["step"]]["fingerprints"]), r["step"]
     assert json.loads((run_dir / "summary.json").read_text())["fingerprint"] == \
         json.loads((reference / "summary.json").read_text())["fingerprint"]
-    assert [e["pods"] for e in _events(run_dir) if e["event"] == "pod_failure"] == [[1]]
+    events = _events(run_dir)
+    assert [e["pods"] for e in events if e["event"] == "pod_failure"] == [[1]]
+    assert [e["pods"] for e in events if e["event"] == "rejoin"] == [[1]]     # both hosts came back as one pod
 
 
 def test_a_host_index_out_of_range_is_refused_naming_the_host():
