@@ -75,6 +75,20 @@ def start_distributed(layout: HostLayout, timeout_s: float = 120.0, heartbeat_s:
     log.info("pod cluster: %d devices, %d on this host", len(jax.devices()), jax.local_device_count())
 
 
+def meet(name: str, timeout_s: float) -> None:
+    """Wait until every host of the pod reaches the barrier `name` (once per name), at most
+    timeout_s; TimeoutError otherwise. Before a step's first collective: a host that started a
+    step its peer never starts (refused, cancelled) would otherwise wait in that collective for
+    good, since gloo's collectives have no deadline."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    try:
+        client.wait_at_barrier(name, max(1, int(timeout_s * 1000)))
+    except Exception as exc:   # noqa: BLE001 - the runtime raises its own error type
+        raise TimeoutError(f"the pod's other host(s) did not start the same step within {timeout_s:.1f}s "
+                           f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
 def host_value(x) -> np.ndarray:
     """The value of a (possibly multi-host) array on this host. A single-host array is read as
     is; a multi-host one is put together from this host's shards, which must cover it (they do for

@@ -27,8 +27,9 @@ from multipod.pod_worker.errors import (
     NotReady,
     SaveNotFound,
     SavePending,
+    StepAborted,
 )
-from multipod.pod_worker.hosts import HostLayout
+from multipod.pod_worker.hosts import HostLayout, meet
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
 from multipod.protos import multipod_pb2 as pb
@@ -308,7 +309,7 @@ class Pod:
         wait_s = time.perf_counter() - wait_start
         ok = False
         try:
-            outcome = self._train(setup, step, on_device, global_tokens, full_fingerprint, extra_on_device)
+            outcome = self._train(setup, step, on_device, global_tokens, full_fingerprint, extra_on_device, deadline)
             self._checksum = (trainer.step, outcome.fingerprint)
             ok = True
         finally:
@@ -316,8 +317,16 @@ class Pod:
         return outcome, wait_s
 
     def _train(self, setup: Setup, step: int, on_device, global_tokens: int,
-               full_fingerprint: bool = False, extra: dict | None = None) -> StepOutcome:
+               full_fingerprint: bool = False, extra: dict | None = None, deadline: float | None = None
+               ) -> StepOutcome:
         trainer, exchange = setup.trainer, self.exchange
+        if self.layout.multi:
+            # Every host of the pod starts this very step, or none runs it (see hosts.meet).
+            wait = min(setup.config.dcn.timeout_s, (deadline or time.monotonic() + 60) - time.monotonic())
+            try:
+                meet(f"{setup.run_id}/{setup.epoch}/{step}", max(0.1, wait))
+            except TimeoutError as exc:
+                raise StepAborted(f"{self.layout.name(self.pod_index)}: step {step}: {exc}") from None
         exchange.inbox.set_next_step(step)
         all_reduce = None
         if setup.num_pods > 1:
