@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.e2e.test_recovery import _current_pid, _events, _Live, _run, _wait_for_step
-from tests.helpers import TINY, cli_env, read_metrics
+from tests.helpers import TINY, read_metrics
 
 # A restarted worker takes a few seconds to serve and configure (compiled steps come from the
 # cache): the runs are long enough (tiny steps) for the failed pods to rejoin well before the end.
@@ -31,10 +31,8 @@ def _args(pods: int, *extra: str) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """One persistent compilation cache for every run here (and every restarted worker)."""
-    return dict(cli_env(), JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+def env(cached_env):
+    return cached_env
 
 
 @pytest.fixture(scope="module")

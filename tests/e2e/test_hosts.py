@@ -16,7 +16,7 @@ import pytest
 
 from multipod.controller.config import load_config
 from tests.e2e.test_recovery import _events, _Live, _run, _wait_for_step
-from tests.helpers import TINY, cli_env, read_metrics, run_cli
+from tests.helpers import TINY, read_metrics, run_cli
 
 STEPS = 8
 COMMON = ("--config", TINY, "--steps", str(STEPS), "--checkpoint-every", "4",
@@ -27,9 +27,8 @@ ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return dict(cli_env(), JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+def env(cached_env):
+    return cached_env
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import pytest
 from multipod.controller.launcher import LocalPods
 from multipod.pod_worker import checkpoint
 from multipod.protos.transport import Security
-from tests.helpers import ROOT, TINY, cli_env, pid_alive, read_metrics
+from tests.helpers import ROOT, TINY, pid_alive, read_metrics
 
 STEPS = 10
 COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
@@ -41,14 +41,11 @@ COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", 
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """The CLI's environment, with one persistent compilation cache for all the runs here: only
-    the first run compiles the tiny model's step (it saves ~20-40 s per later worker start)."""
-    # The test hooks (pod_worker/faults.py, controller/faults.py): pod 0's gradient is NaN at step
-    # 2, and the step that trains on batch 7 records a loss spike.
-    return dict(cli_env(), JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                MULTIPOD_TEST_NAN_GRADIENT="0:2", MULTIPOD_TEST_SPIKE_BATCH="7")
+def env(cached_env):
+    """The CLI's environment with the session's compilation cache (conftest.py) and the test
+    hooks (pod_worker/faults.py, controller/faults.py): pod 0's gradient is NaN at step 2, and
+    the step that trains on batch 7 records a loss spike."""
+    return dict(cached_env, MULTIPOD_TEST_NAN_GRADIENT="0:2", MULTIPOD_TEST_SPIKE_BATCH="7")
 
 
 def _run(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
