@@ -140,9 +140,10 @@ def remote_pods(tmp_path_factory, env):
     reference = tmp_path_factory.mktemp("reference2")
     result = _run("local", *_args(2), "--run-dir", str(reference), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"])
-    with LocalPods(2, 1, tmp_path_factory.mktemp("workers"), security=Security(token=token)) as pods:
-        yield pods, env, reference
+    with pytest.MonkeyPatch.context() as patch:     # LocalPods passes this process's environment on
+        patch.setenv("JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"])
+        with LocalPods(2, 1, tmp_path_factory.mktemp("workers"), security=Security(token=token)) as pods:
+            yield pods, env, reference
 
 
 def _train(pods, run_dir: pathlib.Path, env: dict, *extra: str) -> _Live:
