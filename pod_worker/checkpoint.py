@@ -5,57 +5,96 @@ metadata item (fingerprint, data position, config, ...). Orbax writes into a tem
 renames it only once every item is complete, so a failed or interrupted save never replaces the
 last good checkpoint, and `latest()` only ever sees finished ones.
 
-Saves are asynchronous: `Writer.submit` takes host copies of the state (the only part the step
-loop has to wait for) and a background thread writes them; `Writer.wait` reports the outcome.
+Saves are orbax's own asynchronous checkpointing, straight from the sharded device arrays:
+`Writer.submit` returns once orbax has its host copy of this host's shards (the only part the
+step loop waits for; the update may then donate the arrays), and orbax writes them in its own
+background thread; `Writer.wait` reports the outcome. With several hosts per pod every host of
+the pod calls the same save: each writes the shards it owns (a replicated array is written once,
+its replicas' work split between the hosts), orbax's barriers meet over the pod's jax.distributed
+client, and the primary host writes the JSON metadata and commits the folder.
+
+Reads are per host (no barrier): every host restores the shards its devices need, with the
+shardings of ITS trainer, so a checkpoint restores onto another device count per pod when the
+shapes agree (orbax reshards); a leaf whose shape or dtype differs is named in a CheckpointError.
 """
 from __future__ import annotations
 
-import concurrent.futures
+import dataclasses
+import hashlib
 import json
 import logging
 import pathlib
 import threading
+import time
 
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
 
+# A background write (and its barriers between the pod's hosts) that takes longer fails.
+WRITE_TIMEOUT_S = 1200
+_POLL_S = 0.02
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt or does not fit this run; the message says which."""
 
 
-def _manager(root: pathlib.Path, max_to_keep: int | None = None, create: bool = True) -> ocp.CheckpointManager:
+def _handlers() -> dict:
+    return {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+
+
+def _writing_manager(root: pathlib.Path, max_to_keep: int | None) -> ocp.CheckpointManager:
+    """An asynchronous manager every host of the pod uses alike (one per host, same calls)."""
     import jax
-    # A host of a multi-host pod reads and writes host arrays on its own (host 0 writes, every
-    # host reads): orbax must not wait at barriers for the pod's other processes.
-    me = jax.process_index()
     multiprocessing = ocp.options.MultiprocessingOptions()
+    create = True
     if jax.process_count() > 1:
-        multiprocessing = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-        if create:      # orbax will not create the root itself with active_processes set
-            root.mkdir(parents=True, exist_ok=True)
-            create = False
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
-                                           create=create, multiprocessing_options=multiprocessing)
-    return ocp.CheckpointManager(root, options=options)
+        # Every process of the pod's cluster takes part. Naming them makes orbax meet at the
+        # jax.distributed client's barriers rather than in a device collective (a gloo
+        # collective from orbax's thread could interleave with a step's own). The prefix keeps
+        # the barriers of two roots apart.
+        prefix = "multipod-" + hashlib.blake2b(str(root).encode(), digest_size=6).hexdigest()
+        multiprocessing = ocp.options.MultiprocessingOptions(
+            primary_host=0, active_processes=set(range(jax.process_count())), barrier_sync_key_prefix=prefix)
+        root.mkdir(parents=True, exist_ok=True)   # orbax will not with active_processes set
+        create = False
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=True, create=create,
+        multiprocessing_options=multiprocessing, async_options=ocp.AsyncOptions(timeout_secs=WRITE_TIMEOUT_S))
+    return ocp.CheckpointManager(root, options=options, item_handlers=_handlers())
+
+
+def _reading_manager(root: pathlib.Path) -> ocp.CheckpointManager:
+    """A manager that only reads, on this host alone: no barriers with the pod's other hosts."""
+    import jax
+    me = jax.process_index()
+    multiprocessing = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    options = ocp.CheckpointManagerOptions(create=False, multiprocessing_options=multiprocessing)
+    return ocp.CheckpointManager(root, options=options, item_handlers=_handlers())
+
+
+def _save_args(state: dict, fingerprint: str, metadata_json: str) -> ocp.args.Composite:
+    meta = json.loads(metadata_json)
+    meta["fingerprint"] = fingerprint
+    meta["step"] = int(state["step"])
+    return ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
 
 
 def save(directory: str, state: dict, fingerprint: str, metadata_json: str,
          max_to_keep: int | None = None) -> pathlib.Path:
-    """Write `state` (host arrays) as checkpoint `<directory>/<step>`, keeping the newest
-    `max_to_keep`; returns its path. Synchronous: Writer runs it in the background."""
+    """Write `state` (device or host arrays) as checkpoint `<directory>/<step>`, keeping the
+    newest `max_to_keep`, and wait until it is complete; returns its path. Every host of a pod
+    must call it alike. The pod's saves go through Writer instead (background)."""
     root = pathlib.Path(directory).absolute()
-    meta = json.loads(metadata_json)
-    meta["fingerprint"] = fingerprint
-    meta["step"] = int(state["step"])
-    manager = _manager(root, max_to_keep)
+    step = int(state["step"])
+    manager = _writing_manager(root, max_to_keep)
     try:
-        manager.save(int(state["step"]), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        manager.save(step, args=_save_args(state, fingerprint, metadata_json), force=True)
         manager.wait_until_finished()
     finally:
         manager.close()
-    return root / str(int(state["step"]))
+    return root / str(step)
 
 
 def steps(directory: str) -> list[int]:
@@ -63,7 +102,7 @@ def steps(directory: str) -> list[int]:
     root = pathlib.Path(directory).absolute()
     if not root.is_dir():
         return []
-    manager = _manager(root, create=False)
+    manager = _reading_manager(root)
     try:
         return sorted(manager.all_steps())
     finally:
@@ -78,29 +117,95 @@ def latest(directory: str) -> pathlib.Path:
     return pathlib.Path(directory).absolute() / str(found[-1])
 
 
-def restore(path: str, template: dict) -> tuple[dict, dict]:
-    """Read checkpoint `path` (= `<root>/<step>`) into the structure of `template`."""
+def _checkpoint_path(path: str) -> tuple[pathlib.Path, int]:
     target = pathlib.Path(path).absolute()
     if not target.is_dir():
         raise CheckpointError(f"no checkpoint at {target}")
+    if not target.name.isdigit():
+        raise CheckpointError(f"{target} is not a checkpoint folder (its name must be the step)")
+    return target, int(target.name)
+
+
+def abstract(tree):
+    """The restore target of a tree of arrays: each jax.Array becomes a jax.ShapeDtypeStruct
+    with its sharding (orbax reads only the shards this host's devices need, laid out that way);
+    other leaves (host arrays, the step) stay as they are."""
+    import jax
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)
+
+
+def _leaf_name(path) -> tuple[str, ...]:
+    names = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                names.append(str(getattr(key, attr)))
+                break
+        else:
+            names.append(str(key))
+    return tuple(names)
+
+
+def _check_fits(target: pathlib.Path, saved, template) -> None:
+    """CheckpointError naming every leaf whose shape or dtype (or presence) differs between the
+    checkpoint's array metadata and `template`."""
+    import jax
+    import numpy as np
+    have = {_leaf_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    want = {_leaf_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(template)[0]}
+    problems = []
+    for name in sorted(set(have) | set(want), key=lambda n: (n[:1] != ("params",), n)):   # params first
+        label = ".".join(name)
+        if name not in have:
+            problems.append(f"{label}: missing in the checkpoint")
+        elif name not in want:
+            problems.append(f"{label}: in the checkpoint, not in this pod's state")
+        else:
+            a, b = have[name], want[name]
+            a_shape, b_shape = tuple(getattr(a, "shape", ())), tuple(np.shape(b))
+            a_dtype, b_dtype = getattr(a, "dtype", None), getattr(b, "dtype", None)
+            if a_shape != b_shape:
+                problems.append(f"{label}: checkpoint has shape {a_shape}, this pod has {b_shape}")
+            elif b_shape and a_dtype is not None and b_dtype is not None and np.dtype(a_dtype) != np.dtype(b_dtype):
+                problems.append(f"{label}: checkpoint has dtype {np.dtype(a_dtype)}, this pod has {np.dtype(b_dtype)}")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError(f"checkpoint {target} does not fit this pod's state: {shown}")
+
+
+def restore(path: str, template: dict) -> tuple[dict, dict]:
+    """Read checkpoint `path` (= `<root>/<step>`) into the structure of `template`: jax.Array or
+    jax.ShapeDtypeStruct leaves come back as jax.Arrays with the template's shardings (only this
+    host's shards are read; the layout may differ from the one saved), host arrays as host arrays.
+    CheckpointError naming the leaf if a shape or dtype differs, or if the checkpoint is corrupt."""
+    target, step = _checkpoint_path(path)
+    template = abstract(template)
+    manager = _reading_manager(target.parent)
     try:
-        step = int(target.name)
-    except ValueError:
-        raise CheckpointError(f"{target} is not a checkpoint folder (its name must be the step)") from None
-    manager = _manager(target.parent, create=False)
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(template), meta=ocp.args.JsonRestore()))
-    except Exception as exc:
-        others = [s for s in steps(str(target.parent)) if s != step]
-        hint = f"; other checkpoints in {target.parent}: {', '.join(map(str, others))}" if others else ""
-        raise CheckpointError(f"checkpoint {target} is corrupt or unreadable: {_short(exc)}{hint}") from None
+        try:
+            saved = manager.item_metadata(step)["state"]
+        except Exception as exc:
+            raise _corrupt(target, exc) from None
+        if saved is not None:
+            _check_fits(target, saved, template)
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(template), meta=ocp.args.JsonRestore()))
+        except Exception as exc:
+            raise _corrupt(target, exc) from None
     finally:
         manager.close()
     return restored["state"], restored["meta"]
 
 
-def _short(exc: Exception, limit: int = 300) -> str:
+def _corrupt(target: pathlib.Path, exc: BaseException) -> CheckpointError:
+    others = [s for s in steps(str(target.parent)) if s != int(target.name)]
+    hint = f"; other checkpoints in {target.parent}: {', '.join(map(str, others))}" if others else ""
+    return CheckpointError(f"checkpoint {target} is corrupt or unreadable: {_short(exc)}{hint}")
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
     """The gist of a reader error (tensorstore appends kilobytes of spec JSON)."""
     text = f"{type(exc).__name__}: {exc}".split(" [tensorstore_spec")[0]
     return text if len(text) <= limit else text[:limit] + "..."
@@ -108,14 +213,10 @@ def _short(exc: Exception, limit: int = 300) -> str:
 
 def read_metadata(path: str) -> dict:
     """Only the JSON metadata of checkpoint `path` (cheap: no arrays are read)."""
-    target = pathlib.Path(path).absolute()
-    if not target.is_dir():
-        raise CheckpointError(f"no checkpoint at {target}")
-    if not target.name.isdigit():
-        raise CheckpointError(f"{target} is not a checkpoint folder (its name must be the step)")
-    manager = _manager(target.parent, create=False)
+    target, step = _checkpoint_path(path)
+    manager = _reading_manager(target.parent)
     try:
-        restored = manager.restore(int(target.name), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as exc:
         raise CheckpointError(f"checkpoint {target}: metadata is corrupt or unreadable: {_short(exc)}") from None
     finally:
@@ -150,51 +251,154 @@ def _flatten(prefix: str, value) -> dict:
     return {prefix: value}
 
 
+@dataclasses.dataclass
+class _Outcome:
+    """One save: pending until settled, then done (error None) or failed."""
+    path: pathlib.Path
+    settled: bool = False
+    error: str | None = None
+
+
 class Writer:
-    """Writes checkpoints on one background thread, in submission order, and remembers each
-    save's outcome so the controller can ask for it (Save with wait=True)."""
+    """The pod's checkpoint saves, through one asynchronous orbax CheckpointManager per checkpoint
+    root (orbax writes one save at a time per manager, in its own background thread), and each
+    save's outcome so the controller can ask for it (WaitSave). Thread-safe."""
+
+    MAX_MANAGERS = 8     # roots kept open; the least recently used idle one is closed beyond that
 
     def __init__(self):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._futures: dict[tuple[str, int], concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()      # held for orbax calls that do not wait for a write
+        self._managers: dict[str, tuple[ocp.CheckpointManager, int | None]] = {}
+        self._pending: dict[str, int] = {}  # root -> the step orbax is writing there (unsettled)
+        self._outcomes: dict[tuple[str, int], _Outcome] = {}
+
+    @staticmethod
+    def _root(directory: str) -> str:
+        return str(pathlib.Path(directory).absolute())
+
+    def _settle(self, root: str, block: bool) -> bool:
+        """Record the outcome of the save in flight under `root` once orbax has finished it (with
+        block, wait for that); True if nothing is in flight any more. Called with the lock held."""
+        step = self._pending.get(root)
+        if step is None:
+            return True
+        manager, _ = self._managers[root]
+        if not block and manager.is_saving_in_progress():
+            return False
+        outcome = self._outcomes[(root, step)]
+        try:
+            # Raises the background write's error (once per calling thread: the outcome keeps it).
+            manager.wait_until_finished()
+            if not (pathlib.Path(root) / str(step)).is_dir():
+                raise CheckpointError("orbax finished without committing the checkpoint folder")
+        except Exception as exc:   # noqa: BLE001 - whatever the write raised is the outcome
+            outcome.error = _short(exc)
+            log.error("checkpoint of step %d in %s FAILED: %s", step, root, outcome.error)
+        outcome.settled = True
+        del self._pending[root]
+        return True
+
+    def _manager(self, root: str, max_to_keep: int | None) -> ocp.CheckpointManager:
+        """The manager for `root` with `max_to_keep` (a different keep count: a new manager)."""
+        found = self._managers.get(root)
+        if found is not None and found[1] == max_to_keep:
+            self._managers[root] = self._managers.pop(root)      # most recently used last
+            return found[0]
+        if found is not None:
+            self._settle(root, block=True)
+            found[0].close()
+            del self._managers[root]
+        for other in list(self._managers):
+            if len(self._managers) < self.MAX_MANAGERS:
+                break
+            if self._settle(other, block=False):
+                self._managers.pop(other)[0].close()
+        manager = _writing_manager(pathlib.Path(root), max_to_keep)
+        self._managers[root] = (manager, max_to_keep)
+        return manager
+
+    def wait_idle(self, directory: str, timeout_s: float) -> None:
+        """Wait (at most timeout_s) until no earlier save is being written under `directory`: orbax
+        writes one at a time, and the next save would wait for it. TimeoutError if it still is."""
+        root = self._root(directory)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    if self._settle(root, block=False):
+                        return
+                    step = self._pending[root]
+                finally:
+                    self._lock.release()
+            else:
+                step = self._pending.get(root, "?")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the checkpoint of step {step} in {root} is still being written")
+            time.sleep(_POLL_S)
 
     def submit(self, directory: str, state: dict, fingerprint: str, metadata_json: str,
                max_to_keep: int | None) -> pathlib.Path:
-        """Start writing `state` (already host copies, so the pod may step on); returns the path
-        it will have."""
-        root = str(pathlib.Path(directory).absolute())
+        """Start writing `state` (the pod's device arrays: orbax has copied this host's shards to
+        the host when this returns, so the pod may step on and donate them); returns the path it
+        will have. A failure to start is recorded as the save's outcome (Writer.wait reports it)."""
+        root = self._root(directory)
         step = int(state["step"])
-        future = self._pool.submit(save, root, state, fingerprint, metadata_json, max_to_keep)
-        future.add_done_callback(lambda f: f.exception() and log.error(
-            "checkpoint of step %d in %s FAILED: %s", step, root, f.exception()))
+        path = pathlib.Path(root) / str(step)
         with self._lock:
-            self._futures[(root, step)] = future
-            if len(self._futures) > 64:   # outcomes nobody asked for: keep memory bounded
-                for key in list(self._futures)[:-64]:
-                    if self._futures[key].done():
-                        del self._futures[key]
-        return pathlib.Path(root) / str(step)
+            outcome = self._outcomes[(root, step)] = _Outcome(path)
+            if len(self._outcomes) > 64:   # outcomes nobody asked for: keep memory bounded
+                for key in list(self._outcomes)[:-64]:
+                    if self._outcomes[key].settled:
+                        del self._outcomes[key]
+            try:
+                manager = self._manager(root, max_to_keep)
+                # The previous save first: its outcome is recorded here, in this thread, so orbax's
+                # own wait for it inside save() does not raise its error again.
+                self._settle(root, block=True)
+                manager.save(step, args=_save_args(state, fingerprint, metadata_json), force=True)
+            except Exception as exc:   # noqa: BLE001 - reported through wait()
+                outcome.error, outcome.settled = _short(exc), True
+                log.error("checkpoint of step %d in %s FAILED to start: %s", step, root, outcome.error)
+                return path
+            self._pending[root] = step
+        return path
 
     def wait(self, directory: str, step: int, timeout_s: float) -> pathlib.Path:
         """The path of the finished save of `step`; CheckpointError if it failed, TimeoutError if
         it is still being written after timeout_s, KeyError if no such save was submitted."""
-        root = str(pathlib.Path(directory).absolute())
+        root = self._root(directory)
+        deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
-            future = self._futures.get((root, step))
-        if future is None:
+            outcome = self._outcomes.get((root, int(step)))
+        if outcome is None:
             raise KeyError(f"no checkpoint of step {step} in {root} was started on this pod")
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"checkpoint of step {step} still being written after {timeout_s:g}s") from None
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint of step {step} in {root} failed: {_short(exc)}; "
-                                  f"the previous checkpoints are untouched") from None
+        while not outcome.settled:
+            if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    if self._pending.get(root) == int(step):
+                        self._settle(root, block=False)
+                finally:
+                    self._lock.release()
+            if outcome.settled:
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"checkpoint of step {step} still being written after {timeout_s:g}s")
+            time.sleep(_POLL_S)
+        if outcome.error is not None:
+            raise CheckpointError(f"checkpoint of step {step} in {root} failed: {outcome.error}; "
+                                  f"the previous checkpoints are untouched")
+        return outcome.path
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Let pending writes finish (bounded), then stop the thread."""
-        with self._lock:
-            pending = [f for f in self._futures.values() if not f.done()]
-        concurrent.futures.wait(pending, timeout=timeout_s)
-        self._pool.shutdown(wait=False)
+        """Let pending writes finish (bounded), then close the managers that are done."""
+        deadline = time.monotonic() + timeout_s
+        for root in list(self._managers):
+            try:
+                self.wait_idle(root, deadline - time.monotonic())
+            except TimeoutError as exc:
+                log.warning("closing with a checkpoint still being written: %s", exc)
+                continue
+            with self._lock:
+                found = self._managers.pop(root, None)
+                if found is not None:
+                    found[0].close()

@@ -21,6 +21,7 @@ from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.errors import (
+    Busy,
     CorruptCheckpoint,
     CorruptTransfer,
     InvalidRequest,
@@ -104,7 +105,6 @@ class Pod:
     def __init__(self, pod_index: int, listener: Listener | None = None, layout: HostLayout | None = None):
         self.pod_index = pod_index
         self.layout = layout or HostLayout()     # this worker's host in a pod of several hosts
-        self._skipped_saves: set[tuple[str, int]] = set()   # hosts other than 0 write nothing
         self.listener = listener    # the worker's data-plane socket (needed with more than one pod)
         self.seq = Sequencer(f"pod {pod_index}")
         # Swapped only inside a sequencer hold (no step runs then); it attaches its inbox to the listener.
@@ -344,32 +344,31 @@ class Pod:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def start_save(self, step: int, directory: str, metadata: dict, keep: int, deadline: float) -> SaveStarted:
-        """Copy the state after `step` steps to the host (waiting until `deadline` for a running
-        step: Busy) and start writing it in the background; the pod may step on at once."""
+        """Start writing the state after `step` steps with orbax's asynchronous checkpointing,
+        waiting until `deadline` for a running step or for the previous save under `directory`
+        to finish writing (Busy): the pod may step on as soon as this returns (orbax has its host
+        copy of this host's shards). Every host of a pod gets the same request and takes part."""
         self.setup()
+        try:
+            self._writer.wait_idle(directory, deadline - time.monotonic())
+        except TimeoutError as exc:
+            raise Busy(f"pod {self.pod_index}: {exc}") from None
         with self.seq.hold("a save's host copy", deadline):
             setup = self.setup()
             trainer = setup.trainer
             if step != trainer.step:
                 raise InvalidRequest(f"save requested for step {step}, pod {self.pod_index} is at step {trainer.step}")
-            state = trainer.host_state()
             fp = trainer.fingerprint()
-        metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key())
-        if not self.layout.primary:
-            # Every host of a pod holds the whole state: host 0 writes it, the others nothing.
-            root = pathlib.Path(directory).absolute()
-            self._skipped_saves.add((str(root), int(state["step"])))
-            return SaveStarted(root / str(int(state["step"])), fp, int(state["step"]))
-        path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
-        return SaveStarted(path, fp, int(state["step"]))
+            metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key())
+            # The device arrays themselves: orbax copies what this host owns before submit returns.
+            state = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+            path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
+        return SaveStarted(path, fp, step)
 
     def wait_save(self, directory: str, step: int, timeout_s: float) -> pathlib.Path:
         """The path of the finished save of `step`: SavePending if still being written after
         timeout_s, SaveNotFound if never started here, CheckpointError if it failed."""
         self.setup()
-        root = pathlib.Path(directory).absolute()
-        if (str(root), int(step)) in self._skipped_saves:     # a host other than 0: nothing to write
-            return root / str(int(step))
         try:
             return self._writer.wait(directory, step, max(0.0, timeout_s))
         except KeyError as exc:
@@ -406,7 +405,10 @@ class Pod:
         with self.seq.hold("a restore", deadline, state=pb.WORKER_STATE_RESTORING):
             setup = self.setup()
             trainer = setup.trainer
-            state, metadata = checkpoint.restore(path, trainer.host_state())
+            # Read straight onto this host's devices, laid out as its trainer's state (orbax
+            # reshards a checkpoint written by another device count or host count).
+            state, metadata = checkpoint.restore(path, checkpoint.abstract(
+                {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}))
             if int(state["step"]) != int(metadata.get("step", -1)):
                 raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
                                       f"metadata says {metadata.get('step')}")

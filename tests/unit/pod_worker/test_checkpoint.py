@@ -8,12 +8,15 @@ import pathlib
 import shutil
 
 import grpc
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from multipod import protos
 from multipod.pod_worker import checkpoint
 from multipod.pod_worker.server import start_server
+from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.transport import Security, open_channel
 from tests.helpers import tiny_worker_config
@@ -151,9 +154,10 @@ def test_failed_save_is_reported_and_never_replaces_the_last_good_one(worker, tm
     good = checkpoint.latest(str(tmp_path))
     worker.train()
 
-    def disk_full(*args, **kwargs):
+    async def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint, "save", disk_full)
+    # The metadata write fails in orbax's background thread, after Save has returned.
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", disk_full)
     step = worker.step
     reply = worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path), background=True), timeout=60)
     assert reply.pending
@@ -164,9 +168,53 @@ def test_failed_save_is_reported_and_never_replaces_the_last_good_one(worker, tm
     assert checkpoint.latest(str(tmp_path)) == good
     monkeypatch.undo()
     assert worker.stub.Restore(pb.RestoreRequest(directory=str(tmp_path)), timeout=120).path == str(good)
+    worker.train()
+    worker.save(tmp_path)            # the next save under the same root works
+    assert checkpoint.latest(str(tmp_path)) == tmp_path / str(worker.step)
 
 
 def test_save_of_the_wrong_step_is_refused(worker, tmp_path):
     with pytest.raises(grpc.RpcError) as info:
         worker.stub.Save(pb.SaveRequest(step=worker.step + 5, directory=str(tmp_path)), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "save requested for step" in info.value.details()
+
+
+def _trained(config, devices) -> PodTrainer:
+    """A trainer over `devices` whose state is not the initial one (one update)."""
+    trainer = PodTrainer(config, devices=devices)
+    grads = jax.tree.map(lambda p: jax.numpy.full_like(p, 0.01), trainer.params)
+    trainer.apply(jax.tree.leaves(grads))
+    return trainer
+
+
+def test_a_checkpoint_restores_onto_another_device_count(tmp_path):
+    one = _trained(CONFIG, jax.devices()[:1])
+    saved = one.fingerprint()
+    checkpoint.save(str(tmp_path), {"params": one.params, "opt_state": one.opt_state, "step": one.step}, saved,
+                    json.dumps({}))
+    # Two devices with the model axis across them: every host reads the shards its devices need.
+    two = PodTrainer(dataclasses.replace(CONFIG, mesh=dataclasses.replace(CONFIG.mesh, model=2)),
+                     devices=jax.devices()[:2])
+    target = {"params": two.params, "opt_state": two.opt_state, "step": 0}
+    state, meta = checkpoint.restore(str(tmp_path / "1"), target)
+    assert meta["fingerprint"] == saved and state["step"] == 1
+    for have, want in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
+        if isinstance(want, jax.Array):
+            assert have.sharding == want.sharding and len(have.sharding.device_set) == 2
+    assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state["params"]))
+    two.load_state(state["params"], state["opt_state"], state["step"])
+    assert two.fingerprint() == saved       # bitwise the state saved from one device
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_naming_the_leaf(tmp_path):
+    one = _trained(CONFIG, jax.devices()[:1])
+    checkpoint.save(str(tmp_path), {"params": one.params, "opt_state": one.opt_state, "step": one.step},
+                    one.fingerprint(), json.dumps({}))
+    wide = PodTrainer(dataclasses.replace(CONFIG, model=dataclasses.replace(CONFIG.model, mlp_dim=128)),
+                      devices=jax.devices()[:1])
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.restore(str(tmp_path / "1"), {"params": wide.params, "opt_state": wide.opt_state, "step": 0})
+    message = str(info.value)
+    assert str(tmp_path / "1") in message and "does not fit this pod's state" in message
+    assert "checkpoint has shape (32, 64), this pod has (32, 128)" in message, message
+    assert "params." in message and len(message) < 2000
