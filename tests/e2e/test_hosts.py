@@ -15,6 +15,7 @@ import signal
 import pytest
 
 from multipod.controller.config import load_config
+from multipod.pod_worker import checkpoint
 from tests.e2e.test_recovery import _events, _Live, _run, _wait_for_step
 from tests.helpers import TINY, read_metrics, run_cli
 
@@ -79,6 +80,27 @@ def test_a_checkpoint_of_two_host_pods_restores_bitwise_onto_two_host_pods(two_h
     assert [r["step"] for r in resumed] == list(range(4, STEPS))
     for r in resumed:
         assert r["loss"] == original[r["step"]]["loss"] and r["fingerprints"] == original[r["step"]]["fingerprints"]
+
+
+def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_devices(two_hosts, tmp_path, env):
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(two_hosts / "checkpoints", checkpoints)
+    shutil.rmtree(checkpoints / str(STEPS))
+    saved = checkpoint.read_metadata(str(checkpoints / "4"))
+    for host in (0, 1):     # each host of the pod wrote its part (orbax keeps one folder per process)
+        assert any(f.is_file() for f in (checkpoints / "4" / "state" / f"ocdbt.process_{host}").rglob("*")), host
+    run_dir = tmp_path / "run"
+    result = _run("local", *ONE_HOST, *COMMON, "--resume", "--checkpoint-dir", str(checkpoints),
+                  "--run-dir", str(run_dir), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    restored = [e for e in _events(run_dir) if e["event"] == "restored"]
+    # Each host wrote its shards; one process of two devices read them back bitwise.
+    assert [(e["step"], e["fingerprint"]) for e in restored] == [(4, saved["fingerprint"])]
+    resumed, original = read_metrics(run_dir), {r["step"]: r for r in read_metrics(two_hosts)}
+    assert [r["step"] for r in resumed] == list(range(4, STEPS))
+    for r in resumed:
+        assert len(set(r["fingerprints"])) == 1, r["step"]
+        assert r["loss"] == pytest.approx(original[r["step"]]["loss"], rel=1e-5), r["step"]
 
 
 def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_hosts, tmp_path, env):
