@@ -1,4 +1,4 @@
-"""The controller's commands of `multipod`: train, local, peak-flops, tune (the entry module,
+"""The controller's commands of `multipod`: train, local, peak-flops, tune, report (the entry module,
 multipod.cli, adds `worker` from the worker side).
 
 Kept free of jax imports at module level: `multipod --help` needs only the standard library.
@@ -69,6 +69,10 @@ def add_commands(sub) -> None:
     tune = sub.add_parser("tune", help="search one pod's layout (mesh, sequence parallelism, microbatches, remat)")
     add_tune_arguments(tune)
 
+    report = sub.add_parser("report", help="draw a run's metrics and events as one picture (report.png)")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
+    report.add_argument("--out", metavar="PATH", help="where the PNG goes (default: RUN_DIR/report.png)")
+
 
 def resolve_config(args: argparse.Namespace):
     """Defaults <- --config <- --set <- the dedicated flags (--steps, --seed, --data, --peak-flops)."""
@@ -117,12 +121,30 @@ def _train(args, addresses_fn) -> int:
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     out(f"run directory: {run_dir}")
-    context = addresses_fn(run_dir, config)
-    with context as addresses:
-        summary = run_training(config, addresses, run_dir, resume=args.resume,
-                               supervisor=getattr(context, "pods", None))
-    print_summary(summary)
+    try:
+        context = addresses_fn(run_dir, config)
+        with context as addresses:
+            summary = run_training(config, addresses, run_dir, resume=args.resume,
+                                   supervisor=getattr(context, "pods", None))
+        print_summary(summary)
+    finally:
+        if args.command == "local":     # after the workers stopped, whether the run succeeded or not
+            write_report_quietly(run_dir)
     return 0
+
+
+def write_report_quietly(run_dir: pathlib.Path) -> None:
+    """The end of `multipod local`: draw RUN_DIR/report.png if the run wrote metrics, and print its
+    path; a report that cannot be drawn is a warning, never the run's failure."""
+    from multipod.controller.metrics import out
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        if not metrics.is_file() or metrics.stat().st_size == 0:
+            return
+        from multipod.controller.report import write_report
+        out(f"report: {write_report(run_dir)}")
+    except Exception as exc:    # drawing is a convenience; metrics.jsonl is the record
+        print(f"warning: no report drawn: {exc}", file=sys.stderr, flush=True)
 
 
 class _Fixed:
@@ -200,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
             return _train(args, lambda run_dir, config: _Fixed(addresses))
         if args.command == "local":
             return _train(args, lambda run_dir, config: _Local(args, run_dir, config))
+        if args.command == "report":
+            from multipod.controller.report import write_report
+            print(write_report(pathlib.Path(args.run_dir), args.out and pathlib.Path(args.out)))
+            return 0
         if args.command == "tune":
             from multipod.controller.tune import main as tune_main
             return tune_main(args)

@@ -1,0 +1,337 @@
+"""`multipod report RUN_DIR`: one picture of a run (report.png) from its metrics.jsonl and
+events.jsonl.
+
+Two halves, so that a test can check what is plotted without reading pixels:
+- `report_series(records, events)`: a pure function from the parsed lines to named series
+  (plain lists and dicts);
+- `draw(series, path)`: plots those series, and only those, into a PNG.
+
+matplotlib is imported inside `draw` only (Agg canvas, no display needed): building the
+`multipod` argument parser must stay free of it.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import pathlib
+import statistics
+
+# The phases a step's time splits into, per pod: (series name, key in a record's `pods` entry, label).
+PHASES = (("compute", "compute_s", "compute"),
+          ("exposed_exchange", "exposed_exchange_s", "exposed exchange"),
+          ("update", "update_s", "update"))
+
+# Events drawn as vertical lines: event name -> (marker kind, legend label, colour, line style).
+MARKERS = {
+    "pod_failure": ("pod_failure", "pod failure", "tab:red", "-"),
+    "recovered": ("restored", "restored from checkpoint", "tab:purple", "-."),
+    "rejoin": ("rejoin", "pod rejoined", "tab:green", "-"),
+    "rewind": ("rewind", "loss-spike rewind", "tab:orange", "--"),
+    "checkpoint_saved": ("checkpoint", "checkpoint saved", "tab:gray", ":"),
+    "checkpoint_failed": ("checkpoint_failed", "checkpoint FAILED", "black", "--"),
+}
+
+FIGSIZE = (14.0, 12.0)      # inches
+DPI = 100                   # 1400 x 1200 pixels
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot be drawn from (the message names the file)."""
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def read_jsonl(path: pathlib.Path, required: bool) -> list[dict]:
+    """The JSON objects of a .jsonl file, one per non-blank line. ReportError, naming the file
+    (and the line), if it is missing (when required), empty (when required) or malformed."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if required:
+            raise ReportError(f"{path}: no such file (is this a run directory?)") from None
+        return []
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{path}: cannot be read: {exc}") from None
+    lines = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            raise ReportError(f"{path}, line {number}: not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ReportError(f"{path}, line {number}: expected a JSON object, got {type(value).__name__}")
+        if path.name == "metrics.jsonl" and not _is_int(value.get("step")):
+            raise ReportError(f"{path}, line {number}: no integer \"step\"")
+        lines.append(value)
+    if required and not lines:
+        raise ReportError(f"{path}: empty: the run wrote no step yet")
+    return lines
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _num(value) -> float | None:
+    """A finite-or-not float from a JSON number; None for null or anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+# -- the series ------------------------------------------------------------------------------------
+def latest_by_step(records: list[dict], key: str) -> list[dict]:
+    """The last record of each step among those that hold `key` (a step replayed after a restore
+    or rewind replaces its earlier record), in step order."""
+    by_step = {}
+    for record in records:
+        if _num(record.get(key)) is not None:
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _degraded_spans(train: list[dict]) -> list[list[int]]:
+    """[first, last] step of every run of consecutive steps with fewer live pods than slots."""
+    spans: list[list[int]] = []
+    for record in train:
+        hosts = record.get("hosts") or []
+        live = record.get("live_pods", len(hosts))
+        if not (_is_int(live) and live < len(hosts)):
+            continue
+        step = record["step"]
+        if spans and spans[-1][1] == step - 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return spans
+
+
+def _step_at(when, records: list[dict]) -> int | None:
+    """The step in flight at time `when`: the one after the last step whose record was written
+    before it (records in file order, each stamped at the end of its step)."""
+    if _num(when) is None:
+        return None
+    before = [r["step"] for r in records if _num(r.get("time")) is not None and r["time"] <= when]
+    if before:
+        return before[-1] + 1
+    return records[0]["step"] if records else None
+
+
+def _markers(events: list[dict], records: list[dict]) -> list[dict]:
+    markers = []
+    for event in events:
+        name = event.get("event")
+        if name not in MARKERS:
+            continue
+        kind, label = MARKERS[name][:2]
+        if name == "rewind":
+            step = event.get("spike_step")
+            detail = f"spike at step {step}, back to step {event.get('to_step')}"
+        else:
+            step = event.get("step")
+            detail = ""
+        if not _is_int(step):
+            # A pod failure names no step: place it at the step in flight when it was noticed.
+            step = _step_at(event.get("time"), records)
+        if step is None:
+            continue
+        if name in ("pod_failure", "rejoin") and event.get("pods") is not None:
+            detail = f"pods {event['pods']}"
+        markers.append({"kind": kind, "event": name, "step": int(step), "label": label, "detail": detail})
+    return markers
+
+
+def _cumulative(values) -> list[float]:
+    total, out = 0.0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+def report_series(records: list[dict], events: list[dict]) -> dict:
+    """Everything the report plots, by name, from the metrics records (file order) and the events.
+
+    - steps, loss, tokens (cumulative tokens at the end of each step), step_time, tokens_per_s, mfu,
+      hfu (None where unknown): one entry per step, the step's last record;
+    - eval: {steps, tokens, loss} of the records that carry eval_loss;
+    - pods: {pod index: {steps, compute, exposed_exchange, update}}, from each record's `pods`
+      (a pod that was out on a degraded step has no entry there);
+    - degraded: [[first, last], ...] runs of steps with live_pods < len(hosts);
+    - markers: [{kind, event, step, label, detail}] for failures, restores, rejoins, rewinds and
+      checkpoints (saved or failed);
+    - mfu_known, hfu_known: whether any step has the value (else the panel says n/a)."""
+    train = latest_by_step(records, "loss")
+    steps = [r["step"] for r in train]
+    tokens = _cumulative(_num(r.get("tokens")) or 0.0 for r in train)
+    evals = latest_by_step(records, "eval_loss")
+
+    pods: dict[int, dict[str, list]] = {}
+    for record in train:
+        for entry in record.get("pods") or []:
+            if not isinstance(entry, dict) or not _is_int(entry.get("pod")):
+                continue
+            pod = pods.setdefault(entry["pod"], {"steps": [], **{name: [] for name, _, _ in PHASES}})
+            pod["steps"].append(record["step"])
+            for name, key, _ in PHASES:
+                pod[name].append(_num(entry.get(key)) or 0.0)
+
+    mfu = [_num(r.get("mfu")) for r in train]
+    hfu = [_num(r.get("hfu")) for r in train]
+    return {
+        "steps": steps,
+        "loss": [_num(r["loss"]) for r in train],
+        "tokens": tokens,
+        "step_time": [_num(r.get("step_time_s")) for r in train],
+        "tokens_per_s": [_num(r.get("tokens_per_s")) for r in train],
+        "mfu": mfu, "hfu": hfu,
+        "mfu_known": any(v is not None for v in mfu), "hfu_known": any(v is not None for v in hfu),
+        "eval": {"steps": [r["step"] for r in evals],
+                 # An eval-only record between training steps sits at the tokens trained so far.
+                 "tokens": [_tokens_until(r["step"], steps, tokens) for r in evals],
+                 "loss": [_num(r["eval_loss"]) for r in evals]},
+        "pods": {p: pods[p] for p in sorted(pods)},
+        "degraded": _degraded_spans(train),
+        "markers": _markers(events, records),
+    }
+
+
+def _tokens_until(step: int, steps: list[int], tokens: list[float]) -> float:
+    """The cumulative tokens at the end of the last training step at or before `step` (steps in order)."""
+    index = bisect.bisect_right(steps, step)
+    return tokens[index - 1] if index else 0.0
+
+
+# -- drawing ---------------------------------------------------------------------------------------
+def _nan(values) -> list[float]:
+    return [math.nan if v is None else v for v in values]
+
+
+def _events_on(ax, series: dict, seen: set | None = None) -> None:
+    """Shade the degraded steps and draw the event lines on a panel whose x axis is the step."""
+    for i, (first, last) in enumerate(series["degraded"]):
+        ax.axvspan(first - 0.5, last + 0.5, color="tab:red", alpha=0.12, lw=0,
+                   label="degraded (pods out)" if seen is not None and i == 0 else None)
+    for marker in series["markers"]:
+        _, label, colour, style = next(v for v in MARKERS.values() if v[0] == marker["kind"])
+        show = seen is not None and marker["kind"] not in seen
+        if show:
+            seen.add(marker["kind"])
+        ax.axvline(marker["step"], color=colour, ls=style, lw=1.2, alpha=0.8, label=label if show else None)
+
+
+def _step_time_top(series: dict) -> float | None:
+    """A y limit that keeps the first step (compilation, warm-up) from flattening the rest; None
+    if it does not stand out."""
+    later = [t for t in series["step_time"][1:] if t is not None and math.isfinite(t)]
+    first = series["step_time"][0] if series["step_time"] else None
+    if not later or first is None or not math.isfinite(first) or first <= 1.5 * max(later):
+        return None
+    return 1.4 * max(later)
+
+
+def draw(series: dict, path: pathlib.Path) -> list[str]:
+    """Plot `series` (from report_series) as one PNG at `path`; returns the panels' titles.
+
+    Panels: loss (and eval loss) against steps and against tokens; each pod's compute, exposed
+    exchange and update time per step, and their medians stacked per pod; tokens/s; MFU and HFU.
+    The step panels shade degraded steps and draw the events as vertical lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    (loss_ax, tokens_ax), (time_ax, split_ax), (rate_ax, util_ax) = fig.subplots(3, 2)
+    steps = series["steps"]
+    evals = series["eval"]
+
+    loss_ax.plot(steps, _nan(series["loss"]), color="tab:blue", lw=1.2, label="train loss")
+    if evals["steps"]:
+        loss_ax.plot(evals["steps"], _nan(evals["loss"]), "o-", color="tab:orange", ms=4, label="eval loss")
+    _events_on(loss_ax, series, seen=set())
+    loss_ax.set(title="loss by step", xlabel="step", ylabel="loss")
+    loss_ax.legend(fontsize="small", loc="upper right")
+
+    tokens_ax.plot(series["tokens"], _nan(series["loss"]), color="tab:blue", lw=1.2, label="train loss")
+    if evals["steps"]:
+        tokens_ax.plot(evals["tokens"], _nan(evals["loss"]), "o-", color="tab:orange", ms=4, label="eval loss")
+    tokens_ax.set(title="loss by tokens trained", xlabel="tokens", ylabel="loss")
+    tokens_ax.legend(fontsize="small", loc="upper right")
+
+    colours = {"compute": "tab:blue", "exposed_exchange": "tab:red", "update": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    time_ax.plot(steps, _nan(series["step_time"]), color="black", lw=1.0, alpha=0.6, label="step (controller)")
+    for i, (pod, data) in enumerate(series["pods"].items()):
+        for name, _, label in PHASES:
+            time_ax.plot(data["steps"], data[name], color=colours[name], ls=styles[i % len(styles)], lw=1.0,
+                         label=f"pod {pod} {label}")
+    _events_on(time_ax, series)
+    top = _step_time_top(series)
+    finite = [t for t in series["step_time"] if t is not None and math.isfinite(t)]
+    top = top if top is not None else 1.4 * max(finite, default=0.0)   # room for the legend
+    if top > 0:
+        time_ax.set_ylim(0, top)
+    clipped = any(t > top for t in finite)
+    time_ax.set(title="step time by phase, per pod" + (" (first step off scale)" if clipped else ""),
+                xlabel="step", ylabel="seconds")
+    time_ax.legend(fontsize="x-small", ncol=2, loc="upper right")
+
+    # Medians over the steps after the first (which includes compilation), stacked per pod.
+    names = [f"pod {pod}" for pod in series["pods"]]
+    bottom = [0.0] * len(names)
+    for name, _, label in PHASES:
+        medians = [statistics.median(d[name][1:] or d[name]) if d[name] else 0.0 for d in series["pods"].values()]
+        split_ax.bar(names, medians, bottom=bottom, color=colours[name], label=label)
+        bottom = [b + m for b, m in zip(bottom, medians)]
+    if any(bottom):
+        split_ax.set_ylim(0, 1.3 * max(bottom))
+    split_ax.set(title="median step time split per pod (first step left out)", ylabel="seconds")
+    split_ax.legend(fontsize="small")
+
+    rate_ax.plot(steps, _nan(series["tokens_per_s"]), color="tab:blue", lw=1.2)
+    _events_on(rate_ax, series)
+    rate_ax.set(title="tokens/s", xlabel="step", ylabel="tokens/s")
+
+    parts = []
+    for key, label, colour in (("mfu", "MFU", "tab:purple"), ("hfu", "HFU", "tab:brown")):
+        if series[f"{key}_known"]:
+            util_ax.plot(steps, [100 * v for v in _nan(series[key])], color=colour, lw=1.2, label=label)
+            parts.append(label)
+        else:
+            parts.append(f"{label} n/a")
+    if series["mfu_known"] or series["hfu_known"]:
+        util_ax.legend(fontsize="small")
+    else:
+        util_ax.text(0.5, 0.5, "no peak FLOP/s known:\nrun `multipod peak-flops` or pass --peak-flops",
+                     ha="center", va="center", transform=util_ax.transAxes)
+    _events_on(util_ax, series)
+    util_ax.set(title=", ".join(parts), xlabel="step", ylabel="% of peak")
+
+    titles = [ax.get_title() for ax in (loss_ax, tokens_ax, time_ax, split_ax, rate_ax, util_ax)]
+    path = pathlib.Path(path)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        fig.savefig(partial, format="png")
+        partial.replace(path)       # never a half-written report.png
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise ReportError(f"{path}: cannot be written: {exc}") from None
+    return titles
+
+
+def write_report(run_dir: pathlib.Path, out: pathlib.Path | None = None) -> pathlib.Path:
+    """Read RUN_DIR's metrics.jsonl (required) and events.jsonl (optional), draw the report to
+    `out` (default RUN_DIR/report.png) and return its path; ReportError naming the file if not."""
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: no such run directory")
+    records = read_jsonl(run_dir / "metrics.jsonl", required=True)
+    events = read_jsonl(run_dir / "events.jsonl", required=False)
+    series = report_series(records, events)
+    if not series["steps"]:
+        raise ReportError(f"{run_dir / 'metrics.jsonl'}: no record of a training step (none has a \"loss\")")
+    path = pathlib.Path(out) if out is not None else run_dir / "report.png"
+    draw(series, path)
+    return path
