@@ -160,17 +160,23 @@ class Pod:
         if self.exchange is not None:
             self.exchange.abort(f"pod {self.pod_index}: a new controller took the pod over")
         with self.seq.hold("a reattach", deadline):
-            setup = self.setup()
-            trainer = setup.trainer
-            exchange = self._new_exchange(run_id, trainer, config, list(peers))
-            if self.exchange is not None:
-                self.exchange.close()
-            self.exchange = exchange
-            exchange.inbox.set_next_step(trainer.step)
-            epoch = self.seq.reset(trainer.step, "taken over by a new controller")
-            self._setup = dataclasses.replace(setup, epoch=epoch, hosts=None, run_id=run_id)
+            trainer = self._start_timeline(run_id, None, "taken over by a new controller").trainer
             fp = trainer.fingerprint()
         return trainer, fp
+
+    def _start_timeline(self, run_id: str, hosts: tuple[int, ...] | None, why: str) -> Setup:
+        """Inside a hold: a new exchange under `run_id` among `hosts` (built before the old one
+        closes), and a new timeline at the pod's step (steps queued before are refused)."""
+        setup = self.setup()
+        trainer = setup.trainer
+        exchange = self._new_exchange(run_id, trainer, setup.config, self._peers, hosts)
+        if self.exchange is not None:
+            self.exchange.close()
+        self.exchange = exchange
+        exchange.inbox.set_next_step(trainer.step)
+        epoch = self.seq.reset(trainer.step, why)
+        self._setup = dataclasses.replace(setup, epoch=epoch, hosts=hosts, run_id=run_id)
+        return self._setup
 
     def _host_address(self, address: str) -> str:
         """One pod's data-plane address for this host: with several hosts per pod an address may
@@ -212,15 +218,8 @@ class Pod:
         if self.exchange is not None:
             self.exchange.abort(f"pod {self.pod_index}: the controller changed the pods taking part")
         with self.seq.hold("a membership change", deadline):
-            setup = self.setup()
+            setup = self._start_timeline(run_id, hosts, "given a new membership")
             trainer = setup.trainer
-            exchange = self._new_exchange(run_id, trainer, setup.config, self._peers, hosts)
-            if self.exchange is not None:
-                self.exchange.close()
-            self.exchange = exchange
-            exchange.inbox.set_next_step(trainer.step)
-            epoch = self.seq.reset(trainer.step, "given a new membership")
-            self._setup = dataclasses.replace(setup, epoch=epoch, hosts=hosts, run_id=run_id)
             self._checksum = (trainer.step, trainer.checksum())
             return Membership(trainer.step, self._checksum[1], trainer.fingerprint(), setup.config.config_hash(),
                               aborted)
