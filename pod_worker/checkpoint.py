@@ -294,9 +294,19 @@ class Writer:
         except Exception as exc:   # noqa: BLE001 - whatever the write raised is the outcome
             outcome.error = _short(exc)
             log.error("checkpoint of step %d in %s FAILED: %s", step, root, outcome.error)
+            # orbax would raise this error again in the next save called from another thread: the
+            # next save under this root starts with a fresh manager (which reads the steps anew).
+            self._drop(root)
         outcome.settled = True
         del self._pending[root]
         return True
+
+    def _drop(self, root: str) -> None:
+        manager, _ = self._managers.pop(root)
+        try:
+            manager.close()
+        except Exception as exc:   # noqa: BLE001 - the failed save's error, raised once more
+            log.debug("closing the checkpoint manager of %s: %s", root, _short(exc))
 
     def _manager(self, root: str, max_to_keep: int | None) -> ocp.CheckpointManager:
         """The manager for `root` with `max_to_keep` (a different keep count: a new manager)."""

@@ -2,6 +2,7 @@
 checkpoint holds, and clear errors for corrupt, incompatible, missing and failed checkpoints."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import pathlib
@@ -171,6 +172,28 @@ def test_failed_save_is_reported_and_never_replaces_the_last_good_one(worker, tm
     worker.train()
     worker.save(tmp_path)            # the next save under the same root works
     assert checkpoint.latest(str(tmp_path)) == tmp_path / str(worker.step)
+
+
+def test_a_save_after_a_failed_one_works_whichever_thread_asks(tmp_path, monkeypatch):
+    writer = checkpoint.Writer()
+
+    def in_thread(fn, *args):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:     # a fresh thread per call
+            return pool.submit(fn, *args).result()
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", disk_full)
+    in_thread(writer.submit, str(tmp_path), {"x": np.arange(3.0), "step": 1}, "fp1", "{}", 2)
+    with pytest.raises(checkpoint.CheckpointError, match="No space left"):
+        in_thread(writer.wait, str(tmp_path), 1, 60)
+    monkeypatch.undo()
+    for step in (2, 3):
+        in_thread(writer.submit, str(tmp_path), {"x": np.arange(3.0) * step, "step": step}, f"fp{step}", "{}", 2)
+        assert in_thread(writer.wait, str(tmp_path), step, 60) == tmp_path / str(step)
+    assert checkpoint.steps(str(tmp_path)) == [2, 3]
+    assert checkpoint.read_metadata(str(tmp_path / "3"))["fingerprint"] == "fp3"
+    writer.close()
 
 
 def test_save_of_the_wrong_step_is_refused(worker, tmp_path):
