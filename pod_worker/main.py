@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         simulate_cpu_devices(args.devices)
     who = f"pod{args.pod_index}" + (f"h{layout.host_index}" if layout.multi else "")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s")
+    for chatty in ("absl", "orbax"):    # orbax narrates every save at INFO; its warnings still show
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     from multipod.protos.transport import SecurityError, set_default_security
     try:
         security = security_from_args(args)
