@@ -104,7 +104,7 @@ def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_dev
 
 
 def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_hosts, tmp_path, env):
-    steps = 300     # long enough for the pod's two hosts to restart and rejoin
+    steps = 240     # long enough for the pod's two hosts to restart and rejoin (~150 steps here)
     args = [{str(STEPS): str(steps), "4": "50"}.get(a, a) for a in COMMON]
     reference = tmp_path / "reference"
     result = _run("local", *TWO_HOSTS, *args, "--run-dir", str(reference), env=env)
