@@ -34,11 +34,6 @@ def _args(pods: int, *extra: str) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def env(cached_env):
-    return cached_env
-
-
-@pytest.fixture(scope="module")
 def reference3(tmp_path_factory, env):
     run_dir = tmp_path_factory.mktemp("reference3")
     result = _run("local", *_args(3), "--run-dir", str(run_dir), env=env)

@@ -28,11 +28,6 @@ ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
 
 
 @pytest.fixture(scope="module")
-def env(cached_env):
-    return cached_env
-
-
-@pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory, env):
     run_dir = tmp_path_factory.mktemp("two-hosts")
     result = _run("local", *TWO_HOSTS, *COMMON, "--run-dir", str(run_dir), env=env)
