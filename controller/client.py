@@ -3,6 +3,7 @@ name the pod and its address."""
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from dataclasses import dataclass
 
@@ -56,8 +57,14 @@ class WorkerClient:
         self.stub = pb_grpc.PodWorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
+    CLOSE_TIMEOUT_S = 5.0
+
     def close(self) -> None:
-        self.channel.close()
+        """Close the channel, waiting at most CLOSE_TIMEOUT_S: a Ctrl-C that landed inside grpc's
+        call bookkeeping can leave close() waiting for good (seen in tests)."""
+        closer = threading.Thread(target=self.channel.close, daemon=True, name=f"close-{self.name}")
+        closer.start()
+        closer.join(self.CLOSE_TIMEOUT_S)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the worker answers its health check; WorkerError naming it if it does not."""

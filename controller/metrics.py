@@ -6,7 +6,9 @@ import json
 import math
 import os
 import pathlib
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -117,31 +119,51 @@ def store_measured_peak(device_kind: str, num_devices: int, per_device_flops: fl
 
 
 class MetricsLog:
-    """One JSON object per step in metrics.jsonl, mirrored as TensorBoard scalars."""
+    """One JSON object per step in metrics.jsonl, mirrored as TensorBoard scalars.
+
+    TensorBoard events are written on a thread of their own: tensorboardX hands them to a
+    multiprocessing queue, and a Ctrl-C that lands inside that hand-off (it always lands on the
+    main thread) left the queue unable to close, so the run hung on exit. Closing waits at most
+    TB_CLOSE_TIMEOUT_S; the jsonl is the record either way."""
+
+    TB_CLOSE_TIMEOUT_S = 10.0
 
     def __init__(self, run_dir: pathlib.Path, append: bool = False):
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a" if append else "w")
-        self._tb = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._write_events, args=(run_dir / "tensorboard",), daemon=True,
+                                        name="tensorboard")
+        self._thread.start()
+
+    def _write_events(self, directory: pathlib.Path) -> None:
         try:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            writer = SummaryWriter(str(directory))
         except Exception:  # TensorBoard events are a convenience; the jsonl is the record
-            self._tb = None
+            writer = None
+        while (record := self._queue.get()) is not None:
+            if writer is None:
+                continue
+            for key, value in record.items():
+                scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if scalar and math.isfinite(value) and key != "step":
+                    writer.add_scalar(key, value, record["step"])
+        if writer is not None:
+            writer.close()
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if scalar and math.isfinite(value) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
+        self._queue.put(record)
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._queue.put(None)
+        self._thread.join(self.TB_CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            out(f"warning: TensorBoard events not flushed within {self.TB_CLOSE_TIMEOUT_S:g}s; metrics.jsonl is "
+                f"complete")
 
 
 class Recorder:
