@@ -69,6 +69,14 @@ def add_commands(sub) -> None:
     tune = sub.add_parser("tune", help="search one pod's layout (mesh, sequence parallelism, microbatches, remat)")
     add_tune_arguments(tune)
 
+    tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    bpe = tokenizer_sub.add_parser("train", help="train a byte-level BPE tokenizer (Hugging Face tokenizer.json)")
+    bpe.add_argument("--data", default="", help="text file, directory, .jsonl or .parquet (default: Python's stdlib)")
+    bpe.add_argument("--text-field", default="text", help="the text field of .jsonl and .parquet records")
+    bpe.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, special tokens included")
+    bpe.add_argument("--out", required=True, metavar="PATH", help="where tokenizer.json goes")
+
     report = sub.add_parser("report", help="draw a run's metrics and events as one picture (report.png)")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     report.add_argument("--out", metavar="PATH", help="where the PNG goes (default: RUN_DIR/report.png)")
@@ -226,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
             from multipod.controller.report import write_report
             print(write_report(pathlib.Path(args.run_dir), args.out and pathlib.Path(args.out)))
             return 0
+        if args.command == "tokenizer":
+            from multipod.controller.tokenizer import train_main
+            return train_main(args)
         if args.command == "tune":
             from multipod.controller.tune import main as tune_main
             return tune_main(args)

@@ -7,6 +7,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -16,6 +17,9 @@ def cli_env() -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["MULTIPOD_PEAK_FILE"] = str(ROOT / ".no-such-peak-file.json")  # MFU stays null unless asked
+    # One token cache (and trained tokenizers) for every test run of this machine, out of the
+    # user's own ~/.cache: a corpus is tokenized once, then reused while it and the tokenizer hold.
+    env["MULTIPOD_CACHE_DIR"] = str(pathlib.Path(tempfile.gettempdir()) / f"multipod-test-cache-{os.getuid()}")
     return env
 
 
