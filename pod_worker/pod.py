@@ -1,5 +1,7 @@
 """One pod's domain logic, without the transport: configure (-> trainer + DCN exchange), step,
-save and wait for a save, restore, evaluate, generate, status.
+save and wait for a save, restore, evaluate, generate, status. Who the pod exchanges with after
+configure (reattach, set_membership) and the state transfer to a rejoining pod (send_state,
+receive_state) are in membership.py, a mixin of Pod.
 
 Refusals are the typed errors of pod_worker/errors.py (the gRPC adapter in server.py maps them
 to status codes); when a step may run is the Sequencer's decision (pod_worker/sequencer.py).
@@ -23,7 +25,6 @@ from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.errors import (
     Busy,
     CorruptCheckpoint,
-    CorruptTransfer,
     InvalidRequest,
     NotReady,
     SaveNotFound,
@@ -31,6 +32,7 @@ from multipod.pod_worker.errors import (
     StepAborted,
 )
 from multipod.pod_worker.hosts import HostLayout, meet
+from multipod.pod_worker.membership import PodMembership
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
 from multipod.protos import multipod_pb2 as pb
@@ -80,27 +82,13 @@ class PodStatus:
     run_id: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
-class Membership:
-    """The pod after SetMembership: where it stands, to compare with the other pods."""
-    step: int
-    checksum: str
-    full_fingerprint: str
-    config_hash: str
-    aborted_step: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Transferred:
-    step: int
-    full_fingerprint: str
-    bytes: int
-    seconds: float
-
-
-class Pod:
+class Pod(PodMembership):
     """All state of one pod worker: the trainer, the DCN exchange, the checkpoint writer and the
-    step sequencer. Thread-safe: the gRPC adapter calls it from many handler threads."""
+    step sequencer. Thread-safe: the gRPC adapter calls it from many handler threads. The
+    sequencer is the lock: the setup, the exchange and the checksum change only while it has
+    given the pod to one caller (a step between begin_step and finish_step, or a hold).
+    Membership, takeover (reattach) and the state transfer to a rejoining pod are in
+    membership.py (`PodMembership`), which works on this state."""
 
     def __init__(self, pod_index: int, listener: Listener | None = None, layout: HostLayout | None = None):
         self.pod_index = pod_index
@@ -147,141 +135,6 @@ class Pod:
             # Read inside the hold: a step may donate the state's buffers once it is released.
             fp = trainer.fingerprint()
         return trainer, fp
-
-    def reattach(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
-                 deadline: float) -> tuple[PodTrainer, str]:
-        """A new controller takes the pod over mid-run: keep the trainer and its state if it was
-        configured with exactly `config` for `num_pods` at the same peers (NotReady otherwise);
-        only the exchange restarts, under `run_id`, with every pod taking part. A step still
-        waiting in the old exchange fails at once (its state stays as before it)."""
-        setup = self.setup()
-        if setup.config.config_hash() != config.config_hash() or setup.num_pods != num_pods or self._peers != peers:
-            raise NotReady(f"pod {self.pod_index} runs another configuration: it cannot be reattached as it is")
-        if self.exchange is not None:
-            self.exchange.abort(f"pod {self.pod_index}: a new controller took the pod over")
-        with self.seq.hold("a reattach", deadline):
-            trainer = self._start_timeline(run_id, None, "taken over by a new controller").trainer
-            fp = trainer.fingerprint()
-        return trainer, fp
-
-    def _start_timeline(self, run_id: str, hosts: tuple[int, ...] | None, why: str) -> Setup:
-        """Inside a hold: a new exchange under `run_id` among `hosts` (built before the old one
-        closes), and a new timeline at the pod's step (steps queued before are refused)."""
-        setup = self.setup()
-        trainer = setup.trainer
-        exchange = self._new_exchange(run_id, trainer, setup.config, self._peers, hosts)
-        if self.exchange is not None:
-            self.exchange.close()
-        self.exchange = exchange
-        exchange.inbox.set_next_step(trainer.step)
-        epoch = self.seq.reset(trainer.step, why)
-        self._setup = dataclasses.replace(setup, epoch=epoch, hosts=hosts, run_id=run_id)
-        return self._setup
-
-    def _host_address(self, address: str) -> str:
-        """One pod's data-plane address for this host: with several hosts per pod an address may
-        list every host's ("A|B|..."), and host h exchanges with host h of the other pods."""
-        parts = address.split("|")
-        if len(parts) == 1:
-            return address
-        if len(parts) != self.layout.hosts_per_pod:
-            raise InvalidRequest(f"data-plane address {address!r} lists {len(parts)} hosts, the pod has "
-                                 f"{self.layout.hosts_per_pod}")
-        return parts[self.layout.host_index]
-
-    def _new_exchange(self, run_id: str, trainer: PodTrainer, config: WorkerConfig, peers: list[str],
-                      hosts: tuple[int, ...] | None = None) -> Exchange:
-        peers = [self._host_address(a) for a in peers]
-        return Exchange(run_id, self.pod_index, peers, trainer.exchange_specs, self.listener, dcn=config.dcn,
-                        hosts=list(hosts) if hosts is not None else None)
-
-    # -- membership: degraded mode and rejoin ---------------------------------------------------
-    def set_membership(self, run_id: str, hosts: list[int] | None, deadline: float) -> Membership:
-        """From the next step on, exchange under `run_id` among the pods in `hosts` (hosts[slot]:
-        the pod computing slot's shard; None: every pod its own). A step still waiting in the old
-        exchange fails at once (its state stays as before it: the controller retries it); steps
-        queued before this call are refused. InvalidRequest if the assignment does not fit."""
-        setup = self.setup()
-        num_pods = setup.num_pods
-        if hosts is not None:
-            hosts = tuple(int(h) for h in hosts)
-            if len(hosts) != num_pods or any(not 0 <= h < num_pods for h in hosts):
-                raise InvalidRequest(f"hosts must give a pod in [0, {num_pods}) for each of the {num_pods} slots, "
-                                     f"got {list(hosts)}")
-            if any(hosts[h] != h for h in set(hosts)):
-                raise InvalidRequest(f"hosts {list(hosts)}: a live pod must compute its own shard")
-            if self.pod_index not in hosts:
-                raise NotReady(f"pod {self.pod_index} is not among the hosts {list(hosts)}: it has to rejoin first")
-            if hosts == tuple(range(num_pods)):
-                hosts = None
-        aborted = self.seq.state == pb.WORKER_STATE_STEPPING
-        if self.exchange is not None:
-            self.exchange.abort(f"pod {self.pod_index}: the controller changed the pods taking part")
-        with self.seq.hold("a membership change", deadline):
-            setup = self._start_timeline(run_id, hosts, "given a new membership")
-            trainer = setup.trainer
-            self._checksum = (trainer.step, trainer.checksum())
-            return Membership(trainer.step, self._checksum[1], trainer.fingerprint(), setup.config.config_hash(),
-                              aborted)
-
-    def send_state(self, transfer_id: str, to_pod: int, to_address: str, deadline: float) -> Transferred:
-        """Stream this pod's parameters and optimizer state to a rejoining pod over the data plane
-        (between steps: waits until `deadline` for a running one)."""
-        import jax
-
-        from multipod.pod_worker.dcn.transfer import send_state
-        setup = self.setup()
-        if not 0 <= to_pod < setup.num_pods or to_pod == self.pod_index:
-            raise InvalidRequest(f"to_pod {to_pod} is not another pod of the run")
-        with self.seq.hold("sending the state to a rejoining pod", deadline):
-            trainer = self.setup().trainer
-            state = trainer.host_state()
-            fp = fingerprint(state["params"], state["opt_state"])
-            leaves = [np.asarray(leaf) for leaf in jax.tree.leaves((state["params"], state["opt_state"]))]
-            dcn = setup.config.dcn
-            stats = send_state(self.pod_index, transfer_id, to_pod, self._host_address(to_address), leaves,
-                               trainer.step, fp,
-                               self.listener.secret, deadline, chunk_bytes=dcn.chunk_bytes, streams=dcn.streams)
-        return Transferred(trainer.step, fp, stats.bytes, stats.seconds)
-
-    def receive_state(self, transfer_id: str, from_pod: int, deadline: float) -> Transferred:
-        """Take a live pod's parameters and optimizer state over the data plane. What arrives is
-        staged; it replaces the state only when complete and its fingerprint is the donor's.
-        Anything less (a cut stream, a wrong hash) leaves the state as it was."""
-        import jax
-
-        from multipod.pod_worker.dcn import LeafSpec
-        from multipod.pod_worker.dcn.transfer import StateReceiver
-        setup = self.setup()
-        if not 0 <= from_pod < setup.num_pods or from_pod == self.pod_index:
-            raise InvalidRequest(f"from_pod {from_pod} is not another pod of the run")
-        start = time.perf_counter()
-        with self.seq.hold("receiving a peer's state", deadline, state=pb.WORKER_STATE_RESTORING):
-            setup = self.setup()
-            trainer = setup.trainer
-            current = (trainer.params, trainer.opt_state)
-            leaves, treedef = jax.tree.flatten(current)
-            specs = [LeafSpec(tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves]
-            receiver = StateReceiver(transfer_id, self.pod_index, from_pod, specs,
-                                     chunk_bytes=setup.config.dcn.chunk_bytes)
-            self.listener.attach(receiver)
-            try:
-                step, donor_fp, arrays, nbytes = receiver.wait(deadline)
-            finally:
-                if self.exchange is not None:
-                    self.listener.attach(self.exchange.inbox)
-            params, opt_state = jax.tree.unflatten(treedef, arrays)
-            fp = fingerprint(params, opt_state)
-            if fp != donor_fp:
-                raise CorruptTransfer(f"the state from pod {from_pod} hashes to {fp}, the donor's is {donor_fp}: "
-                                      f"not taken")
-            trainer.load_state(params, opt_state, step)
-            self._checksum = (trainer.step, trainer.checksum())
-            if self.exchange is not None:
-                self.exchange.inbox.set_next_step(trainer.step)
-            epoch = self.seq.reset(trainer.step, "given a peer's state")
-            self._setup = dataclasses.replace(setup, epoch=epoch)
-        return Transferred(step, fp, nbytes, time.perf_counter() - start)
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
