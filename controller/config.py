@@ -35,8 +35,17 @@ __all__ = ["Config", "ConfigError", "DataConfig", "DcnConfig", "MeshConfig", "Mo
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from and how a global batch is shaped."""
-    path: str = ""                # "" = the running Python's standard library (.py files)
+    """Where tokens come from, how text becomes tokens, and how a global batch is shaped."""
+    # A text file, a directory, a .jsonl or a .parquet; "" = the running Python's standard
+    # library (.py files).
+    path: str = ""
+    text_field: str = "text"      # the field of a .jsonl record / the column of a .parquet holding the text
+    # "bytes" | "bpe:N" (a byte-level BPE of N tokens trained on the corpus, cached) | a path to a
+    # Hugging Face tokenizer.json | a path to a SentencePiece model. The model's vocab_size follows
+    # it, padded up to a multiple of 128, unless model.vocab_size is given.
+    tokenizer: str = "bpe:2048"
+    # Tokenized corpora and trained tokenizers; "" = $MULTIPOD_CACHE_DIR, else ~/.cache/multipod.
+    cache_dir: str = ""
     seq_len: int = 128
     global_batch: int = 16        # sequences per step, over all pods
 
@@ -45,6 +54,23 @@ class DataConfig:
         positive("data.global_batch", self.global_batch)
         if self.path and not pathlib.Path(self.path).exists():
             raise ConfigError("data.path", f"{self.path!r} does not exist")
+        if not self.text_field:
+            raise ConfigError("data.text_field", "must not be empty")
+        self.bpe_size()     # checks the bpe:N form
+        if self.tokenizer != "bytes" and not self.tokenizer.startswith("bpe:") \
+                and not pathlib.Path(self.tokenizer).is_file():
+            raise ConfigError("data.tokenizer", f"{self.tokenizer!r} is not \"bytes\", \"bpe:N\" or an existing "
+                              f"tokenizer file (a tokenizer.json or a SentencePiece model)")
+
+    def bpe_size(self) -> int | None:
+        """N of a "bpe:N" tokenizer (None for any other kind); ConfigError if N is not a valid size."""
+        if not self.tokenizer.startswith("bpe:"):
+            return None
+        size = self.tokenizer[4:]
+        if not size.isdigit() or not 258 <= int(size) <= (1 << 20):
+            raise ConfigError("data.tokenizer", f"{self.tokenizer!r}: bpe:N needs N in [258, {1 << 20}] "
+                              f"(the 256 bytes, the end-of-text token and at least one merge)")
+        return int(size)
 
 
 @dataclass(frozen=True)
@@ -59,7 +85,11 @@ class RunConfig:
     dispatch_depth: int = 2       # steps in flight at once (2: next shards travel during compute)
     sample_tokens: int = 160      # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "
-    eval_batches: int = 2         # held-out batches evaluated at the end (0: none)
+    eval_batches: int = 2         # held-out batches per evaluation (0: none)
+    eval_every: int = 0           # evaluate every N steps, on every pod (0: only at the end)
+    # With no run.peak_flops and none cached for these devices, `multipod local` measures this
+    # machine's peak once (a few seconds) and caches it for MFU; false: MFU stays unknown.
+    measure_peak: bool = True
     # Every step's fingerprint is an on-device checksum; the full BLAKE2b hash of a host copy of
     # the state is taken at every checkpoint and after every N steps (0: only at checkpoints).
     full_fingerprint_every: int = 100
@@ -101,6 +131,7 @@ class RunConfig:
             raise ConfigError("run.dispatch_depth", f"must be 1 or 2, got {self.dispatch_depth}")
         non_negative("run.sample_tokens", self.sample_tokens)
         non_negative("run.eval_batches", self.eval_batches)
+        non_negative("run.eval_every", self.eval_every)
 
 
 @dataclass(frozen=True)
@@ -163,8 +194,10 @@ def parse_override(text: str) -> tuple[list[str], object]:
     return path, parsed
 
 
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults <- TOML file <- overrides, validated. Errors name the file or the field."""
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = (), given: set | None = None) -> Config:
+    """Defaults <- TOML file <- overrides, validated. Errors name the file or the field. `given`,
+    if passed, receives the "section.key" names the file or the overrides set (what the user
+    chose, as against a default: model.vocab_size follows the tokenizer unless given)."""
     data: dict = {}
     if path:
         try:
@@ -179,4 +212,7 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         if not isinstance(table, dict):
             raise ConfigError(section, "is not a table")
         table[key] = value
+    if given is not None:
+        given.update(f"{section}.{key}" for section, table in data.items() if isinstance(table, dict)
+                     for key in table)
     return Config.from_dict(data)

@@ -93,3 +93,31 @@ def test_overlap_with_microbatches_is_refused_when_the_config_loads():
     with pytest.raises(ConfigError, match="model.microbatches: must be 1 with dcn.overlap"):
         load_config(None, ["dcn.overlap=true", "model.microbatches=2"])
     assert load_config(None, ["dcn.overlap=false", "model.microbatches=2"]).model.microbatches == 2
+
+
+@pytest.mark.parametrize("value, message", [
+    ('"bpe:10"', "bpe:N needs N in"), ('"bpe:x"', "bpe:N needs N in"),
+    ('"no/such/tokenizer.json"', "is not \"bytes\", \"bpe:N\" or an existing tokenizer file")])
+def test_a_bad_tokenizer_names_data_tokenizer(value, message):
+    with pytest.raises(ConfigError, match="data.tokenizer") as error:
+        load_config(None, [f"data.tokenizer={value}"])
+    assert message in str(error.value)
+
+
+def test_tokenizer_kinds_and_eval_every(tmp_path):
+    tokenizer = tmp_path / "tok.json"
+    tokenizer.write_text("{}")       # existence is all the config checks; loading it is the tokenizer's job
+    for value in ("bytes", "bpe:4096", str(tokenizer)):
+        assert load_config(None, [f"data.tokenizer={value!r}".replace("'", '"')]).data.tokenizer == value
+    assert load_config(None, ["data.tokenizer=\"bpe:300\""]).data.bpe_size() == 300
+    assert load_config(None, ["run.eval_every=50"]).run.eval_every == 50
+    with pytest.raises(ConfigError, match="run.eval_every"):
+        load_config(None, ["run.eval_every=-1"])
+
+
+def test_load_config_reports_the_keys_the_user_gave(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nvocab_size = 512\n")
+    given: set = set()
+    load_config(str(path), ["run.steps=3"], given)
+    assert given == {"model.vocab_size", "run.steps"}
