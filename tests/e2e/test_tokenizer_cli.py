@@ -1,0 +1,34 @@
+"""`multipod tokenizer train`: a byte-level BPE from a directory of text, and a clear error for a
+source that does not exist."""
+from multipod.controller.tokenizer import load_tokenizer
+from tests.helpers import run_cli
+
+
+def test_tokenizer_train_writes_a_tokenizer_that_round_trips(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        (data / f"mod{i}.py").write_text("".join(
+            f"def handle_{i}_{j}(self, request):\n    return self.respond(request, status={j})\n\n"
+            for j in range(50)))
+    out = tmp_path / "out" / "tok.json"
+    result = run_cli("tokenizer", "train", "--data", str(data), "--vocab-size", "300", "--out", str(out),
+                     timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == str(out)
+    assert "4 documents" in result.stderr and str(out) in result.stderr
+    tok = load_tokenizer(str(out))
+    assert tok.kind == "huggingface" and 258 <= tok.vocab_size <= 300
+    text = "def handle(self, request):\n\treturn 'ünïcödé'  \n"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode("    return self.respond(request")) < 20     # it learnt merges
+
+
+def test_tokenizer_train_names_a_missing_source(tmp_path):
+    missing = tmp_path / "no-such-corpus"
+    out = tmp_path / "tok.json"
+    result = run_cli("tokenizer", "train", "--data", str(missing), "--vocab-size", "300", "--out", str(out),
+                     timeout=60)
+    assert result.returncode != 0
+    assert str(missing) in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
