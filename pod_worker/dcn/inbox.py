@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -236,59 +237,48 @@ class Inbox:
     def wait_leaf(self, step: int, phase: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
         """Block until every peer's part of `leaf` in `phase` has arrived; returns it by pod.
         ExchangeError at the deadline, or as soon as any peer's part of the step has failed."""
-        peers = [p for p in range(self.num_pods) if p != self.pod_index]
-        with self._cond:
-            state = self._state(step)
-            while True:
-                if self._aborted:
-                    raise ExchangeError(self._aborted)
-                if state.errors:
-                    detail = "; ".join(f"pod {p}: {why}" for p, why in sorted(state.errors.items()))
-                    raise ExchangeError(f"step {step}: gradient exchange failed: {detail}")
-                slots = {p: state.slots[(phase, p)] for p in peers}
-                missing = [p for p, s in slots.items() if s.missing[leaf] > 0]
-                if not missing:
-                    return {p: s.targets[leaf] for p, s in slots.items()}
-                self._check_gone(step, missing)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    detail = ", ".join(
-                        f"pod {p} ({slots[p].bytes} of its bytes so far, leaf {leaf} incomplete"
-                        + (f"; its last refused chunk: {self._refusals[p]}" if p in self._refusals else "") + ")"
-                        for p in missing)
-                    raise ExchangeError(f"step {step}: gradient from {detail} did not arrive within the DCN "
-                                        f"deadline")
-                self._cond.wait(remaining)
+        peers = {p: (phase, p) for p in range(self.num_pods) if p != self.pod_index}
+        return self._wait(step, leaf, deadline, peers, "from", lambda p: f"pod {p}", lambda p: f"pod {p}")
 
     def wait_slots(self, step: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
         """Degraded mode: block until `leaf` of every slot another live pod hosts has arrived;
         returns it by slot. ExchangeError at the deadline, on abort, or as soon as any live
         peer's part of the step has failed (naming the slots it hosts)."""
         hosts = self.plan.hosts
-        remote = [s for s, h in enumerate(hosts) if h != self.pod_index]
+        remote = {s: (slot_phase(s), h) for s, h in enumerate(hosts) if h != self.pod_index}
+        return self._wait(step, leaf, deadline, remote, "of", lambda s: f"slot {s} from pod {hosts[s]}",
+                          lambda p: f"pod {p} (computing slots {self._slots_of(p)})")
+
+    def _wait(self, step: int, leaf: int, deadline: float, sources: dict[int, tuple[int, int]], what: str,
+              name: Callable[[int], str], failed: Callable[[int], str]) -> dict[int, np.ndarray]:
+        """The wait of wait_leaf and wait_slots: block until `leaf` has arrived from every source
+        (key -> the (phase, pod) it comes in); returns it by key. ExchangeError on abort, as soon
+        as any pod's part of the step has failed or all its links are gone, or at the deadline.
+        In messages `name(key)` names a source ("gradient {what} {name(key)} ... did not arrive")
+        and `failed(pod)` a pod whose part failed."""
         with self._cond:
             state = self._state(step)
             while True:
                 if self._aborted:
                     raise ExchangeError(self._aborted)
                 if state.errors:
-                    detail = "; ".join(f"pod {p} (computing slots {self._slots_of(p)}): {why}"
-                                       for p, why in sorted(state.errors.items()))
+                    detail = "; ".join(f"{failed(p)}: {why}" for p, why in sorted(state.errors.items()))
                     raise ExchangeError(f"step {step}: gradient exchange failed: {detail}")
-                slots = {s: state.slots[(slot_phase(s), hosts[s])] for s in remote}
-                missing = [s for s, got in slots.items() if got.missing[leaf] > 0]
+                slots = {k: state.slots[source] for k, source in sources.items()}
+                missing = [k for k, got in slots.items() if got.missing[leaf] > 0]
                 if not missing:
-                    return {s: got.targets[leaf] for s, got in slots.items()}
-                self._check_gone(step, {hosts[s] for s in missing})
+                    return {k: got.targets[leaf] for k, got in slots.items()}
+                self._check_gone(step, {sources[k][1] for k in missing})
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    detail = ", ".join(
-                        f"slot {s} from pod {hosts[s]} ({slots[s].bytes} of its bytes so far, leaf {leaf} incomplete"
-                        + (f"; its last refused chunk: {self._refusals[hosts[s]]}" if hosts[s] in self._refusals
-                           else "") + ")"
-                        for s in missing)
-                    raise ExchangeError(f"step {step}: gradient of {detail} did not arrive within the DCN deadline")
+                    detail = ", ".join(f"{name(k)} ({slots[k].bytes} of its bytes so far, leaf {leaf} incomplete"
+                                       f"{self._last_refusal(sources[k][1])})" for k in missing)
+                    raise ExchangeError(f"step {step}: gradient {what} {detail} did not arrive within the DCN "
+                                        f"deadline")
                 self._cond.wait(remaining)
+
+    def _last_refusal(self, pod: int) -> str:
+        return f"; its last refused chunk: {self._refusals[pod]}" if pod in self._refusals else ""
 
     def _slots_of(self, pod: int) -> list[int]:
         return [s for s, h in enumerate(self.plan.hosts) if h == pod]
