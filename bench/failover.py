@@ -48,9 +48,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.procs import stop, wait_for_port  # noqa: E402
+
 TINY = str(ROOT / "configs" / "tiny.toml")
 PODS = 3
 KILLED = 1
@@ -162,6 +166,27 @@ def _local_pid(run_dir: pathlib.Path, pod: int) -> int:
     return int(found[-1])
 
 
+def _run_killing(cmd: list[str], env: dict, run_dir: pathlib.Path, kill_step: int | None,
+                 victim: Callable[[], int]) -> dict:
+    """Run the controller `cmd` to its end; once step kill_step is recorded (None: never), SIGKILL
+    the process whose pid victim() gives. RunFailed if the run fails; else what analyse() reads."""
+    live = _Live(cmd, env)
+    kill_time = None
+    try:
+        if kill_step is not None:
+            _wait_for_step(live, run_dir, kill_step)
+            pid = victim()
+            kill_time = time.time()
+            os.kill(pid, signal.SIGKILL)
+        code = live.finish(1800)
+    finally:
+        if live.proc.poll() is None:
+            live.proc.kill()
+    if code:
+        raise RunFailed(f"the run failed with exit code {code}:\n" + live.tail())
+    return {"run_dir": run_dir, "kill_time": kill_time, "lines": live.lines, "cmd": cmd}
+
+
 def _settings(extra: list[str]) -> list[str]:
     out = []
     for s in [*MODEL, *COMMON, *HEALTH, *extra]:
@@ -176,21 +201,7 @@ def run_local(folder: pathlib.Path, env: dict, steps: int, kill_step: int | None
     cmd = [sys.executable, "-m", "multipod.cli", "local", "--pods", str(PODS), "--devices-per-pod", "1",
            "--config", TINY, "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
            "--run-dir", str(run_dir), *_settings(extra)]
-    live = _Live(cmd, env)
-    kill_time = None
-    try:
-        if kill_step is not None:
-            _wait_for_step(live, run_dir, kill_step)
-            pid = _local_pid(run_dir, KILLED)
-            kill_time = time.time()
-            os.kill(pid, signal.SIGKILL)
-        code = live.finish(1800)
-    finally:
-        if live.proc.poll() is None:
-            live.proc.kill()
-    if code:
-        raise RunFailed(f"the run failed with exit code {code}:\n" + live.tail())
-    return {"run_dir": run_dir, "kill_time": kill_time, "lines": live.lines, "cmd": cmd}
+    return _run_killing(cmd, env, run_dir, kill_step, lambda: _local_pid(run_dir, KILLED))
 
 
 def run_no_restart(folder: pathlib.Path, env: dict, steps: int, kill_step: int, checkpoint_every: int,
@@ -209,37 +220,17 @@ def run_no_restart(folder: pathlib.Path, env: dict, steps: int, kill_step: int, 
                 start_new_session=True))
         deadline = time.monotonic() + 180
         for pod in range(PODS):
-            port_file = folder / f"pod{pod}.port"
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if time.monotonic() > deadline or procs[pod].poll() is not None:
-                    raise RunFailed(f"pod {pod} did not start:\n" + (folder / f"worker-{pod}.log").read_text()[-2000:])
-                time.sleep(0.05)
-            addresses.append(f"127.0.0.1:{port_file.read_text().strip()}")
+            address = wait_for_port(procs[pod], folder / f"pod{pod}.port", deadline)
+            if address is None:
+                raise RunFailed(f"pod {pod} did not start:\n" + (folder / f"worker-{pod}.log").read_text()[-2000:])
+            addresses.append(address)
         run_dir = folder / "run"
         cmd = [sys.executable, "-m", "multipod.cli", "train", "--workers", ",".join(addresses), "--config", TINY,
                "--steps", str(steps), "--checkpoint-every", str(checkpoint_every), "--run-dir", str(run_dir),
                "--checkpoint-dir", str(folder / "checkpoints"), *_settings(extra)]
-        live = _Live(cmd, env)
-        try:
-            _wait_for_step(live, run_dir, kill_step)
-            kill_time = time.time()
-            os.kill(procs[KILLED].pid, signal.SIGKILL)
-            code = live.finish(1800)
-        finally:
-            if live.proc.poll() is None:
-                live.proc.kill()
-        if code:
-            raise RunFailed(f"the run failed with exit code {code}:\n" + live.tail())
-        return {"run_dir": run_dir, "kill_time": kill_time, "lines": live.lines, "cmd": cmd}
+        return _run_killing(cmd, env, run_dir, kill_step, lambda: procs[KILLED].pid)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 # -- reading a run -----------------------------------------------------------------------------------

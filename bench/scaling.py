@@ -39,6 +39,9 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.procs import stop, wait_for_port  # noqa: E402
 
 # Small enough that its gradient (~13 MB) crosses the link quickly, with enough compute per step
 # (>= 1 s on one core at the default batch) for the PaLM comparison.
@@ -99,13 +102,11 @@ def start_workers(cores: list[int], folder: pathlib.Path, hosts_per_pod: int = 1
     deadline = time.monotonic() + 120
     ports = []
     for proc, name in zip(procs, names):
-        port_file = folder / f"pod{name}.port"
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                log = (folder / f"worker-{name}.log").read_text()[-2000:]
-                raise SystemExit(f"worker {name} did not start:\n{log}")
-            time.sleep(0.05)
-        ports.append(f"127.0.0.1:{port_file.read_text().strip()}")
+        address = wait_for_port(proc, folder / f"pod{name}.port", deadline)
+        if address is None:
+            log = (folder / f"worker-{name}.log").read_text()[-2000:]
+            raise SystemExit(f"worker {name} did not start:\n{log}")
+        ports.append(address)
     addresses = [",".join(ports[p * hosts_per_pod:(p + 1) * hosts_per_pod]) for p in range(len(cores))]
     return procs, addresses
 
@@ -132,13 +133,7 @@ def run(cores: list[int], batch: int, seq_len: int, steps: int, settings: list[s
                                  f"{result.stderr[-3000:]}")
             return [json.loads(l) for l in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop(procs)
 
 
 def summarise(runs: list[list[dict]], warmup: int) -> dict:
