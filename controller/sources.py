@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import sysconfig
 from collections.abc import Iterator
@@ -123,12 +124,20 @@ def _is_hidden(file: pathlib.Path, root: pathlib.Path) -> bool:
     return any(part.startswith(".") for part in file.relative_to(root).parts)
 
 
+def _stdlib_files(root: pathlib.Path) -> Iterator[pathlib.Path]:
+    """The .py files under root, not descending into site-packages (walking it would triple the
+    time of every reuse of the token cache, which lists the files to fingerprint them)."""
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        yield from (pathlib.Path(folder, name) for name in names if name.endswith(".py"))
+
+
 def _candidates(path: str) -> tuple[pathlib.Path, list[pathlib.Path], list[pathlib.Path]]:
     """(the root; the source's files in a fixed, sorted order; the hidden files of a directory
     left out). DataError if the path does not exist."""
     if not path:
         root = default_corpus_root()
-        return root, sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts), []
+        return root, sorted(_stdlib_files(root)), []
     target = pathlib.Path(path)
     if target.is_file():
         return target, [target], []

@@ -158,12 +158,11 @@ def _load(directory: pathlib.Path, built: bool) -> TokenCache | None:
                 if (directory / name).stat().st_size != count * dtype.itemsize:
                     raise ValueError(f"{name} has the wrong size")
             streams[split] = TokenStream(directory, shards, dtype)
-    except FileNotFoundError:
-        if directory.is_dir() and not (directory / "index.json").exists():
-            shutil.rmtree(directory, ignore_errors=True)
-        return None
     except (OSError, ValueError, KeyError, TypeError):
-        shutil.rmtree(directory, ignore_errors=True)
+        # Not there (the usual miss), or broken: no index, a lost or truncated shard. A broken one
+        # goes, so that the build can rename a whole one into its place.
+        if directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)
         return None
     splits = index["splits"]
     return TokenCache(directory=directory, dtype=dtype, built=built, train=streams["train"], eval=streams["eval"],
@@ -237,7 +236,8 @@ def _progress_bar(path: str, enabled: bool):
     bar = Progress(TextColumn("tokenizing {task.description}"), BarColumn(), DownloadColumn(),
                    TextColumn("{task.fields[documents]:,} documents"), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
-    task = bar.add_task(sources.source_name(path), total=total, documents=0)
+    # The source's last component: a full path would crowd the bar out of a narrow terminal.
+    task = bar.add_task(pathlib.Path(sources.source_name(path)).name, total=total, documents=0)
     bar.start()
     return bar, task
 

@@ -146,6 +146,9 @@ def test_a_crash_mid_build_leaves_nothing_that_is_reused(folder, tmp_path):
     # A shard truncated after the fact: rebuilt, not read short.
     os.truncate(cache.directory / "train-00000.bin", 10)
     assert open_quiet(folder, root).built
+    (cache.directory / "eval-00000.bin").unlink()
+    rebuilt = open_quiet(folder, root)
+    assert rebuilt.built and tokens(rebuilt.eval) == joined([DOCS[49], DOCS[99]])
 
 
 def test_another_process_publishing_first_wins(folder, tmp_path, monkeypatch):
@@ -194,3 +197,22 @@ def test_the_default_corpus_is_cached(tmp_path):
     cache = open_quiet("", tmp_path)
     assert len(cache.train) > 1 << 20 and sum(cache.documents.values()) == len(sources.corpus_files(""))
     assert pathlib.Path(cache.directory).parent == tmp_path / "tokens"
+
+
+def test_a_trained_bpe_gives_the_same_tokens_from_every_format_and_ends_documents(folder, tmp_path):
+    from multipod.controller.tokenizer import train_bpe
+    bpe = train_bpe(DOCS, 300, tmp_path / "tokenizer.json")
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": DOCS}), parquet)
+    caches = [open_quiet(p, tmp_path / "cache", bpe) for p in (folder, jsonl, parquet)]
+    streams = [c.train.read(0, len(c.train)) for c in caches]
+    assert all(np.array_equal(s, streams[0]) for s in streams)
+    ids = streams[0].astype(np.int64)
+    assert ids.max() < bpe.vocab_size and len(ids) < caches[0].text_bytes["train"]     # merges happened
+    ends = np.flatnonzero(ids == bpe.eos_id)
+    assert len(ends) == caches[0].documents["train"] and ends[-1] == len(ids) - 1
+    documents = np.split(ids, ends[:-1] + 1)
+    assert [bpe.decode(d[:-1]) for d in documents] == [d for i, d in enumerate(DOCS) if i % EVAL_EVERY != 49]
+    assert not open_quiet(jsonl, tmp_path / "cache", bpe).built
