@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.e2e.pod_failure import kill_and_finish
 from tests.e2e.test_recovery import _current_pid, _events, _Live, _run, _wait_for_step
 from tests.helpers import TINY, read_metrics
 
@@ -70,14 +71,7 @@ def _degraded_then_whole(records: list[dict], pod: int) -> None:
 
 def test_a_killed_pod_s_shard_goes_to_the_survivors_and_it_rejoins_from_a_peer(reference3, tmp_path, env):
     run = _Live("local", *_args(3), "--run-dir", str(tmp_path), env=env)
-    try:
-        _wait_for_step(run.proc, tmp_path, 10)
-        os.kill(_current_pid(tmp_path, 1)[0], signal.SIGKILL)
-        run.wait_for("degraded: 2/3 pods", 120)
-        code = run.finish(400)
-    finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
+    code = kill_and_finish(run, tmp_path, lambda: _current_pid(tmp_path, 1)[0], "degraded: 2/3 pods")
     out = "".join(run.out)
     assert code == 0, out + "".join(run.err)
     assert "degraded 2/3 pods" in out            # the progress line says so
@@ -185,14 +179,7 @@ def test_two_pods_one_stays_dead_and_the_survivor_finishes_alone(remote_pods, tm
     worker of the shared pair.)"""
     pods, env, reference = remote_pods
     run = _train(pods, tmp_path, env, "--set", "run.restart_timeout_s=1")
-    try:
-        _wait_for_step(run.proc, tmp_path, 10)
-        os.kill(pods.procs[1].pid, signal.SIGKILL)
-        run.wait_for("degraded: 1/2 pods", 120)
-        code = run.finish(400)
-    finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
+    code = kill_and_finish(run, tmp_path, lambda: pods.procs[1].pid, "degraded: 1/2 pods")
     assert code == 0, "".join(run.out) + "".join(run.err)
     records = _check_same_as(tmp_path, reference, steps=range(STEPS_2))
     assert records[-1]["hosts"] == [0, 0] and records[-1]["live_pods"] == 1

@@ -7,16 +7,15 @@ step in both layouts, and each host moves half of the pod's gradient over the DC
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 
 import pytest
 
 from multipod.controller.config import load_config
 from multipod.pod_worker import checkpoint
-from tests.e2e.test_recovery import _events, _Live, _run, _wait_for_step
+from tests.e2e.pod_failure import kill_and_finish
+from tests.e2e.test_recovery import _events, _Live, _run
 from tests.helpers import TINY, read_metrics, run_cli
 
 STEPS = 8
@@ -106,15 +105,12 @@ def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_ho
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "run"
     run = _Live("local", *TWO_HOSTS, *args, "--run-dir", str(run_dir), env=env)
-    try:
-        _wait_for_step(run.proc, run_dir, 10)
+
+    def host_1_of_pod_1() -> int:
         log = (run_dir / "worker-1-host-1.log").read_text()
-        os.kill(int(re.findall(r"\(pid (\d+)\)", log)[-1]), signal.SIGKILL)
-        run.wait_for("degraded: 1/2 pods", 120)
-        code = run.finish(400)
-    finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
+        return int(re.findall(r"\(pid (\d+)\)", log)[-1])
+
+    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods")
     assert code == 0, "".join(run.out) + "".join(run.err)
     records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
     assert [r["step"] for r in records] == list(range(steps))
