@@ -120,6 +120,16 @@ def _host_part(address: str, host: int, hosts: int, what: str) -> str:
     return parts[host]
 
 
+def _copies(request, k: int) -> list:
+    """k copies of a request message, one per host, each to be changed on its own."""
+    out = []
+    for _ in range(k):
+        copy = type(request)()
+        copy.CopyFrom(request)
+        out.append(copy)
+    return out
+
+
 class PodCall:
     """The K hosts' calls of one RPC, as one PendingCall: done once every host's call finished or
     one failed; result() is host 0's reply, or the first failure seen (a WorkerError naming the
@@ -215,33 +225,24 @@ class PodClient:
             own = _split_rows(request.tokens, k, f"{self.name}'s shard")
             extra = [_split_rows(s.tokens, k, f"the shard of slot {s.slot} (computed by {self.name})")
                      for s in request.extra_shards]
-            out = []
-            for h in range(k):
-                copy = pb.StepRequest()
-                copy.CopyFrom(request)
+            out = _copies(request, k)
+            for h, copy in enumerate(out):
                 copy.tokens = own[h]
                 for shard, blocks in zip(copy.extra_shards, extra):
                     shard.tokens = blocks[h]
-                out.append(copy)
             return out
         if method == "Configure":
-            out = []
-            for h in range(k):
-                copy = pb.ConfigureRequest()
-                copy.CopyFrom(request)
+            out = _copies(request, k)
+            for h, copy in enumerate(out):
                 copy.host_index, copy.hosts_per_pod = h, k
                 del copy.dcn_addresses[:]
                 copy.dcn_addresses.extend(_host_part(a, h, k, f"pod {p}'s data-plane address")
                                           for p, a in enumerate(request.dcn_addresses))
-                out.append(copy)
             return out
         if method == "SendState":
-            out = []
-            for h in range(k):
-                copy = pb.SendStateRequest()
-                copy.CopyFrom(request)
+            out = _copies(request, k)
+            for h, copy in enumerate(out):
                 copy.to_address = _host_part(request.to_address, h, k, f"pod {request.to_pod}'s data-plane address")
-                out.append(copy)
             return out
         return [request] * k
 
