@@ -22,9 +22,16 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
                         help="override one config value, e.g. --set model.d_model=128 (repeatable)")
     parser.add_argument("--steps", type=int, help="training steps (run.steps)")
     parser.add_argument("--seed", type=int, help="seed for parameters and data (run.seed)")
-    parser.add_argument("--data", help="a text file or a directory of text files (default: Python's stdlib)")
+    parser.add_argument("--data", help="a text file, a directory, a .jsonl or a .parquet (data.path; default: "
+                        "Python's stdlib)")
+    parser.add_argument("--tokenizer", help="bytes | bpe:N (trained on the corpus, cached) | a tokenizer.json | a "
+                        "SentencePiece model (data.tokenizer)")
+    parser.add_argument("--eval-every", type=int, help="evaluate the held-out split on every pod every N steps "
+                        "(run.eval_every; 0: only at the end)")
     parser.add_argument("--peak-flops", type=float,
-                        help="peak FLOP/s of one device, for MFU (default: the value `multipod peak-flops` measured)")
+                        help="peak FLOP/s of one device, for MFU (default: measured once on this machine and cached)")
+    parser.add_argument("--no-peak", action="store_true",
+                        help="do not measure this machine's peak FLOP/s (MFU is then reported only if cached)")
     parser.add_argument("--run-dir", help="where config, metrics and logs go (default: a new folder under runs/)")
     # Runs that survive (docs/reliability.md).
     parser.add_argument("--resume", action="store_true",
@@ -82,13 +89,17 @@ def add_commands(sub) -> None:
     report.add_argument("--out", metavar="PATH", help="where the PNG goes (default: RUN_DIR/report.png)")
 
 
-def resolve_config(args: argparse.Namespace):
-    """Defaults <- --config <- --set <- the dedicated flags (--steps, --seed, --data, --peak-flops)."""
+def resolve_config(args: argparse.Namespace, given: set | None = None):
+    """Defaults <- --config <- --set <- the dedicated flags (--steps, --seed, --data, --peak-flops,
+    ...). `given` receives the "section.key" names the user set (config.load_config)."""
     from multipod.controller.config import load_config
     overrides = list(args.overrides)
+    if getattr(args, "no_peak", False):
+        overrides.append("run.measure_peak=false")
     for flag, key in (("steps", "run.steps"), ("seed", "run.seed"), ("peak_flops", "run.peak_flops"),
                       ("checkpoint_every", "run.checkpoint_every"), ("max_restarts", "run.max_restarts"),
-                      ("on_spike", "run.on_spike"), ("skip_batches", "run.skip_batches")):
+                      ("on_spike", "run.on_spike"), ("skip_batches", "run.skip_batches"),
+                      ("eval_every", "run.eval_every"), ("tokenizer", "data.tokenizer")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value) if isinstance(value, str) else value}")
@@ -96,7 +107,7 @@ def resolve_config(args: argparse.Namespace):
         overrides.append(f"run.checkpoint_dir={json.dumps(str(pathlib.Path(args.checkpoint_dir).absolute()))}")
     if args.data is not None:
         overrides.append(f"data.path={json.dumps(args.data)}")
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, given)
 
 
 def _run_dir(args: argparse.Namespace) -> pathlib.Path:
@@ -108,11 +119,13 @@ def _run_dir(args: argparse.Namespace) -> pathlib.Path:
 
 def _train(args, addresses_fn) -> int:
     from multipod.controller.config import ConfigError
+    from multipod.controller.corpus import prepare
     from multipod.controller.metrics import out
     from multipod.controller.summary import print_summary
     from multipod.controller.training import run_training
     from multipod.protos.transport import set_default_security
-    config = resolve_config(args)
+    given: set = set()
+    config = resolve_config(args, given)
     if args.command == "train" and not config.run.checkpoint_dir:
         # Pod 0 writes the checkpoints: the default, under the controller's run directory, would
         # land on pod 0's own disk, where the other pods cannot read it when they restore.
@@ -129,11 +142,15 @@ def _train(args, addresses_fn) -> int:
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     out(f"run directory: {run_dir}")
+    # The data first: a bad corpus or tokenizer is reported before any worker starts, and the
+    # model's vocabulary (which follows the tokenizer) is known when the pods configure.
+    data = prepare(config, vocab_given="model.vocab_size" in given)
     try:
         context = addresses_fn(run_dir, config)
         with context as addresses:
-            summary = run_training(config, addresses, run_dir, resume=args.resume,
-                                   supervisor=getattr(context, "pods", None))
+            summary = run_training(data.config, addresses, run_dir, resume=args.resume,
+                                   supervisor=getattr(context, "pods", None), data=data,
+                                   local=args.command == "local")
         print_summary(summary)
     finally:
         if args.command == "local":     # after the workers stopped, whether the run succeeded or not

@@ -45,12 +45,14 @@ class StepLoop:
     """Runs the steps of one segment (from a start step to run.steps) on `cluster`.
 
     checkpointer: anything with on_step(step, drain), called at every step boundary and at the
-    end; failover: None or anything with on_step(step, drain) -> whether the live pods changed;
-    spike: a SpikePolicy; recorder: where finished steps' records go."""
+    end; evaluator: None or the same (evaluation.Evaluator); failover: None or anything with
+    on_step(step, drain) -> whether the live pods changed; spike: a SpikePolicy; recorder: where
+    finished steps' records go. `batches` may have epoch(index): the records then count epochs."""
 
     def __init__(self, cluster: Cluster, batches, checkpointer, spike: SpikePolicy, recorder: Recorder,
-                 accounting: Accounting, failover=None):
+                 accounting: Accounting, failover=None, evaluator=None):
         self.cluster, self.batches, self.checkpointer, self.failover = cluster, batches, checkpointer, failover
+        self.evaluator = evaluator
         self.spike, self.recorder, self.accounting = spike, recorder, accounting
         self.run_config = cluster.config.run
         data = cluster.config.data
@@ -80,7 +82,7 @@ class StepLoop:
         try:
             try:
                 for step in range(start, stop):
-                    self.checkpointer.on_step(step, self.drain)
+                    self._boundary(step)
                     if self.failover is not None and self.failover.on_step(step, self.drain):
                         self._watchdog.stop()          # a pod rejoined: watch it too
                         self._watchdog = self.cluster.watchdog()
@@ -91,7 +93,7 @@ class StepLoop:
                     while len(self._pending) >= self.run_config.dispatch_depth or \
                             (self._pending and step == stop - 1):
                         self._complete_oldest()
-                self.checkpointer.on_step(stop, self.drain)
+                self._boundary(stop)
             except Spike:
                 # The pods are healthy: let the steps in flight finish before the rewind restores
                 # every pod (their results belong to the abandoned timeline).
@@ -106,6 +108,13 @@ class StepLoop:
             self._pending.clear()
             prefetch.close()
             self._watchdog.stop()
+
+    def _boundary(self, step: int) -> None:
+        """The components whose work needs every step before `step` done and none in flight."""
+        self.checkpointer.on_step(step, self.drain)
+        if self.evaluator is not None:
+            self.evaluator.data_offset = self._data_offset
+            self.evaluator.on_step(step, self.drain)
 
     def drain(self) -> None:
         """Finish every step in flight (before a checkpoint: it must hold exactly that state)."""
@@ -142,8 +151,14 @@ class StepLoop:
         check_agreement(step, clients, replies)
         record = step_record(step, replies, 0.0, self.accounting, hosts=hosts)
         record.update(partial_loss=True, skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
-                      restarts=self._restarts, data_index=step + self._data_offset)
+                      restarts=self._restarts, **self._position(step))
         self.recorder.write(record)
+
+    def _position(self, step: int) -> dict:
+        """Where in the data step `step` trained: the batch index, and the epochs done after it."""
+        index = step + self._data_offset
+        epoch = getattr(self.batches, "epoch", None)
+        return {"data_index": index, **({"epoch": epoch(index)} if epoch is not None else {})}
 
     def _complete(self, step: int, who: tuple, calls: list) -> None:
         """Wait for one step's replies (watching the pods meanwhile), check and record it."""
@@ -178,7 +193,7 @@ class StepLoop:
         record = step_record(step, results, now - self._last_done, self.accounting, hosts=hosts)
         self._last_done, self._last_progress = now, time.monotonic()
         record.update(skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
-                      restarts=self._restarts, data_index=step + self._data_offset)
+                      restarts=self._restarts, **self._position(step))
         spike = self.spike.check(record)
         self.recorder.write(record)     # a spike's record is kept too: it shows what was rewound
         if spike is not None:

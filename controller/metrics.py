@@ -190,6 +190,13 @@ class Recorder:
         self.records[record["step"]] = record
         self.progress.update(record)
 
+    def write_eval(self, record: dict) -> None:
+        """Log and show an evaluation's record (it sits beside the step records, not among them)."""
+        self.sink.write(record)
+        note = getattr(self.progress, "note", None)
+        if note is not None:
+            note(record)
+
     def in_order(self) -> list[dict]:
         """The latest record of every step, by step."""
         return [self.records[s] for s in sorted(self.records)]
@@ -224,8 +231,10 @@ class ProgressLine:
         hosts = record.get("hosts") or []
         live = record.get("live_pods", len(hosts))
         degraded = f"  degraded {live}/{len(hosts)} pods" if live < len(hosts) else ""
+        epoch = f"  epoch {record['epoch']:.2f}" if record.get("epoch") is not None else ""
         stats = (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
-                 f"MFU {_fmt(record['mfu'], '.1%')}  step {record['step_time_s']:.2f}s{degraded}")
+                 f"MFU {_fmt(record['mfu'], '.1%')}  HFU {_fmt(record.get('hfu'), '.1%')}  "
+                 f"step {record['step_time_s']:.2f}s{epoch}{degraded}")
         changed = live != getattr(self, "_live", live)     # a pod failed or rejoined: say so at once
         self._live = live
         if self._progress is not None:
@@ -233,6 +242,16 @@ class ProgressLine:
         elif time.monotonic() - self._last_print > 5 or record["step"] + 1 == self.total or changed:
             self._last_print = time.monotonic()
             print(f"step {record['step'] + 1}/{self.total}  {stats}", flush=True)
+
+    def note(self, record: dict) -> None:
+        """An evaluation's result, as a line of its own above the live line."""
+        bpb = record.get("eval_bits_per_byte")
+        line = (f"eval after step {record['trained_steps']}: loss {record['eval_loss']:.4f}  "
+                f"perplexity {record['eval_perplexity']:.2f}" + (f"  {bpb:.3f} bits/byte" if bpb is not None else ""))
+        if self._progress is not None:
+            self._progress.console.print(line)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:

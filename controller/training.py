@@ -6,19 +6,20 @@ The pieces each own one job: cluster.py (the pods), loop.py (the steps), checkpo
 spike.py, recovery.py, metrics.py, events.py, summary.py."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import pathlib
 
 from multipod.controller.checkpointer import Checkpointer
 from multipod.controller.cluster import Cluster, connect
 from multipod.controller.config import Config, ConfigError
-from multipod.controller.data import Batches, load_corpus
+from multipod.controller.corpus import RunData, prepare
 from multipod.controller.errors import PodFailure, RunError
+from multipod.controller.evaluation import Evaluator
 from multipod.controller.events import EventLog
 from multipod.controller.failover import Failover
 from multipod.controller.loop import StepLoop
-from multipod.controller.metrics import Accounting, MetricsLog, ProgressLine, Recorder, load_measured_peak, out
+from multipod.controller.metrics import Accounting, MetricsLog, ProgressLine, Recorder, out
+from multipod.controller.peak import resolve_peak
 from multipod.controller.recovery import Recovery
 from multipod.controller.spike import Spike, SpikePolicy
 from multipod.controller.summary import Summary, finish, print_summary
@@ -32,42 +33,39 @@ def checkpoint_dir(config: Config, run_dir: pathlib.Path) -> str:
 
 
 def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
-                 progress: ProgressLine | None = None, resume: bool = False, supervisor=None) -> Summary:
+                 progress: ProgressLine | None = None, resume: bool = False, supervisor=None,
+                 data: RunData | None = None, local: bool = False) -> Summary:
     """Train for config.run.steps steps on the pods at `addresses`; returns the run summary.
 
     resume: continue from the newest checkpoint in the checkpoint directory. supervisor: an
     object with kill(pod) that gets a hung pod restarted (LocalPods); without one, the controller
-    waits for the user's supervisor to bring a failed worker back."""
+    waits for the user's supervisor to bring a failed worker back. data: the run's prepared data
+    (corpus.prepare; made here if not given), whose config (vocab resolved) replaces `config`.
+    local: the pods run on this machine (its peak FLOP/s may be measured for MFU)."""
     if not addresses:
         raise ConfigError("--workers", "no worker addresses given")
     num_pods = len(addresses)
     if config.data.global_batch % num_pods:
         raise ConfigError("data.global_batch", f"{config.data.global_batch} does not split over {num_pods} pods")
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The tokenizer, the token cache and the vocabulary before the pods configure; config.json
+    # holds the resolved config.
+    data = data or prepare(config)
+    config = data.config
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
-
-    # Load the corpus while the workers get ready.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        corpus = pool.submit(load_corpus, config.data.path)
-        cluster = connect(addresses, config)
-        try:
-            tokens = corpus.result()
-        except BaseException:
-            cluster.close()
-            raise
+    cluster = connect(addresses, config)
     try:
-        batches = Batches(tokens, config.data.seq_len, config.data.global_batch, config.run.seed)
-        return train(cluster, run_dir, batches, progress, resume, supervisor)
+        return train(cluster, run_dir, data, progress, resume, supervisor, local)
     finally:
         cluster.close()
 
 
-def _accounting(cluster: Cluster, replies) -> Accounting:
+def _accounting(cluster: Cluster, replies, local: bool) -> Accounting:
     """Configure's replies, reported to the user, as the accounting of every step's record."""
     config, first = cluster.config, replies[0]
     num_devices = sum(r.num_devices for r in replies)
     accounting = Accounting(model_flops_per_token=config.model.flops_per_token(config.data.seq_len),
-                            peak_flops=config.run.peak_flops or load_measured_peak(first.device_kind, num_devices),
+                            peak_flops=resolve_peak(config.run, first.device_kind, num_devices, local),
                             num_devices=num_devices,
                             hardware_flops_per_step=sum(r.hardware_flops_per_step for r in replies))
     if first.memory_peak_bytes:
@@ -78,7 +76,8 @@ def _accounting(cluster: Cluster, replies) -> Accounting:
     out(f"{cluster.size} pod(s) x {first.num_devices} {first.device_kind} device(s), mesh data={first.mesh_shape[0]} "
         f"model={first.mesh_shape[1]}; {first.param_count:,} parameters; "
         f"{accounting.model_flops_per_token / 1e6:.1f} MFLOP/token; peak "
-        + (f"{peak / 1e9:.1f} GFLOP/s per device" if peak else "unknown (MFU not reported; see `multipod peak-flops`)"))
+        + (f"{peak / 1e9:.1f} GFLOP/s per device" if peak else
+           "unknown (MFU not reported; pass --peak-flops, or run `multipod peak-flops` on a worker's machine)"))
     return accounting
 
 
@@ -92,19 +91,20 @@ def _reattach(cluster: Cluster, run_dir: pathlib.Path):
     offset = 0
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        last = json.loads(lines[-1]) if lines else {}
+        # The last step record (evaluation records sit between them and carry no data position).
+        last = next((r for r in map(json.loads, reversed(lines)) if "data_index" in r), {})
         offset = int(last.get("data_index", last.get("step", 0))) - int(last.get("step", 0))
     except (OSError, ValueError):
         pass
     return replies, offset
 
 
-def train(cluster: Cluster, run_dir: pathlib.Path, batches: Batches, progress: ProgressLine | None = None,
-          resume: bool = False, supervisor=None) -> Summary:
-    """Configure `cluster`, then train to run.steps, recovering from pod failures (degraded mode
-    or a checkpoint restore, run.on_pod_failure) and rewinding loss spikes; returns the run
-    summary. With resume, reattach to workers that still hold a consistent state, else restore
-    the newest checkpoint."""
+def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: ProgressLine | None = None,
+          resume: bool = False, supervisor=None, local: bool = False) -> Summary:
+    """Configure `cluster`, then train to run.steps on `data`, evaluating every run.eval_every
+    steps, recovering from pod failures (degraded mode or a checkpoint restore,
+    run.on_pod_failure) and rewinding loss spikes; returns the run summary. With resume,
+    reattach to workers that still hold a consistent state, else restore the newest checkpoint."""
     config, run = cluster.config, cluster.config.run
     reattached, offset = _reattach(cluster, run_dir) if resume else (None, 0)
     if reattached is not None:
@@ -114,7 +114,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, batches: Batches, progress: P
     else:
         out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
         replies = cluster.configure()
-    accounting = _accounting(cluster, replies)
+    accounting = _accounting(cluster, replies, local)
     events = EventLog(run_dir / "events.jsonl")
     checkpointer = Checkpointer(cluster, checkpoint_dir(config, run_dir), events)
     spike = SpikePolicy(run)
@@ -138,8 +138,9 @@ def train(cluster: Cluster, run_dir: pathlib.Path, batches: Batches, progress: P
         else:
             start = int(replies[0].step)   # the checkpointer takes a baseline at this first boundary
         recorder = Recorder(MetricsLog(run_dir, append=resume), progress or ProgressLine(run.steps, start))
-        loop = StepLoop(cluster, batches, checkpointer, spike, recorder, accounting,
-                        failover if run.on_pod_failure == "degrade" else None)
+        evaluator = Evaluator(cluster, data.dataset, recorder.write_eval)
+        loop = StepLoop(cluster, data.dataset, checkpointer, spike, recorder, accounting,
+                        failover if run.on_pod_failure == "degrade" else None, evaluator)
         first_step = start
         try:
             while True:
@@ -175,4 +176,4 @@ def train(cluster: Cluster, run_dir: pathlib.Path, batches: Batches, progress: P
         out(f"pod failures: {extra['pod_failures']} ({run.on_pod_failure} mode); steps trained more than once: "
             f"{lost}; {failover.degraded_s:.1f}s degraded; {failover.rejoins} rejoin(s), "
             f"{failover.transfer_bytes / 2**20:.1f} MiB of state transferred")
-    return finish(run, cluster.live_clients[0], run_dir, batches, records, extra=extra)
+    return finish(run, cluster.live_clients[0], run_dir, data.tokenizer, evaluator.last, records, extra=extra)

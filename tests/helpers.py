@@ -23,13 +23,25 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli(*args: str, timeout: float = 240, cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
-    """`multipod ARGS` in a fresh process (the same code as the console script)."""
+def run_cli(*args: str, timeout: float = 240, cwd: pathlib.Path | None = None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """`multipod ARGS` in a fresh process (the same code as the console script), in cli_env()
+    updated with `env`."""
     return subprocess.run([sys.executable, "-m", "multipod.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(), cwd=cwd or ROOT, stdin=subprocess.DEVNULL)
+                          timeout=timeout, env={**cli_env(), **(env or {})}, cwd=cwd or ROOT, stdin=subprocess.DEVNULL)
 
 
 def read_metrics(run_dir: pathlib.Path) -> list[dict]:
+    """The step records of metrics.jsonl, in file order (evaluation records left out)."""
+    return [r for r in _records(run_dir) if "loss" in r]
+
+
+def read_evals(run_dir: pathlib.Path) -> list[dict]:
+    """The evaluation records of metrics.jsonl, in file order."""
+    return [r for r in _records(run_dir) if "eval_loss" in r]
+
+
+def _records(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

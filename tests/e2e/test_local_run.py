@@ -1,21 +1,23 @@
 """End to end: `multipod local` with simulated pods, tiny model.
 
-One 2-pod run and one 1-pod run (same seed) are shared by the tests below.
+One 2-pod run and one 1-pod run (same seed, evaluating every EVAL_EVERY steps) are shared by the
+tests below.
 """
 import json
 
 import pytest
 
-from tests.helpers import TINY, pid_alive, read_metrics, run_cli, worker_pids
+from tests.helpers import TINY, pid_alive, read_evals, read_metrics, run_cli, worker_pids
 
 STEPS = 20
+EVAL_EVERY = 10
 
 
 def _local_run(tmp_path_factory, pods: int):
     """`multipod local` with `pods` pods of 2 devices each, same seed and steps for every run."""
     run_dir = tmp_path_factory.mktemp(f"pods{pods}")
     result = run_cli("local", "--pods", str(pods), "--devices-per-pod", "2", "--config", TINY,
-                     "--steps", str(STEPS), "--seed", "5", "--run-dir", str(run_dir))
+                     "--steps", str(STEPS), "--seed", "5", "--run-dir", str(run_dir), "--eval-every", str(EVAL_EVERY))
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir, result
 
@@ -78,6 +80,36 @@ def test_two_pods_match_one_pod_with_the_whole_batch(two_pods, one_pod):
     for a, b in zip(two, one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
     assert one[0]["dcn_bytes_sent"] == 0
+
+
+def test_eval_every_n_steps_is_in_the_metrics_and_two_pods_match_one_pod(two_pods, one_pod):
+    two, one = read_evals(two_pods[0]), read_evals(one_pod[0])
+    assert [r["trained_steps"] for r in two] == [r["trained_steps"] for r in one] == [10, 20]
+    for a, b in zip(two, one):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
+        assert a["eval_perplexity"] > 1 and a["eval_bits_per_byte"] > 0 and a["epoch"] > 0
+    assert two[-1]["eval_loss"] < two[0]["eval_loss"] + 0.5     # a real loss, in the training loss's range
+    assert abs(two[-1]["eval_loss"] - read_metrics(two_pods[0])[-1]["loss"]) < 1.5
+    # The step records count epochs too, and the summary reports the last evaluation.
+    assert all(r["epoch"] > 0 for r in read_metrics(two_pods[0]))
+    summary = json.loads((two_pods[0] / "summary.json").read_text())
+    assert summary["eval_loss"] == two[-1]["eval_loss"] and summary["eval_bits_per_byte"] > 0
+    # ... and TensorBoard has the eval curve (the tag is in the event file's bytes).
+    events = b"".join(p.read_bytes() for p in (two_pods[0] / "tensorboard").rglob("events.out.tfevents.*"))
+    assert b"eval_loss" in events and b"eval_bits_per_byte" in events
+
+
+def test_the_first_local_run_measures_the_peak_and_reports_mfu_and_hfu(tmp_path):
+    cache = tmp_path / "peak.json"
+    result = run_cli("local", "--pods", "1", "--devices-per-pod", "1", "--config", TINY, "--steps", "3",
+                     "--set", "run.measure_peak=true", "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
+                     "--run-dir", str(tmp_path / "run"), env={"MULTIPOD_PEAK_FILE": str(cache)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "measuring this machine's peak FLOP/s" in result.stdout
+    assert json.loads(cache.read_text())["cpu/1"]["per_device_flops"] > 0
+    records = read_metrics(tmp_path / "run")
+    assert all(r["mfu"] > 0 and r["hfu"] > 0 for r in records)
+    assert "HFU" in result.stdout
 
 
 def test_peak_flops_gives_mfu(tmp_path):

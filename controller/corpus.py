@@ -1,0 +1,87 @@
+"""The run's data, made ready before the pods configure: the tokenizer (loaded, or a BPE trained
+on the corpus and cached), the token cache, the dataset of packed sequences, and the config whose
+model.vocab_size follows the tokenizer.
+
+Each piece does its own job (tokenizer.py, sources.py, token_cache.py, dataset.py); this module
+only resolves `data.*` into them, in order, and is the one place that decides the vocab size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import time
+
+from multipod.controller.config import Config
+from multipod.controller.dataset import TokenDataset
+from multipod.controller.metrics import out
+from multipod.controller.sources import iter_documents, source_fingerprint
+from multipod.controller.token_cache import open_cache
+from multipod.controller.tokenizer import Tokenizer, TokenizerError, load_tokenizer, padded_vocab, train_bpe
+
+TOKENIZER_FORMAT = 1    # bump when train_bpe's recipe changes: cached tokenizers are then retrained
+
+
+@dataclasses.dataclass
+class RunData:
+    """What the controller feeds and reads the model with."""
+    config: Config              # model.vocab_size resolved
+    tokenizer: Tokenizer
+    dataset: TokenDataset
+
+
+def cache_root(config: Config) -> pathlib.Path:
+    """data.cache_dir, else $MULTIPOD_CACHE_DIR, else ~/.cache/multipod."""
+    chosen = config.data.cache_dir or os.environ.get("MULTIPOD_CACHE_DIR")
+    return pathlib.Path(chosen) if chosen else pathlib.Path.home() / ".cache" / "multipod"
+
+
+def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
+    """data.tokenizer as a Tokenizer; "bpe:N" is trained on data.path once and reused from the
+    cache while the corpus is unchanged."""
+    data = config.data
+    size = data.bpe_size()
+    if size is None:
+        return load_tokenizer(data.tokenizer)
+    key = hashlib.blake2b(f"{TOKENIZER_FORMAT}|{size}|{source_fingerprint(data.path, data.text_field)}".encode(),
+                          digest_size=16).hexdigest()
+    path = root / "tokenizers" / key / "tokenizer.json"
+    if path.is_file():
+        tokenizer = load_tokenizer(str(path))
+        out(f"tokenizer: reusing the BPE of {size:,} tokens trained on this corpus ({path})")
+        return tokenizer
+    out(f"tokenizer: training a byte-level BPE of {size:,} tokens on the corpus (once; cached in {path.parent})")
+    started = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_bpe((doc.text for doc in iter_documents(data.path, data.text_field)), size, path)
+    out(f"tokenizer: trained in {time.perf_counter() - started:.1f}s")
+    return tokenizer
+
+
+def resolve_vocab(config: Config, tokenizer: Tokenizer, vocab_given: bool) -> Config:
+    """config with model.vocab_size = the tokenizer's, padded up to a multiple of 128 (so that it
+    shards); a model.vocab_size the user gave is kept if it holds every id, else an error naming
+    the tokenizer."""
+    needed = tokenizer.vocab_size
+    if vocab_given:
+        if config.model.vocab_size < needed:
+            raise TokenizerError(f"tokenizer {tokenizer.name} has {needed:,} tokens, more than model.vocab_size = "
+                                 f"{config.model.vocab_size:,} allows: raise it, or leave it unset to follow the "
+                                 f"tokenizer")
+        return config
+    padded = padded_vocab(needed)
+    if padded > needed:
+        out(f"model.vocab_size = {padded:,}: the tokenizer's {needed:,} ids padded up to a multiple of 128")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=padded)).validate()
+
+
+def prepare(config: Config, vocab_given: bool = False, progress: bool = True) -> RunData:
+    """The tokenizer, the token cache and the dataset of `config`, and the config with its
+    vocabulary resolved. DataError (a TokenizerError among them) naming the file on bad input."""
+    root = cache_root(config)
+    tokenizer = resolve_tokenizer(config, root)
+    config = resolve_vocab(config, tokenizer, vocab_given)
+    cache = open_cache(config.data.path, tokenizer, root, config.data.text_field, progress=progress)
+    dataset = TokenDataset(cache, config.data.seq_len, config.data.global_batch, config.run.seed)
+    return RunData(config=config, tokenizer=tokenizer, dataset=dataset)
