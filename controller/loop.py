@@ -114,7 +114,11 @@ class StepLoop:
         self.checkpointer.on_step(step, self.drain)
         if self.evaluator is not None:
             self.evaluator.data_offset = self._data_offset
+            before = self.evaluator.last
             self.evaluator.on_step(step, self.drain)
+            if self.evaluator.last is not before:
+                # It evaluated: that time is neither the next step's time nor a stall.
+                self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
 
     def drain(self) -> None:
         """Finish every step in flight (before a checkpoint: it must hold exactly that state)."""
