@@ -1,13 +1,15 @@
 """How long a checkpoint holds up the step loop: background save (what the controller does) vs a
 synchronous one, on one in-process worker. Prints one JSON object.
 
-    python -m bench.checkpoint [--config configs/default.toml] [--repeats 5]
+    python -m bench.checkpoint [--config configs/bench.toml] [--repeats 5]
 
 stall_s: the Save(background=True) RPC, the only part the step loop waits for (host copy of the
 state). write_s: from that reply until the background write is confirmed. sync_s: a blocking
 Save of the same state. step_s: one training step, for scale. Medians over --repeats.
 """
 from __future__ import annotations
+
+import pathlib
 
 from multipod.pod_worker.devices import simulate_cpu_devices
 
@@ -31,10 +33,13 @@ from multipod.protos import (  # noqa: E402
 )
 from multipod.protos.transport import Security, open_channel  # noqa: E402
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default=None, help="TOML config (default: the built-in defaults)")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "bench.toml"),
+                        help="TOML config (default: configs/bench.toml, the model docs/benchmarks.md measures)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     config = load_config(args.config, ["run.sample_tokens=0"])

@@ -3,7 +3,7 @@ against the BLAKE2b hash of host copies (what every step took before, and what c
 every run.full_fingerprint_every-th step still take), interleaved in one process on the same
 state. Prints one JSON object of medians.
 
-    python -m bench.fingerprint [--config configs/default.toml] [--devices 2] [--steps 10]
+    python -m bench.fingerprint [--config configs/bench.toml] [--devices 2] [--steps 10]
 
 step_s: one whole training step (train_step, one pod, no exchange) including the checksum;
 checksum_s: the step's fingerprint_s; blake2b_s: trainer.fingerprint() on the same state right
@@ -15,13 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default=None, help="TOML config (default: the built-in defaults)")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "bench.toml"),
+                        help="TOML config (default: configs/bench.toml, the model docs/benchmarks.md measures)")
     parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices of the pod")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up step)")
     args = parser.parse_args()

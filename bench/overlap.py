@@ -1,7 +1,7 @@
 """Benchmark: the overlapped gradient step (dcn.overlap) against the fused one.
 
-    python -m bench.overlap compute [--config configs/default.toml] [--devices 2] [--reps 15]
-    python -m bench.overlap link [--config configs/default.toml] [--devices-per-pod 1] [--steps 12]
+    python -m bench.overlap compute [--config configs/bench.toml] [--devices 2] [--reps 15]
+    python -m bench.overlap link [--config configs/bench.toml] [--devices-per-pod 1] [--steps 12]
                                  [--rounds 2] [--fraction 0.3] [--link-gbps G]
 
 compute: one pod, in this process, on --devices simulated CPU devices. Interleaved, --reps times
@@ -199,11 +199,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     c = sub.add_parser("compute")
-    c.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
+    c.add_argument("--config", default=str(ROOT / "configs" / "bench.toml"))
     c.add_argument("--devices", type=int, default=2)
     c.add_argument("--reps", type=int, default=15)
     lk = sub.add_parser("link")
-    lk.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
+    lk.add_argument("--config", default=str(ROOT / "configs" / "bench.toml"))
     lk.add_argument("--devices-per-pod", type=int, default=1)
     lk.add_argument("--steps", type=int, default=12)
     lk.add_argument("--rounds", type=int, default=2)

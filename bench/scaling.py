@@ -46,7 +46,7 @@ from bench.procs import stop, wait_for_port  # noqa: E402
 # Small enough that its gradient (~13 MB) crosses the link quickly, with enough compute per step
 # (>= 1 s on one core at the default batch) for the PaLM comparison.
 MODEL = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=1", "model.head_dim=64",
-         "model.mlp_dim=1024", "model.max_seq_len=128"]
+         "model.mlp_dim=1024", "model.max_seq_len=128", 'data.tokenizer="bytes"']
 
 
 _TOKEN = secrets.token_hex(24)     # the workers and the controller share this run's secret

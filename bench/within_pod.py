@@ -1,6 +1,6 @@
 """Benchmark: within-pod layouts of the default model on one simulated 4-device pod.
 
-    python -m bench.within_pod [--config configs/default.toml] [--devices 4] [--steps 5]
+    python -m bench.within_pod [--config configs/bench.toml] [--devices 4] [--steps 5]
 
 For every combination of mesh (data x model), sequence parallelism (on/off; on only where the
 model axis is > 1) and remat policy (none/full/selective), with one microbatch: the compiled
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 import time
@@ -113,9 +114,13 @@ def interleaved_step_times(config, candidates, devices: int, batch: int, rounds:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="TOML config (default: the built-in defaults)")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "bench.toml"),
+                        help="TOML config (default: configs/bench.toml, the model docs/benchmarks.md measures)")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=1)

@@ -47,7 +47,7 @@ class DataConfig:
     # Tokenized corpora and trained tokenizers; "" = $MULTIPOD_CACHE_DIR, else ~/.cache/multipod.
     cache_dir: str = ""
     seq_len: int = 128
-    global_batch: int = 16        # sequences per step, over all pods
+    global_batch: int = 32        # sequences per step, over all pods
 
     def validate(self) -> None:
         positive("data.seq_len", self.seq_len)
@@ -76,17 +76,18 @@ class DataConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """The step loop: length, seed, deadlines, reporting."""
-    steps: int = 200
+    steps: int = 300
     seed: int = 0
     peak_flops: float = 0.0       # per-device peak FLOP/s for MFU; 0 = unknown (MFU is null)
     step_timeout_s: float = 120.0     # deadline of one Step RPC
     connect_timeout_s: float = 30.0   # how long to wait for a worker to answer at start
     configure_timeout_s: float = 300.0  # configure compiles the step: allow for it
     dispatch_depth: int = 2       # steps in flight at once (2: next shards travel during compute)
-    sample_tokens: int = 160      # length of the sample printed at the end (0: none)
+    sample_tokens: int = 200      # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "
+    sample_temperature: float = 0.6   # 0: greedy
     eval_batches: int = 2         # held-out batches per evaluation (0: none)
-    eval_every: int = 0           # evaluate every N steps, on every pod (0: only at the end)
+    eval_every: int = 50          # evaluate every N steps, on every pod (0: only at the end)
     # With no run.peak_flops and none cached for these devices, `multipod local` measures this
     # machine's peak once (a few seconds) and caches it for MFU; false: MFU stays unknown.
     measure_peak: bool = True
@@ -130,6 +131,7 @@ class RunConfig:
         if self.dispatch_depth not in (1, 2):
             raise ConfigError("run.dispatch_depth", f"must be 1 or 2, got {self.dispatch_depth}")
         non_negative("run.sample_tokens", self.sample_tokens)
+        non_negative("run.sample_temperature", self.sample_temperature)
         non_negative("run.eval_batches", self.eval_batches)
         non_negative("run.eval_every", self.eval_every)
 

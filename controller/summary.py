@@ -37,7 +37,8 @@ def sample(client, run, tokenizer) -> str | None:
     if prompt.size == 0:
         prompt = tokenizer.encode(" ")
     reply = client.call("Generate", pb.GenerateRequest(
-        prompt=codec.encode(narrow(prompt)), num_tokens=run.sample_tokens, temperature=0.7, seed=run.seed),
+        prompt=codec.encode(narrow(prompt)), num_tokens=run.sample_tokens, temperature=run.sample_temperature,
+        seed=run.seed),
         run.step_timeout_s)
     return tokenizer.decode(list(prompt) + list(codec.decode(reply.tokens)))
 

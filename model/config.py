@@ -32,13 +32,15 @@ class ModelConfig:
     Frozen (hence hashable) so it can key compile caches, e.g. in `generate`.
     """
 
-    vocab_size: int = 256
-    d_model: int = 256
+    # The defaults are the default run's model (docs/default_run.md: sized by measurement so
+    # that `multipod local` writes Python-looking samples in about 3 minutes on 2 CPU cores).
+    vocab_size: int = 2048
+    d_model: int = 128
     n_layers: int = 4
-    n_heads: int = 8
+    n_heads: int = 4
     n_kv_heads: int = 1  # 1 = multi-query attention
     head_dim: int = 32
-    mlp_dim: int = 1024  # SwiGLU hidden width
+    mlp_dim: int = 512  # SwiGLU hidden width
     max_seq_len: int = 128
     rope_base: float = 10000.0
     z_loss_weight: float = 1e-4

@@ -12,7 +12,7 @@ import numpy as np
 
 from multipod import protos
 from multipod.controller.client import Probe, Verdict, WorkerError
-from multipod.controller.config import Config, DataConfig, RunConfig
+from multipod.controller.config import Config, DataConfig, ModelConfig, RunConfig
 from multipod.protos import codec, multipod_pb2 as pb
 
 SERVING = Probe(Verdict.SERVING)
@@ -25,7 +25,8 @@ def make_config(**run) -> Config:
     """A small config with fast health checks; `run` overrides RunConfig fields."""
     defaults = dict(steps=5, health_interval_s=0.05, health_timeout_s=0.05, step_timeout_s=30.0,
                     checkpoint_every=0, sample_tokens=0, eval_batches=0)
-    return Config(data=DataConfig(seq_len=8, global_batch=4), run=RunConfig(**{**defaults, **run}))
+    return Config(model=ModelConfig(vocab_size=256), data=DataConfig(seq_len=8, global_batch=4),
+                  run=RunConfig(**{**defaults, **run}))
 
 
 class FakeBatches:

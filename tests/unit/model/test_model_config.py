@@ -7,7 +7,7 @@ import pytest
 
 from multipod.model import ConfigError, ModelConfig, init_params
 
-TINY = ModelConfig(d_model=32, n_layers=2, n_heads=4, head_dim=8, mlp_dim=64, max_seq_len=16)
+TINY = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, head_dim=8, mlp_dim=64, max_seq_len=16)
 
 
 def test_default_and_tiny_configs_validate():
