@@ -124,3 +124,40 @@ def test_pods_listing_different_numbers_of_hosts_are_refused_before_contacting_a
         with pytest.raises(BlockingIOError):
             worker.accept()             # no connection is waiting: the controller never dialled
     assert not (tmp_path / "run").exists()
+
+
+def _bad_inputs(tmp_path):
+    """(what, extra CLI args, the file the error must name) for each bad data input."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    no_field = tmp_path / "records.jsonl"
+    no_field.write_text('{"body": "def f(): pass"}\n')
+    parquet = tmp_path / "corrupt.parquet"
+    parquet.write_bytes(b"PAR1 this is not a parquet file at all")
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"version": "1.0", "model": 3')
+    return [
+        ("empty jsonl", ["--data", str(empty)], empty),
+        ("jsonl without the text field", ["--data", str(no_field)], no_field),
+        ("corrupt parquet", ["--data", str(parquet)], parquet),
+        ("tokenizer that does not parse", ["--tokenizer", str(tokenizer)], tokenizer),
+    ]
+
+
+def test_bad_data_inputs_are_refused_naming_the_file_before_any_worker_starts(tmp_path):
+    for what, args, named in _bad_inputs(tmp_path):
+        run_dir = tmp_path / what.replace(" ", "-")
+        result = run_cli("local", "--config", TINY, "--run-dir", str(run_dir), *args, timeout=120)
+        assert result.returncode == 1, (what, result.stdout + result.stderr)
+        assert str(named) in result.stderr and "Traceback" not in result.stderr, (what, result.stderr)
+        assert not list(run_dir.glob("worker-*.log")), what      # refused before any worker started
+
+
+def test_a_vocabulary_larger_than_the_model_allows_is_refused(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 300)
+    result = run_cli("local", "--config", TINY, "--data", str(corpus), "--tokenizer", "bpe:400",
+                     "--set", "model.vocab_size=256", "--set", "data.cache_dir=\"" + str(tmp_path / "cache") + "\"",
+                     "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "more than model.vocab_size = 256 allows" in result.stderr and "tokenizer.json" in result.stderr
