@@ -85,7 +85,7 @@ class RunConfig:
     dispatch_depth: int = 2       # steps in flight at once (2: next shards travel during compute)
     sample_tokens: int = 200      # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "
-    sample_temperature: float = 0.6   # 0: greedy
+    sample_temperature: float = 0.5   # 0: greedy
     eval_batches: int = 2         # held-out batches per evaluation (0: none)
     eval_every: int = 50          # evaluate every N steps, on every pod (0: only at the end)
     # With no run.peak_flops and none cached for these devices, `multipod local` measures this

@@ -26,7 +26,7 @@ MAX_STREAMS = 8
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with linear warmup then cosine decay, and global-norm clipping."""
-    learning_rate: float = 1e-2     # the default run's (docs/default_run.md)
+    learning_rate: float = 2e-2     # the default run's (docs/default_run.md)
     warmup_steps: int = 20
     decay_steps: int = 0          # 0: decay over the run's total steps
     min_lr_ratio: float = 0.1     # the cosine decays to learning_rate * min_lr_ratio
