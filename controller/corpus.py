@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import pathlib
+import shutil
 import time
 
 from multipod.controller.config import Config
@@ -85,3 +87,25 @@ def prepare(config: Config, vocab_given: bool = False, progress: bool = True) ->
     cache = open_cache(config.data.path, tokenizer, root, config.data.text_field, progress=progress)
     dataset = TokenDataset(cache, config.data.seq_len, config.data.global_batch, config.run.seed)
     return RunData(config=config, tokenizer=tokenizer, dataset=dataset)
+
+
+# What a checkpoint directory holds beside the step folders, so that a checkpoint can be used
+# without the run directory (multipod generate): the resolved config, and the tokenizer's file.
+RUN_CONFIG = "run_config.json"
+TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model"}
+
+
+def write_beside_checkpoints(data: RunData, directory: str | pathlib.Path) -> None:
+    """Put the run's resolved config and its tokenizer's file (none for bytes) in the checkpoint
+    directory, each written whole (a temporary file, then a rename)."""
+    root = pathlib.Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data.config.to_dict(), indent=2, sort_keys=True) + "\n"
+    partial = root / (RUN_CONFIG + ".partial")
+    partial.write_text(text)
+    partial.replace(root / RUN_CONFIG)
+    name = TOKENIZER_FILES.get(data.tokenizer.kind)
+    if name is not None:
+        partial = root / (name + ".partial")
+        shutil.copyfile(data.tokenizer.name, partial)
+        partial.replace(root / name)

@@ -12,7 +12,7 @@ import pathlib
 from multipod.controller.checkpointer import Checkpointer
 from multipod.controller.cluster import Cluster, connect
 from multipod.controller.config import Config, ConfigError
-from multipod.controller.corpus import RunData, prepare
+from multipod.controller.corpus import RunData, prepare, write_beside_checkpoints
 from multipod.controller.errors import PodFailure, RunError
 from multipod.controller.evaluation import Evaluator
 from multipod.controller.events import EventLog
@@ -53,6 +53,7 @@ def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
     data = data or prepare(config)
     config = data.config
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    write_beside_checkpoints(data, checkpoint_dir(config, run_dir))
     cluster = connect(addresses, config)
     try:
         return train(cluster, run_dir, data, progress, resume, supervisor, local)

@@ -50,3 +50,19 @@ def test_bpe_is_trained_once_per_corpus_and_reused(tmp_path, capsys):
     (source / "c.py").write_text("import os\nprint(os.getcwd())\n" * 100)
     corpus.prepare(config, progress=False)
     assert "training a byte-level BPE" in capsys.readouterr().out
+
+
+def test_the_checkpoint_directory_holds_the_config_and_the_tokenizer(tmp_path):
+    import json
+
+    source = tmp_path / "corpus.txt"
+    source.write_text("def add(a, b):\n    return a + b\n" * 300)
+    config = load_config(None, [f'data.path="{source}"', 'data.tokenizer="bpe:300"', f'data.cache_dir="{tmp_path}"',
+                                "data.seq_len=16", "data.global_batch=2", "model.max_seq_len=16"])
+    data = corpus.prepare(config, progress=False)
+    corpus.write_beside_checkpoints(data, tmp_path / "checkpoints")
+    saved = json.loads((tmp_path / "checkpoints" / corpus.RUN_CONFIG).read_text())
+    assert saved["model"]["vocab_size"] == data.config.model.vocab_size == 384
+    copied = tmp_path / "checkpoints" / "tokenizer.json"
+    assert copied.read_bytes() == open(data.tokenizer.name, "rb").read()
+    assert not list((tmp_path / "checkpoints").glob("*.partial"))
