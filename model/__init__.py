@@ -3,12 +3,16 @@
 Sharding lives in `model.partitioning`; the model itself only names logical axes.
 """
 from multipod.model.config import ConfigError, ModelConfig
+from multipod.model.decode import Chunk, Decoder, Sampling
 from multipod.model.generate import generate
 from multipod.model.loss import loss_sums, token_losses
 from multipod.model.transformer import Transformer, abstract_params, init_params
 
 __all__ = [
+    "Chunk",
     "ConfigError",
+    "Decoder",
+    "Sampling",
     "ModelConfig",
     "Transformer",
     "abstract_params",

@@ -1,4 +1,5 @@
-"""Autoregressive sampling with a fixed window (no KV cache).
+"""Autoregressive sampling with a fixed window and no KV cache: the reference that decoding with
+the cache (decode.py) is tested against (greedy output must be the same).
 
 Every step runs the model on a [1, max_seq_len] window holding the last max_seq_len
 context tokens, left-aligned and zero-padded on the right. Causal attention means the

@@ -22,6 +22,9 @@ GATHERED = ("batch", "length", "embed")
 HEADS = ("batch", "length", "heads", "kv")
 MLP_HIDDEN = ("batch", "length", "mlp")
 LOGITS = ("batch", "length", "vocab")
+# A layer's K or V cache for decoding [batch, max_len, kv_heads, head_dim]: laid out as the K/V
+# activations of training (batch over `data`, K/V heads replicated).
+CACHE = ("batch", "length", "kv_heads", "kv")
 
 # Named matmul outputs. Selective recomputation keeps exactly these and recomputes the rest of a
 # block (norm, RoPE, attention scores and softmax, SwiGLU's elementwise product) in the backward
@@ -73,21 +76,35 @@ class RMSNorm(nn.Module):
         return (y * scale.astype(jnp.float32)).astype(self.config.compute_dtype)
 
 
-def apply_rope(x: jax.Array, base: float) -> jax.Array:
-    """Rotary position embedding on x [batch, length, heads, head_dim], positions 0..T-1.
+def apply_rope(x: jax.Array, base: float, start: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on x [batch, length, heads, head_dim].
 
-    Uses the "rotate half" pairing (feature i with i + head_dim/2); angles in float32.
+    Positions are 0..T-1, or with `start` (int32 [batch], decoding with a KV cache) start[b] + 0..T-1
+    for row b. Uses the "rotate half" pairing (feature i with i + head_dim/2); angles in float32.
     """
     length, head_dim = x.shape[1], x.shape[-1]
     half = head_dim // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
-    cos = jnp.cos(angles)[None, :, None, :]
+    if start is None:
+        angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+        sin = jnp.sin(angles)[None, :, None, :]
+        cos = jnp.cos(angles)[None, :, None, :]
+    else:
+        positions = (start[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]).astype(jnp.float32)
+        angles = positions[:, :, None] * inv_freq[None, None, :]
+        sin = jnp.sin(angles)[:, :, None, :]
+        cos = jnp.cos(angles)[:, :, None, :]
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half:].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [batch, max_len, ...] with new [batch, T, ...] written at rows b's positions
+    start[b] .. start[b] + T - 1 (the caller keeps start[b] + T <= max_len)."""
+    write = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0)
+    return constrain(jax.vmap(write)(cache, new, start), CACHE)
 
 
 class Attention(nn.Module):
@@ -95,12 +112,18 @@ class Attention(nn.Module):
 
     n_kv_heads K/V heads are shared by groups of n_heads // n_kv_heads query heads
     (query head h uses K/V head h // group).
+
+    Training calls it on a whole sequence. Decoding (model/decode.py) passes `cache`, this layer's
+    {"key", "value"} arrays [batch, max_len, kv_heads, head_dim], and `start` (int32 [batch]): row b
+    of x holds the tokens at positions start[b] ..; their K/V are written into the cache there,
+    the queries attend to every cached position up to their own, and the call returns
+    (output, updated cache). The projections, RoPE and the attention itself are the same code.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cache: dict | None = None, start: jax.Array | None = None):
         c = self.config
         d, h, k, q_dim = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
         wq = _param(self, "query", (d, h, q_dim), ("embed", "heads", "kv"), c.init_std, c)
@@ -111,19 +134,29 @@ class Attention(nn.Module):
         q = checkpoint_name(constrain(jnp.einsum("btd,dhq->bthq", x, wq), HEADS), "query_proj")
         key = checkpoint_name(jnp.einsum("btd,dkq->btkq", x, wk), "key_proj")
         value = checkpoint_name(jnp.einsum("btd,dkq->btkq", x, wv), "value_proj")
-        q = apply_rope(q, c.rope_base) * (q_dim ** -0.5)
-        key = apply_rope(key, c.rope_base)
+        q = apply_rope(q, c.rope_base, start) * (q_dim ** -0.5)
+        key = apply_rope(key, c.rope_base, start)
 
         batch, length = x.shape[:2]
+        if cache is None:
+            visible = jnp.tril(jnp.ones((length, length), dtype=bool))
+        else:
+            cache = {"key": write_cache(cache["key"], key, start), "value": write_cache(cache["value"], value, start)}
+            key, value = cache["key"].astype(key.dtype), cache["value"].astype(value.dtype)
+            # Query t of row b sits at position start[b] + t and sees the cached positions up to it
+            # (what lies beyond, e.g. a shorter prompt's padding, is overwritten before it is seen).
+            query_pos = start[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+            visible = jnp.arange(key.shape[1], dtype=jnp.int32)[None, None, :] <= query_pos[:, :, None]
+            visible = visible[:, None, None]    # [b, 1, 1, t, s] against scores [b, k, g, t, s]
         q = q.reshape(batch, length, k, h // k, q_dim)
         scores = jnp.einsum("btkgq,bskq->bkgts", q, key, preferred_element_type=jnp.float32)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         # The diagonal is always visible, so no row is fully masked and softmax stays finite.
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(c.compute_dtype)
         ctx = jnp.einsum("bkgts,bskq->btkgq", probs, value).reshape(batch, length, h, q_dim)
         ctx = checkpoint_name(constrain(ctx, HEADS), "attention_context")
-        return checkpoint_name(jnp.einsum("bthq,hqd->btd", ctx, wo), "attention_out")
+        out = checkpoint_name(jnp.einsum("bthq,hqd->btd", ctx, wo), "attention_out")
+        return out if cache is None else (out, cache)
 
 
 class SwiGLU(nn.Module):
@@ -148,14 +181,20 @@ class ParallelBlock(nn.Module):
 
     The norm runs on RESIDUAL (sequence-split under sequence parallelism); its output is
     gathered to the whole sequence for the matmuls, and the block's output is constrained back
-    to RESIDUAL, which turns the row-parallel partial sums into a reduce-scatter.
+    to RESIDUAL, which turns the row-parallel partial sums into a reduce-scatter. With `cache`
+    and `start` (decoding: see Attention) it returns (output, the attention's updated cache).
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cache: dict | None = None, start: jax.Array | None = None):
         h = constrain(RMSNorm(self.config, name="norm")(constrain(x, RESIDUAL)), RESIDUAL)
         h = constrain(h, GATHERED)
-        x = x + Attention(self.config, name="attn")(h) + SwiGLU(self.config, name="mlp")(h)
-        return constrain(x, RESIDUAL)
+        attn = Attention(self.config, name="attn")
+        if cache is None:
+            x = x + attn(h) + SwiGLU(self.config, name="mlp")(h)
+            return constrain(x, RESIDUAL)
+        attended, cache = attn(h, cache, start)
+        x = x + attended + SwiGLU(self.config, name="mlp")(h)
+        return constrain(x, RESIDUAL), cache

@@ -23,8 +23,13 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """int32 tokens [B, T] -> float32 logits [B, T, vocab]."""
+    def __call__(self, tokens: jax.Array, cache: list | None = None, start: jax.Array | None = None):
+        """int32 tokens [B, T] -> float32 logits [B, T, vocab].
+
+        Decoding (model/decode.py): with `cache` (one {"key", "value"} per block, each
+        [B, max_len, kv_heads, head_dim]) and `start` (int32 [B]: row b's tokens sit at positions
+        start[b] ..), returns (logits, updated cache). Same parameters, same code as training.
+        """
         c = self.config
         # Logits are scaled by 1/sqrt(d_model) as in PaLM. With a shared matrix a token's own
         # logit is ~ |e|^2 / (sigma sqrt(d_model)), so PaLM's sigma = 1 would start with a large
@@ -36,10 +41,16 @@ class Transformer(nn.Module):
 
         x = embed_tokens(embedding, tokens)
         block = block_class(c)
+        updated = []
         for i in range(c.n_layers):
-            x = block(c, name=f"block_{i}")(x)
+            if cache is None:
+                x = block(c, name=f"block_{i}")(x)
+            else:
+                x, layer_cache = block(c, name=f"block_{i}")(x, cache[i], start)
+                updated.append(layer_cache)
         x = constrain(RMSNorm(c, name="final_norm")(x), RESIDUAL)
-        return unembed(x, embedding, c)
+        logits = unembed(x, embedding, c)
+        return logits if cache is None else (logits, updated)
 
 
 # The pieces of Transformer.__call__ outside its sub-modules, as pure functions, so that a caller
