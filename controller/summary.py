@@ -36,9 +36,10 @@ def sample(client, run, tokenizer) -> str | None:
     prompt = tokenizer.encode(run.sample_prompt or " ")
     if prompt.size == 0:
         prompt = tokenizer.encode(" ")
+    # shift_context: a sample longer than the model's context goes on from the last half of it.
     reply = client.call("Generate", pb.GenerateRequest(
         prompt=codec.encode(narrow(prompt)), num_tokens=run.sample_tokens, temperature=run.sample_temperature,
-        seed=run.seed),
+        seed=run.seed, shift_context=True),
         run.step_timeout_s)
     return tokenizer.decode(list(prompt) + list(codec.decode(reply.tokens)))
 

@@ -21,12 +21,13 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from multipod import protos
-from multipod.model import ConfigError
+from multipod.model import ConfigError, Sampling
 from multipod.pod_worker import errors
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import ExchangeError, Listener
 from multipod.pod_worker.dcn.transfer import TransferError
+from multipod.pod_worker.generation import MAX_NEW_TOKENS, MAX_PROMPTS, collect
 from multipod.pod_worker.hosts import HostLayout
 from multipod.pod_worker.pod import Pod, Setup
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
@@ -95,6 +96,29 @@ def _handler(method):
         except Exception as exc:  # a bug or a resource error: report it, keep serving
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+_END = object()
+
+
+def _stream_handler(method):
+    """_handler for a server-streaming method: a failure before or between the messages becomes a
+    gRPC error (never a dead server)."""
+    def advance(self, stream, context):
+        return next(stream, _END)
+    advance.__name__ = method.__name__      # named in the log if it fails
+    advance = _handler(advance)
+
+    def wrapper(self, request, context):
+        stream = method(self, request, context)      # a generator: nothing has run yet
+        try:
+            while (message := advance(self, stream, context)) is not _END:
+                yield message
+        finally:
+            stream.close()
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
     return wrapper
@@ -230,22 +254,51 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         loss_sum, count = self.pod.evaluate(tokens, _deadline(context))
         return pb.EvaluateReply(loss_sum=loss_sum, tokens=count)
 
+    def _generation(self, request: pb.GenerateRequest, context):
+        """A Generate request, checked and started: (the stream of Chunks, the prompts' count,
+        whether it used the one-prompt form)."""
+        self.pod.setup()     # FAILED_PRECONDITION first if the pod is not configured
+        if bool(request.prompt) == bool(request.prompts):
+            raise _invalid("give exactly one of prompt (one prompt) or prompts (a batch)")
+        payloads = [request.prompt] if request.prompt else list(request.prompts)
+        if len(payloads) > MAX_PROMPTS:
+            raise _invalid(f"{len(payloads)} prompts: a request carries at most {MAX_PROMPTS} "
+                           f"(MAX_PROMPTS in pod_worker/generation.py)")
+        prompts = []
+        for i, payload in enumerate(payloads):
+            prompt = codec.decode(payload, max_bytes=1 << 20)
+            if prompt.dtype not in TOKEN_DTYPES or prompt.ndim != 1:
+                name = "prompt" if request.prompt else f"prompt {i}"
+                raise _invalid(f"{name} must be a 1-d uint8, uint16 or int32 array, got {prompt.ndim}-d {prompt.dtype}")
+            prompts.append(prompt.astype(np.int32))
+        if not 0 < request.num_tokens <= MAX_NEW_TOKENS:
+            raise _invalid(f"num_tokens must be in [1, {MAX_NEW_TOKENS}], got {request.num_tokens}")
+        sampling = Sampling(temperature=float(request.temperature), top_k=int(request.top_k),
+                            top_p=float(request.top_p) if request.HasField("top_p") else 1.0, seed=int(request.seed))
+        eos_id = int(request.eos_id) if request.HasField("eos_id") else None
+        # The model's own checks (prompt lengths against max_seq_len, ids, sampling values) answer
+        # INVALID_ARGUMENT through the pod's InvalidRequest.
+        chunks = self.pod.generate_stream(prompts, int(request.num_tokens), sampling, _deadline(context),
+                                          eos_id=eos_id, shift_context=request.shift_context)
+        return chunks, len(prompts), bool(request.prompt)
+
     @_handler
     def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateReply:
-        setup = self.pod.setup()
-        prompt = codec.decode(request.prompt, max_bytes=1 << 20)
-        vocab = setup.config.model.vocab_size
-        if prompt.dtype not in TOKEN_DTYPES or prompt.ndim != 1 or prompt.size == 0:
-            raise _invalid("prompt must be a non-empty 1-d uint8, uint16 or int32 array")
-        if prompt.min() < 0 or prompt.max() >= vocab:
-            raise _invalid(f"prompt token ids must be in [0, {vocab})")
-        if not 0 < request.num_tokens <= 4096:
-            raise _invalid(f"num_tokens must be in [1, 4096], got {request.num_tokens}")
-        if not np.isfinite(request.temperature) or request.temperature < 0:
-            raise _invalid(f"temperature must be >= 0, got {request.temperature}")
-        out = self.pod.generate(prompt.astype(np.int32), int(request.num_tokens), float(request.temperature),
-                                int(request.seed), _deadline(context))
-        return pb.GenerateReply(tokens=codec.encode(out))
+        chunks, count, single = self._generation(request, context)
+        out, lengths = collect(chunks, count, request.num_tokens)
+        tokens = out[0, :lengths[0]] if single else out
+        return pb.GenerateReply(tokens=codec.encode(tokens), lengths=lengths.tolist())
+
+    @_stream_handler
+    def GenerateStream(self, request: pb.GenerateRequest, context):
+        chunks, _, _ = self._generation(request, context)
+        try:
+            for chunk in chunks:
+                if not context.is_active():     # the caller cancelled or its deadline passed
+                    return
+                yield pb.GenerateChunk(index=chunk.index, rows=chunk.rows.tolist(), tokens=codec.encode(chunk.tokens))
+        finally:
+            chunks.close()
 
     @_handler
     def Save(self, request: pb.SaveRequest, context) -> pb.SaveReply:

@@ -287,22 +287,44 @@ class EvaluateReply(_message.Message):
     def __init__(self, loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "num_tokens", "temperature", "seed")
+    __slots__ = ("prompt", "num_tokens", "temperature", "seed", "prompts", "top_k", "top_p", "eos_id", "shift_context")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    EOS_ID_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     prompt: bytes
     num_tokens: int
     temperature: float
     seed: int
-    def __init__(self, prompt: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    prompts: _containers.RepeatedScalarFieldContainer[bytes]
+    top_k: int
+    top_p: float
+    eos_id: int
+    shift_context: bool
+    def __init__(self, prompt: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., prompts: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., eos_id: _Optional[int] = ..., shift_context: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "lengths")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
     tokens: bytes
-    def __init__(self, tokens: _Optional[bytes] = ...) -> None: ...
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("index", "rows", "tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    tokens: bytes
+    def __init__(self, index: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -75,6 +75,11 @@ class PodWorkerStub:
                 request_serializer=multipod__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=multipod__pb2.GenerateReply.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.unary_stream(
+                '/multipod.PodWorker/GenerateStream',
+                request_serializer=multipod__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=multipod__pb2.GenerateChunk.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/multipod.PodWorker/Status',
                 request_serializer=multipod__pb2.StatusRequest.SerializeToString,
@@ -159,7 +164,18 @@ class PodWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Generation with a KV cache on the pod's mesh, from a copy of the current parameters (it waits
+        for a running step, then lets steps go on). INVALID_ARGUMENT: a malformed request, or one that
+        does not fit the model (a prompt or prompt + num_tokens beyond max_seq_len, ids out of range,
+        sampling values out of range); the message says the limit. FAILED_PRECONDITION: not configured.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request, context):
+        """The same, streamed: one GenerateChunk per generated position, as soon as it is known.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -239,6 +255,11 @@ def add_PodWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=multipod__pb2.GenerateRequest.FromString,
                     response_serializer=multipod__pb2.GenerateReply.SerializeToString,
+            ),
+            'GenerateStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=multipod__pb2.GenerateRequest.FromString,
+                    response_serializer=multipod__pb2.GenerateChunk.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -461,6 +482,33 @@ class PodWorker:
             '/multipod.PodWorker/Generate',
             multipod__pb2.GenerateRequest.SerializeToString,
             multipod__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/multipod.PodWorker/GenerateStream',
+            multipod__pb2.GenerateRequest.SerializeToString,
+            multipod__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,

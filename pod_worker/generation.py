@@ -1,0 +1,68 @@
+"""Generation on one pod's mesh: model/decode.py's prefill and decode programs, compiled with the
+shardings of the rules table (partitioning.py), so the parameters are laid out as in training
+(heads, MLP units and the vocabulary split over `model`) and the KV cache as the K/V activations
+(batch over `data`, K/V heads replicated). The host loop and the sampler are the model's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from multipod.model import Chunk, Decoder, ModelConfig, Sampling
+from multipod.model.decode import cache_axes
+from multipod.model.partitioning import activate_rules, logical_rules, replicated
+
+# What a Generate request may ask for at once (prompts per request, tokens per prompt).
+MAX_PROMPTS = 256
+MAX_NEW_TOKENS = 4096
+
+__all__ = ["MAX_NEW_TOKENS", "MAX_PROMPTS", "Chunk", "Generator", "Sampling", "collect"]
+
+
+def collect(chunks: Iterable[Chunk], count: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stream's completions as int32 [count, num_tokens], each row padded with -1 after its end,
+    and the number of tokens of each."""
+    out = np.full((count, num_tokens), -1, np.int32)
+    lengths = np.zeros(count, np.int64)
+    for chunk in chunks:
+        out[chunk.rows, chunk.index] = chunk.tokens
+        lengths[chunk.rows] = chunk.index + 1
+    return out, lengths
+
+
+class Generator(Decoder):
+    """Prefill and decode compiled for `mesh`; params must be laid out by `param_sharding`
+    (partitioning.param_shardings: what the pod's trainer uses). Batches are padded to a multiple
+    of the mesh's data axis. stream() yields each new token row as soon as it is known."""
+
+    def __init__(self, config: ModelConfig, mesh, param_sharding, max_len: int | None = None):
+        self.mesh = mesh
+        self.param_sharding = param_sharding
+        super().__init__(config, max_len, batch_multiple=mesh.shape["data"])
+
+    def _sharding(self, *names: str) -> NamedSharding:
+        return NamedSharding(self.mesh, nn.logical_to_mesh_axes(names, logical_rules()))
+
+    def compile(self, name: str, fn: Callable) -> Callable:
+        rows, scalar = self._sharding("batch"), replicated(self.mesh)
+        cache = [{k: self._sharding(*axes) for k, axes in layer.items()} for layer in cache_axes(self.config)]
+        if name == "init_cache":
+            return jax.jit(fn, in_shardings=(rows,), out_shardings=cache)
+        tokens = self._sharding("batch", "length") if name == "prefill" else rows
+        logits = self._sharding("batch", "vocab")
+        return jax.jit(fn, in_shardings=(self.param_sharding, cache, tokens, rows, rows, scalar, scalar, scalar,
+                                         scalar, scalar),
+                       out_shardings=(rows, cache, logits), donate_argnums=(1,))
+
+    def run(self, name: str, *args):
+        # The model's activation constraints resolve against the mesh when a program is traced.
+        with activate_rules(self.mesh):
+            return super().run(name, *args)
+
+    def put_params(self, params) -> dict:
+        """Host (or differently laid out) parameters onto this mesh, laid out as in training."""
+        return jax.device_put(params, self.param_sharding)
