@@ -1,4 +1,4 @@
-"""The controller's commands of `multipod`: train, local, peak-flops, tune, report (the entry module,
+"""The controller's commands of `multipod`: train, local, peak-flops, tune, generate, report (the entry module,
 multipod.cli, adds `worker` from the worker side).
 
 Kept free of jax imports at module level: `multipod --help` needs only the standard library.
@@ -83,6 +83,10 @@ def add_commands(sub) -> None:
     bpe.add_argument("--text-field", default="text", help="the text field of .jsonl and .parquet records")
     bpe.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, special tokens included")
     bpe.add_argument("--out", required=True, metavar="PATH", help="where tokenizer.json goes")
+
+    from multipod.controller.generate import add_arguments as add_generate_arguments
+    generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, one local pod)")
+    add_generate_arguments(generate)
 
     report = sub.add_parser("report", help="draw a run's metrics and events as one picture (report.png)")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
@@ -251,6 +255,9 @@ def run(args: argparse.Namespace) -> int:
             from multipod.controller.report import write_report
             print(write_report(pathlib.Path(args.run_dir), args.out and pathlib.Path(args.out)))
             return 0
+        if args.command == "generate":
+            from multipod.controller.generate import main as generate_main
+            return generate_main(args)
         if args.command == "tokenizer":
             from multipod.controller.tokenizer import train_main
             return train_main(args)

@@ -1,0 +1,80 @@
+"""`multipod generate` on a checkpoint of a tiny run trained here: the text streams to stdout and
+tokens/s to stderr; a jsonl of prompts gives a jsonl of completions; greedy output is the same
+on a model-parallel mesh of 2 devices as on one; bad input is refused quickly, naming the problem."""
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import pytest
+
+from tests.helpers import TINY, run_cli
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> pathlib.Path:
+    run_dir = tmp_path_factory.mktemp("generate") / "run"
+    result = run_cli("local", "--config", TINY, "--pods", "1", "--devices-per-pod", "1", "--steps", "10",
+                     "--run-dir", str(run_dir), "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir / "checkpoints"
+
+
+def _generate(*args: str):
+    return run_cli("generate", *args, timeout=120)
+
+
+def test_a_prompt_streams_its_text_and_the_same_on_a_model_parallel_mesh(checkpoints):
+    args = ("--checkpoint", str(checkpoints), "--prompt", "def ", "--max-tokens", "8", "--temperature", "0")
+    one = _generate(*args)
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert one.stdout.startswith("def ") and len(one.stdout) > len("def \n")
+    assert "8 token(s) in" in one.stderr and "tokens/s" in one.stderr
+    assert "(step 10)" in one.stderr
+    two = _generate(*args, "--devices", "2", "--model-parallel", "2")
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "mesh data=1 model=2" in two.stderr
+    assert two.stdout == one.stdout
+
+
+def test_a_jsonl_of_prompts_gives_a_jsonl_of_completions(checkpoints, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def "}\n{"prompt": "import os\\n", "id": 7}\n\n{"prompt": ""}\n')
+    out = tmp_path / "out.jsonl"
+    result = _generate("--checkpoint", str(checkpoints / "10"), "--prompts", str(prompts), "--out", str(out),
+                       "--max-tokens", "5", "--temperature", "0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["prompt"] for line in lines] == ["def ", "import os\n", ""]
+    for line in lines:
+        assert line["tokens"] == 5 and line["finish"] == "length" and isinstance(line["completion"], str)
+    assert "tokens/s" in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("case", ["missing checkpoint", "prompt longer than max_seq_len",
+                                  "jsonl line without the field", "prompt + max tokens beyond max_seq_len",
+                                  "a directory without checkpoints"])
+def test_bad_input_is_refused_quickly_naming_the_problem(checkpoints, tmp_path, case):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "def "}\n{"text": "no prompt here"}\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args, message = {
+        "missing checkpoint": (["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"],
+                               f"checkpoint {tmp_path / 'nope'} does not exist"),
+        "prompt longer than max_seq_len": (["--checkpoint", str(checkpoints), "--prompt", "x" * 40],
+                                           "40 tokens, more than the model's context of 32 tokens"),
+        "jsonl line without the field": (["--checkpoint", str(checkpoints), "--prompts", str(bad)],
+                                         f"{bad}:2: no 'prompt' field"),
+        "prompt + max tokens beyond max_seq_len": (["--checkpoint", str(checkpoints), "--prompt", "abc",
+                                                    "--max-tokens", "40"], "ask for at most 29"),
+        "a directory without checkpoints": (["--checkpoint", str(empty), "--prompt", "x"], "is not a checkpoint"),
+    }[case]
+    started = time.monotonic()
+    result = _generate(*args)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "error: " in result.stderr and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "starting a pod worker" not in result.stderr      # refused before any worker starts
+    assert time.monotonic() - started < 30
