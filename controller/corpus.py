@@ -95,17 +95,23 @@ RUN_CONFIG = "run_config.json"
 TOKENIZER_FILES = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model"}
 
 
-def write_beside_checkpoints(data: RunData, directory: str | pathlib.Path) -> None:
+def write_beside_checkpoints(data: RunData, directory: str | pathlib.Path) -> bool:
     """Put the run's resolved config and its tokenizer's file (none for bytes) in the checkpoint
-    directory, each written whole (a temporary file, then a rename)."""
+    directory, each written whole (a temporary file, then a rename). A directory that cannot be
+    written is a warning (False), never the run's failure: the checkpointer reports failed saves
+    there at once, and the run goes on."""
     root = pathlib.Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data.config.to_dict(), indent=2, sort_keys=True) + "\n"
-    partial = root / (RUN_CONFIG + ".partial")
-    partial.write_text(text)
-    partial.replace(root / RUN_CONFIG)
-    name = TOKENIZER_FILES.get(data.tokenizer.kind)
-    if name is not None:
-        partial = root / (name + ".partial")
-        shutil.copyfile(data.tokenizer.name, partial)
-        partial.replace(root / name)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        partial = root / (RUN_CONFIG + ".partial")
+        partial.write_text(json.dumps(data.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        partial.replace(root / RUN_CONFIG)
+        name = TOKENIZER_FILES.get(data.tokenizer.kind)
+        if name is not None:
+            partial = root / (name + ".partial")
+            shutil.copyfile(data.tokenizer.name, partial)
+            partial.replace(root / name)
+    except OSError as exc:
+        out(f"warning: the run's config and tokenizer could not be written beside the checkpoints in {root}: {exc}")
+        return False
+    return True

@@ -36,6 +36,13 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
     return [r for r in _records(run_dir) if "loss" in r]
 
 
+def run_param_count(run_dir: pathlib.Path) -> int:
+    """The parameter count of the model a run trained, from its resolved config.json (whose
+    vocab_size followed the tokenizer)."""
+    from multipod.model import ModelConfig
+    return ModelConfig(**json.loads((run_dir / "config.json").read_text())["model"]).param_count()
+
+
 def read_evals(run_dir: pathlib.Path) -> list[dict]:
     """The evaluation records of metrics.jsonl, in file order."""
     return [r for r in _records(run_dir) if "eval_loss" in r]

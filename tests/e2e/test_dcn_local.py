@@ -3,7 +3,7 @@ slow-link and encrypted transport, tiny model. The pods must stay bitwise identi
 import pytest
 
 from multipod.controller.config import load_config
-from tests.helpers import TINY, train_identical_pods
+from tests.helpers import TINY, run_param_count, train_identical_pods
 
 STEPS = 4
 
@@ -14,7 +14,7 @@ def _run(tmp_path, pods: int, *settings: str):
 
 def test_three_pods_on_a_slow_link_stay_identical(tmp_path):
     records = _run(tmp_path, 3, "data.global_batch=6", "dcn.link_gbps=1.0", "dcn.link_latency_ms=1.0")
-    params = load_config(TINY).model.param_count()
+    params = run_param_count(tmp_path)
     for r in records:
         # Reduce-scatter + all-gather: each pod sends 2 (N - 1) / N of its float32 gradient.
         assert r["dcn_bytes_sent"] == 2 * 2 * params * 4
@@ -25,7 +25,7 @@ def test_three_pods_on_a_slow_link_stay_identical(tmp_path):
 
 def test_four_pods_with_int8_transport_stay_identical(tmp_path):
     records = _run(tmp_path, 4, "data.global_batch=8", "dcn.compression=\"int8\"", "dcn.streams=2")
-    params = load_config(TINY).model.param_count()
+    params = run_param_count(tmp_path)
     for r in records:
         # One byte per value on the wire, plus one float32 scale per block of <= 256 values.
         assert 2 * 3 * params * (1 + 4 / 256) <= r["dcn_bytes_sent"] <= 2 * 3 * params * (1 + 4 / 256) * 1.02

@@ -12,11 +12,10 @@ import shutil
 
 import pytest
 
-from multipod.controller.config import load_config
 from multipod.pod_worker import checkpoint
 from tests.e2e.pod_failure import kill_and_finish
 from tests.e2e.test_recovery import _events, _Live, _run
-from tests.helpers import TINY, read_metrics, run_cli
+from tests.helpers import TINY, read_metrics, run_cli, run_param_count
 
 STEPS = 8
 COMMON = ("--config", TINY, "--steps", str(STEPS), "--checkpoint-every", "4",
@@ -54,7 +53,7 @@ def test_two_hosts_per_pod_train_like_one_host_with_both_devices(two_hosts, tmp_
 
 
 def test_each_host_moves_half_of_the_pod_s_gradient(two_hosts):
-    params = load_config(TINY).model.param_count()
+    params = run_param_count(two_hosts)
     for r in read_metrics(two_hosts):
         for pod in r["pods"]:
             # 2 pods: each host sends its block (half of every leaf, rounded up) to its peer host.

@@ -31,10 +31,7 @@ from multipod.protos.transport import Security
 from tests.helpers import ROOT, TINY, pid_alive, read_metrics
 
 STEPS = 10
-# The runs read the project's docs with a BPE of 512 tokens trained on them (once, then cached), so
-# resuming is checked on a trained tokenizer and the epoch-permuted token pipeline.
 COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
-          "--data", str(ROOT / "docs"), "--tokenizer", "bpe:512",
           "--checkpoint-every", "3", "--on-spike", "rewind", "--skip-batches", "2",
           "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", "--set", "run.keep_checkpoints=3",
           "--set", "run.spike_window=3", "--set", "dcn.timeout_s=10", "--set", "run.step_timeout_s=60",
@@ -123,9 +120,21 @@ class _Live:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, env):
+def common(tmp_path_factory) -> tuple[str, ...]:
+    """COMMON, reading a copy of the project's docs through a BPE of 512 tokens trained on them
+    (once, then cached): resuming is checked on a trained tokenizer and the epoch-permuted token
+    pipeline. A copy, so that the corpus (and with it the tokenizer and the batches) cannot change
+    between the runs compared."""
+    corpus = tmp_path_factory.mktemp("corpus")
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        shutil.copyfile(doc, corpus / doc.name)
+    return (*COMMON, "--data", str(corpus), "--tokenizer", "bpe:512")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env, common):
     run_dir = tmp_path_factory.mktemp("reference")
-    result = _run("local", *COMMON, "--run-dir", str(run_dir), env=env)
+    result = _run("local", *common, "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir
 
@@ -171,11 +180,12 @@ def test_checkpoints_are_written_and_only_the_last_k_kept(reference):
     assert summary["last_checkpoint"] == str(reference / "checkpoints" / "10")
 
 
-def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrupted(reference, tmp_path, env):
+def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrupted(reference, tmp_path, env,
+                                                                                   common):
     """kill -9 pod 1 mid-run; once the run has recovered, stop the new pod 1 with SIGSTOP: the
     controller names it, has the supervisor replace it, and recovers again. The run ends with
     the uninterrupted run's fingerprint."""
-    run = _Live("local", *COMMON, "--run-dir", str(tmp_path), env=env)
+    run = _Live("local", *common, "--run-dir", str(tmp_path), env=env)
     try:
         _wait_for_step(run.proc, tmp_path, 3)
         pid, port = _current_pid(tmp_path, 1)
@@ -204,12 +214,12 @@ def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrup
     assert _final(tmp_path)[STEPS - 1]["loss"] == _final(reference)[STEPS - 1]["loss"]
 
 
-def test_resumed_run_equals_the_uninterrupted_run(reference, tmp_path, env):
+def test_resumed_run_equals_the_uninterrupted_run(reference, tmp_path, env, common):
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", checkpoints)
     shutil.rmtree(checkpoints / "10")          # as if the run had stopped after step 9's checkpoint
     run_dir = tmp_path / "run"
-    result = _run("local", *COMMON, "--resume", "--checkpoint-dir", str(checkpoints), "--run-dir", str(run_dir),
+    result = _run("local", *common, "--resume", "--checkpoint-dir", str(checkpoints), "--run-dir", str(run_dir),
                   env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from" in result.stdout and "step 9" in result.stdout

@@ -66,3 +66,11 @@ def test_the_checkpoint_directory_holds_the_config_and_the_tokenizer(tmp_path):
     copied = tmp_path / "checkpoints" / "tokenizer.json"
     assert copied.read_bytes() == open(data.tokenizer.name, "rb").read()
     assert not list((tmp_path / "checkpoints").glob("*.partial"))
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_a_warning(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    data = corpus.RunData(config=load_config(), tokenizer=ByteTokenizer(), dataset=None)
+    assert corpus.write_beside_checkpoints(data, blocker / "checkpoints") is False
+    assert "could not be written beside the checkpoints" in capsys.readouterr().out
