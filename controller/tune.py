@@ -14,6 +14,9 @@ the trainer's own step a few times and report the median. A candidate that fails
 probe. The ranked table, its JSON and the best config come from controller/tune_table.py. Across
 pods the DCN axis is always data-parallel, so tuning one pod's layout is tuning the run's: every
 pod uses the same layout.
+
+`multipod tune --inference` searches the layout for generation instead (mesh x generation batch,
+ranked by tokens/s within --max-latency-ms): controller/tune_inference.py.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from multipod.controller.tune_grid import (
     parse_mesh_list,
     parse_remat_list,
 )
+from multipod.controller.tune_inference import add_arguments as add_inference_arguments, check_mode
 
 DCN_NOTE = ("Tuning one pod's layout: across pods the DCN axis is always data-parallel, so every pod "
             "uses this layout and the global batch is split evenly over the pods.")
@@ -51,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only these remat policies, comma-separated (the values of model.remat)")
     parser.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
                         help="try sequence parallelism on, off, or both (default both)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (median; default 5)")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed steps per candidate (--inference: timed generations; median; default 5)")
     parser.add_argument("--candidate-timeout", type=float, default=600.0,
                         help="seconds one candidate may take to compile and run (default 600)")
     parser.add_argument("--peak-flops", type=float,
@@ -60,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="tuned.toml",
                         help="where to write the best candidate's config (default tuned.toml)")
     parser.add_argument("--json", dest="json_path", help="also write the ranked table as JSON here")
+    add_inference_arguments(parser)
 
 
 def _resolve_peak(given: float | None, info: dict, devices: int) -> float | None:
@@ -77,6 +83,10 @@ def _resolve_peak(given: float | None, info: dict, devices: int) -> float | None
 
 def main(args: argparse.Namespace) -> int:
     """Run `multipod tune`; returns the exit code (0: a best candidate was written)."""
+    check_mode(args)
+    if args.inference:   # the generation layout search: controller/tune_inference.py
+        from multipod.controller.tune_inference import main as inference_main
+        return inference_main(args)
     from multipod.controller.config import ConfigError, load_config
     from multipod.controller.metrics import out
     from multipod.controller.tune_runner import run_grid
