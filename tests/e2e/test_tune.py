@@ -97,3 +97,41 @@ def test_bad_tune_arguments_are_named():
     assert result.returncode == 2 and "not a size: 'lots'" in result.stderr
     result = run_cli("tune", "--config", TINY, "--candidate-timeout", "0")
     assert result.returncode == 2 and "--candidate-timeout: must be > 0 seconds" in result.stderr
+
+
+def test_inference_ranks_generation_layouts_and_honours_the_latency_limit(tmp_path):
+    # Every (mesh, batch) of 2 devices: 2x1 cannot split a batch of 1 (left out, said so).
+    result = run_cli("tune", "--inference", "--config", TINY, "--devices", "2", "--batches", "1,2", "--tokens", "4",
+                     "--steps", "1", "--json", str(tmp_path / "t.json"), "--out", str(tmp_path / "best.toml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "t.json").read_text())
+    rows = report["rows"]
+    assert sorted((r["mesh"], r["batch"]) for r in rows) == [("1x2", 1), ("1x2", 2), ("2x1", 2)]
+    assert "left out mesh 2x1 batch 1: data=2 does not divide the batch of 1" in result.stdout
+    for r in rows:   # each row ran (its measurements) or carries its error
+        if r["status"] == "ok":
+            assert r["error"] is None and r["rank"] is not None
+            assert r["ttft_ms"] > 0 and r["token_latency_ms"] > 0 and r["tokens_per_s"] > 0 and r["memory_bytes"] > 0
+            assert len(r["token_latencies_s"]) == 3   # 4 tokens: the prefill's, then 3 decode steps
+        else:
+            assert r["status"] == "error" and r["error"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok and rows[:len(ok)] == ok and report["best"] == 1
+    assert [r["tokens_per_s"] for r in ok] == sorted((r["tokens_per_s"] for r in ok), reverse=True)
+    assert "ms/token" in result.stdout and "tokens/s" in result.stdout
+    config = load_config(str(tmp_path / "best.toml"))
+    assert (config.mesh.data, config.mesh.model) == (ok[0]["data"], ok[0]["model"])
+    assert f"generation batch: {ok[0]['batch']}" in (tmp_path / "best.toml").read_text()
+
+
+def test_inference_with_no_layout_within_the_latency_limit_says_so(tmp_path):
+    # No layout decodes a token in a microsecond: nothing qualifies, and the command says so (exit 1).
+    result = run_cli("tune", "--inference", "--config", TINY, "--devices", "2", "--meshes", "2x1,2x2", "--batches",
+                     "2", "--tokens", "4", "--steps", "1", "--max-latency-ms", "0.001",
+                     "--json", str(tmp_path / "t2.json"), "--out", str(tmp_path / "none.toml"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    over, failed = json.loads((tmp_path / "t2.json").read_text())["rows"]
+    assert over["status"] == "over latency limit" and over["rank"] is None and over["token_latency_ms"] > 0.001
+    assert failed["status"] == "error" and "data=2 x model=2 != the pod's 2 devices" in failed["error"]
+    assert "no candidate is within --max-latency-ms 0.001" in result.stdout and "no config written" in result.stdout
+    assert not (tmp_path / "none.toml").exists()
