@@ -73,7 +73,8 @@ def add_commands(sub) -> None:
     peak.add_argument("--size", type=int, default=1024, help="matmul size")
 
     from multipod.controller.tune import add_arguments as add_tune_arguments
-    tune = sub.add_parser("tune", help="search one pod's layout (mesh, sequence parallelism, microbatches, remat)")
+    tune = sub.add_parser("tune", help="search one pod's layout for training (mesh, sequence parallelism, "
+                          "microbatches, remat), or with --inference for generation (mesh, batch)")
     add_tune_arguments(tune)
 
     tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
