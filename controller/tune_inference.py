@@ -126,14 +126,14 @@ def candidate_payload(base, candidate: InferenceCandidate) -> dict:
 
 # -- running the grid --------------------------------------------------------------------------
 def row_summary(row: dict) -> str:
-    """One line about a candidate's result, for the progress output."""
+    """One line about a candidate's result, for the progress output (a row that did not run: as
+    the training mode's)."""
+    from multipod.controller import tune_runner
     from multipod.controller.tune_table import mib
     if row["status"] == "ok":
         return (f"first token {row['ttft_s'] * 1e3:.2f} ms, {row['token_latency_s'] * 1e3:.2f} ms/token, "
                 f"{mib(row.get('memory_bytes'))} MiB")
-    if row["status"] == "over memory limit":
-        return f"over the memory limit ({mib(row.get('memory_bytes'))} MiB)"
-    return f"error: {row['error'][:200]}"
+    return tune_runner.row_summary(row)
 
 
 def run_grid(config, candidates: list[InferenceCandidate], devices: int, prompt_len: int, tokens: int, steps: int,
@@ -142,41 +142,12 @@ def run_grid(config, candidates: list[InferenceCandidate], devices: int, prompt_
     """Measure every candidate in inference probes; one result per candidate, in grid order, and
     the probe's device info ({'device_kind', 'num_devices'}, empty if no probe ever started).
     command overrides the probe's command line (tests)."""
-    from multipod.controller.tune_runner import ProbeProcess, Progress, _run_probe
-
-    class InferenceProgress(Progress):
-        def finish(self, done, candidate, row):
-            if self.progress is not None:
-                self.progress.update(self.task, completed=done)
-                self.progress.console.print(f"  {candidate.label()}: {row_summary(row)}")
-            else:
-                print(f"[{done}/{self.total}] {candidate.label()}: {row_summary(row)}", file=sys.stderr, flush=True)
-
-    payloads = {i: candidate_payload(config, c) for i, c in enumerate(candidates)}
-    rows: dict[int, dict] = {}
-    info: dict = {}
-    progress = InferenceProgress(len(candidates))
-    pending = list(range(len(candidates)))
-    try:
-        while pending:
-            spec = {"devices": devices, "prompt_len": prompt_len, "tokens": tokens, "steps": steps,
-                    "memory_limit": memory_limit, "candidates": [(i, payloads[i]) for i in pending]}
-            probe = ProbeProcess(spec, command or [sys.executable, "-m", PROBE_MODULE])
-            try:
-                error, current = _run_probe(probe, candidates, rows, info, progress, timeout_s)
-            finally:
-                probe.kill()
-            if error is None and any(i not in rows for i in pending):
-                error, current = "the tuning process finished without a result for this candidate", None
-            if error is not None:
-                victim = current if current is not None else next((i for i in pending if i not in rows), None)
-                if victim is not None:
-                    rows[victim] = {"status": "error", "error": error}
-                    progress.finish(len(rows), candidates[victim], rows[victim])
-            pending = [i for i in pending if i not in rows]
-    finally:
-        progress.close()
-    return [rows[i] for i in range(len(candidates))], info
+    from multipod.controller.tune_runner import run_candidates
+    payloads = [candidate_payload(config, c) for c in candidates]
+    spec = {"devices": devices, "prompt_len": prompt_len, "tokens": tokens, "steps": steps,
+            "memory_limit": memory_limit}
+    return run_candidates(candidates, payloads, spec, timeout_s, command or [sys.executable, "-m", PROBE_MODULE],
+                          summary=row_summary)
 
 
 # -- the ranking and the table -----------------------------------------------------------------

@@ -7,6 +7,9 @@ parent sends it each candidate's WorkerConfig as JSON and reads one JSON message
 candidate. A probe that crashes or misses the deadline is killed, the failure is charged to the
 candidate that was running (or, if none had started, the first one left), and the search goes on
 with the remaining candidates in a fresh probe.
+
+The loop (run_candidates) is shared with `multipod tune --inference` (controller/tune_inference.py),
+whose inference probe speaks the same protocol with its own spec and result fields.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 from multipod.controller.tune_grid import Candidate, candidate_worker_json
 from multipod.controller.tune_table import mib
@@ -79,13 +83,15 @@ def row_summary(row: dict) -> str:
 
 
 class Progress:
-    """A progress bar on a terminal (stderr), else one plain stderr line per candidate."""
+    """A progress bar on a terminal (stderr), else one plain stderr line per candidate; summary
+    makes the line about a finished candidate's row."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, summary: Callable[[dict], str] = row_summary):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
         self.console = Console(stderr=True)
         self.total = total
+        self.summary = summary
         self.progress = None
         if self.console.is_terminal:
             self.progress = RichProgress(TextColumn("[bold]tune"), BarColumn(), MofNCompleteColumn(),
@@ -102,7 +108,7 @@ class Progress:
 
     def finish(self, done: int, candidate: Candidate, row: dict) -> None:
         """A candidate finished (ran, went over the limit, or failed); `done` are finished now."""
-        summary = row_summary(row)
+        summary = self.summary(row)
         if self.progress is not None:
             self.progress.update(self.task, completed=done)
             self.progress.console.print(f"  {candidate.label()}: {summary}")
@@ -115,7 +121,7 @@ class Progress:
             self.progress.stop()
 
 
-def _run_probe(probe: ProbeProcess, candidates: list[Candidate], rows: dict[int, dict], info: dict,
+def _run_probe(probe: ProbeProcess, candidates: list, rows: dict[int, dict], info: dict,
                progress: Progress, timeout_s: float) -> tuple[str | None, int | None]:
     """Read one probe's messages into rows/info until it is done (None, None), or fails: then
     (the error, the index of the candidate that was running or None)."""
@@ -147,23 +153,23 @@ def _run_probe(probe: ProbeProcess, candidates: list[Candidate], rows: dict[int,
             return None, None
 
 
-def run_grid(config, candidates: list[Candidate], devices: int, per_pod_batch: int, steps: int,
-             memory_limit: int | None, timeout_s: float, command: list[str] | None = None) -> tuple[list[dict], dict]:
-    """Evaluate every candidate in layout probes; one result per candidate, in grid order, and
-    the probe's device info ({'device_kind', 'num_devices'}, empty if no probe ever started).
+def run_candidates(candidates: list, payloads: list, spec: dict, timeout_s: float, command: list[str] | None = None,
+                   summary: Callable[[dict], str] = row_summary) -> tuple[list[dict], dict]:
+    """Evaluate every candidate in probes speaking the layout probe's protocol; one result per
+    candidate, in grid order, and the probe's device info ({'device_kind', 'num_devices'}, empty if
+    no probe ever started).
 
-    config: the run's controller.config.Config; each candidate is applied to it and sent as the
-    pod's WorkerConfig JSON. command overrides the probe's command line (tests)."""
-    payloads = {i: candidate_worker_json(config, c) for i, c in enumerate(candidates)}
+    candidates: anything with .label() (for the progress output); payloads: what the probe gets for
+    each candidate; spec: the probe's stdin spec but its "candidates" (filled in here with the ones
+    still pending); command: the probe's command line (default: the layout probe); summary: the
+    progress line about a finished row."""
     rows: dict[int, dict] = {}
     info: dict = {}
-    progress = Progress(len(candidates))
+    progress = Progress(len(candidates), summary)
     pending = list(range(len(candidates)))
     try:
         while pending:
-            spec = {"devices": devices, "per_pod_batch": per_pod_batch, "steps": steps, "memory_limit": memory_limit,
-                    "candidates": [(i, payloads[i]) for i in pending]}
-            probe = ProbeProcess(spec, command)
+            probe = ProbeProcess({**spec, "candidates": [(i, payloads[i]) for i in pending]}, command)
             try:
                 error, current = _run_probe(probe, candidates, rows, info, progress, timeout_s)
             finally:
@@ -179,3 +185,15 @@ def run_grid(config, candidates: list[Candidate], devices: int, per_pod_batch: i
     finally:
         progress.close()
     return [rows[i] for i in range(len(candidates))], info
+
+
+def run_grid(config, candidates: list[Candidate], devices: int, per_pod_batch: int, steps: int,
+             memory_limit: int | None, timeout_s: float, command: list[str] | None = None) -> tuple[list[dict], dict]:
+    """Evaluate every candidate in layout probes; one result per candidate, in grid order, and
+    the probe's device info ({'device_kind', 'num_devices'}, empty if no probe ever started).
+
+    config: the run's controller.config.Config; each candidate is applied to it and sent as the
+    pod's WorkerConfig JSON. command overrides the probe's command line (tests)."""
+    payloads = [candidate_worker_json(config, c) for c in candidates]
+    spec = {"devices": devices, "per_pod_batch": per_pod_batch, "steps": steps, "memory_limit": memory_limit}
+    return run_candidates(candidates, payloads, spec, timeout_s, command)
