@@ -28,13 +28,11 @@ The controller derives tokens/s (batch x tokens / generate_s) and the latency li
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 
-from multipod.pod_worker.devices import simulate_cpu_devices
-from multipod.pod_worker.layout_probe import emit
+from multipod.pod_worker.layout_probe import serve
 
 
 def timed_generator(model_cfg, mesh, param_sharding):
@@ -123,22 +121,8 @@ def probe(candidate: dict, devices: list, prompt_len: int, tokens: int, steps: i
 
 def main() -> int:
     """Read the spec from stdin, probe every candidate in order, report each on stdout."""
-    spec = json.loads(sys.stdin.readline())
-    if spec["devices"]:
-        simulate_cpu_devices(spec["devices"])  # before jax initialises
-    import jax
-
-    devices = jax.devices()[:spec["devices"] or None]
-    emit(event="ready", device_kind=devices[0].device_kind, num_devices=len(devices))
-    for index, candidate in spec["candidates"]:
-        emit(event="start", index=index)
-        try:
-            result = probe(candidate, devices, spec["prompt_len"], spec["tokens"], spec["steps"], spec["memory_limit"])
-        except Exception as exc:  # noqa: BLE001 -- every failure is a row of the table
-            result = {"status": "error", "error": f"{type(exc).__name__}: {exc}".strip()[:2000]}
-        emit(event="result", index=index, **result)
-    emit(event="done")
-    return 0
+    return serve(lambda candidate, devices, spec: probe(candidate, devices, spec["prompt_len"], spec["tokens"],
+                                                        spec["steps"], spec["memory_limit"]))
 
 
 if __name__ == "__main__":

@@ -85,8 +85,10 @@ def probe(worker_json: str, devices: list, rows: int, steps: int, memory_limit: 
     return result
 
 
-def main() -> int:
-    """Read the spec from stdin, probe every candidate in order, report each on stdout."""
+def serve(measure) -> int:
+    """The probe's side of the line protocol, for this probe and the inference probe: read the spec
+    from stdin, set the pod's device count, then measure(candidate, devices, spec) every candidate
+    in order (a dict, or raises: the error is the candidate's row) and report each on stdout."""
     spec = json.loads(sys.stdin.readline())
     if spec["devices"]:
         simulate_cpu_devices(spec["devices"])  # before jax initialises
@@ -94,15 +96,21 @@ def main() -> int:
 
     devices = jax.devices()[:spec["devices"] or None]
     emit(event="ready", device_kind=devices[0].device_kind, num_devices=len(devices))
-    for index, worker_json in spec["candidates"]:
+    for index, candidate in spec["candidates"]:
         emit(event="start", index=index)
         try:
-            result = probe(worker_json, devices, spec["per_pod_batch"], spec["steps"], spec["memory_limit"])
+            result = measure(candidate, devices, spec)
         except Exception as exc:  # noqa: BLE001 -- every failure is a row of the table
             result = {"status": "error", "error": f"{type(exc).__name__}: {exc}".strip()[:2000]}
         emit(event="result", index=index, **result)
     emit(event="done")
     return 0
+
+
+def main() -> int:
+    """Read the spec from stdin, probe every candidate in order, report each on stdout."""
+    return serve(lambda worker_json, devices, spec: probe(worker_json, devices, spec["per_pod_batch"], spec["steps"],
+                                                          spec["memory_limit"]))
 
 
 if __name__ == "__main__":
