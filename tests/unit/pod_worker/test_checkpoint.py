@@ -14,28 +14,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from multipod import protos
 from multipod.pod_worker import checkpoint
-from multipod.pod_worker.server import start_server
 from multipod.pod_worker.trainer import PodTrainer
-from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from multipod.protos.transport import Security, open_channel
+from multipod.protos import codec, multipod_pb2 as pb
 from tests.helpers import tiny_worker_config
+from tests.unit.pod_worker.in_process_worker import InProcessWorker, module_worker
 
 CONFIG = tiny_worker_config()
 ROWS, COLS = CONFIG.train.global_batch, CONFIG.train.seq_len + 1
 
 
-class Worker:
-    def __init__(self):
-        self.server, self.service, _, port = start_server(0, "127.0.0.1:0", Security())
-        self.address = f"127.0.0.1:{port}"
-        self.channel = open_channel(self.address, Security())
-        self.stub = pb_grpc.PodWorkerStub(self.channel)
-        self.stub.Configure(pb.ConfigureRequest(
-            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[self.address],
-            worker_config_json=CONFIG.to_json(), run_id="checkpoint-test"), timeout=300)
-
+class Worker(InProcessWorker):
     @property
     def step(self) -> int:
         return self.stub.Status(pb.StatusRequest(), timeout=10).step
@@ -59,12 +48,7 @@ class Worker:
         return self.service.pod.trainer.fingerprint()
 
 
-@pytest.fixture(scope="module")
-def worker():
-    w = Worker()
-    yield w
-    w.channel.close()
-    w.server.stop(0)
+worker = module_worker(lambda: Worker(CONFIG, "checkpoint-test"))
 
 
 def test_background_save_lets_the_pod_step_on_and_holds_the_state_it_was_asked_for(worker, tmp_path):

@@ -11,15 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from multipod import protos
 from multipod.model import ModelConfig, Sampling, abstract_params, init_params
 from multipod.model.decode import decoder
 from multipod.model.partitioning import make_mesh, param_shardings
 from multipod.pod_worker.generation import MAX_PROMPTS, Generator
-from multipod.pod_worker.server import start_server
-from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from multipod.protos.transport import Security, open_channel
+from multipod.protos import codec, multipod_pb2 as pb
 from tests.helpers import tiny_worker_config
+from tests.unit.pod_worker.in_process_worker import InProcessWorker, module_worker
 
 MODEL = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, head_dim=8, mlp_dim=64, max_seq_len=16)
 PROMPTS = [np.random.RandomState(s).randint(0, 256, size=n).astype(np.int32) for s, n in ((1, 5), (2, 2), (3, 9))]
@@ -62,22 +60,7 @@ CONFIG = tiny_worker_config()
 VOCAB = CONFIG.model.vocab_size
 
 
-class Worker:
-    def __init__(self):
-        self.server, self.service, _, port = start_server(0, "127.0.0.1:0", Security())
-        self.channel = open_channel(f"127.0.0.1:{port}", Security())
-        self.stub = pb_grpc.PodWorkerStub(self.channel)
-        self.stub.Configure(pb.ConfigureRequest(
-            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[f"127.0.0.1:{port}"],
-            worker_config_json=CONFIG.to_json(), run_id="generation-test"), timeout=300)
-
-
-@pytest.fixture(scope="module")
-def worker():
-    w = Worker()
-    yield w
-    w.channel.close()
-    w.server.stop(0)
+worker = module_worker(lambda: InProcessWorker(CONFIG, "generation-test"))
 
 
 def _request(prompts=None, prompt=None, **fields) -> pb.GenerateRequest:

@@ -10,26 +10,15 @@ import grpc
 import numpy as np
 import pytest
 
-from multipod import protos
-from multipod.pod_worker.server import start_server
-from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from multipod.protos.transport import Security, open_channel
+from multipod.protos import codec, multipod_pb2 as pb
 from tests.helpers import tiny_worker_config
+from tests.unit.pod_worker.in_process_worker import InProcessWorker, module_worker
 
 CONFIG = tiny_worker_config()
 ROWS, COLS = CONFIG.train.global_batch, CONFIG.train.seq_len + 1
 
 
-class Worker:
-    def __init__(self):
-        self.server, self.service, _, port = start_server(0, "127.0.0.1:0", Security())
-        self.pod = self.service.pod
-        self.channel = open_channel(f"127.0.0.1:{port}", Security())
-        self.stub = pb_grpc.PodWorkerStub(self.channel)
-        self.stub.Configure(pb.ConfigureRequest(
-            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[f"127.0.0.1:{port}"],
-            worker_config_json=CONFIG.to_json(), run_id="pod-test"), timeout=300)
-
+class Worker(InProcessWorker):
     def status(self) -> pb.StatusReply:
         return self.stub.Status(pb.StatusRequest(), timeout=10)
 
@@ -41,12 +30,7 @@ class Worker:
         return self.stub.Step(self.step_request(self.status().step), timeout=60)
 
 
-@pytest.fixture(scope="module")
-def worker():
-    w = Worker()
-    yield w
-    w.channel.close()
-    w.server.stop(0)
+worker = module_worker(lambda: Worker(CONFIG, "pod-test"))
 
 
 def _error(call, *args, **kwargs) -> grpc.RpcError:
