@@ -38,7 +38,8 @@ class ProbeProcess:
         self.lines: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.close()
 
@@ -62,7 +63,10 @@ class ProbeProcess:
         return self.lines.get(timeout=timeout_s)
 
     def tail(self) -> str:
-        """The last few meaningful lines of the probe's stderr, on one line."""
+        """The last few meaningful lines of the probe's stderr, on one line (once the probe has
+        exited: all of it, the reader is waited for up to 5s)."""
+        if self.proc.poll() is not None:
+            self._stderr_reader.join(timeout=5)
         lines = [line.rstrip() for line in self.stderr if line.strip() and "Warning" not in line]
         return " | ".join(lines[-3:])
 
