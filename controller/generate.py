@@ -141,38 +141,21 @@ def load_run(root: pathlib.Path):
 
 def read_prompts(args, tokenizer) -> list[Prompt]:
     """The prompts of --prompt or --prompts, encoded. An empty one starts a new document: the
-    tokenizer's end-of-text token. GenerateError naming the file and line of a bad one."""
+    tokenizer's end-of-text token. GenerateError (no such file) or DataError (sources.jsonl_texts) naming
+    the file and line of a bad one."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text).tolist() or [tokenizer.eos_id]
     if args.prompt is not None:
         return [Prompt(args.prompt, encode(args.prompt), "--prompt")]
-    path, field = pathlib.Path(args.prompts), args.prompt_field
+    from multipod.controller.sources import jsonl_texts
+    path = pathlib.Path(args.prompts)
+    if not path.is_file():
+        raise GenerateError(f"--prompts {path}: no such file")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise GenerateError(f"--prompts {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        return [Prompt(text, encode(text), where)
+                for where, text in jsonl_texts(path, args.prompt_field, "--prompt-field names the field")]
+    except OSError as exc:
         raise GenerateError(f"--prompts {path}: cannot be read: {exc}") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise GenerateError(f"{where}: not valid JSON: {exc}") from None
-        if not isinstance(record, dict):
-            raise GenerateError(f"{where}: expected a JSON object with a {field!r} field, got {type(record).__name__}")
-        if field not in record:
-            keys = ", ".join(map(repr, record)) or "none"
-            raise GenerateError(f"{where}: no {field!r} field (fields: {keys}; --prompt-field names the field)")
-        if not isinstance(record[field], str):
-            raise GenerateError(f"{where}: {field!r} must be a string, got {type(record[field]).__name__}")
-        prompts.append(Prompt(record[field], encode(record[field]), where))
-    if not prompts:
-        raise GenerateError(f"--prompts {path} holds no prompt")
-    return prompts
 
 
 def plan(args, config, prompts: list[Prompt]) -> int:

@@ -227,10 +227,21 @@ def _documents(root: pathlib.Path, files: list[pathlib.Path], hidden: list[pathl
 
 def _jsonl(file: pathlib.Path, text_field: str, report: CorpusReport) -> Iterator[Document]:
     """One document per non-empty line; report.bytes_read grows line by line (for progress)."""
+    for where, text in jsonl_texts(file, text_field, "set data.text_field to the field that holds the text",
+                                   on_line=lambda size: setattr(report, "bytes_read", report.bytes_read + size)):
+        yield Document(where, text)
+
+
+def jsonl_texts(file: pathlib.Path, field: str, hint: str, on_line=None) -> Iterator[tuple[str, str]]:
+    """(FILE:LINE, the string in `field`) for every non-empty line of a .jsonl file, read line by
+    line; on_line(bytes) is called for each line read. DataError naming the file and line for a
+    line that is not a JSON object, lacks the field (`hint` says how to name another) or holds a
+    non-string, and naming the file if it holds no record at all."""
     found = False
-    with file.open("rb") as lines:
+    with pathlib.Path(file).open("rb") as lines:
         for number, raw in enumerate(lines, 1):
-            report.bytes_read += len(raw)
+            if on_line is not None:
+                on_line(len(raw))
             line = raw.decode("utf-8", errors="replace").strip()
             if not line:
                 continue
@@ -240,16 +251,15 @@ def _jsonl(file: pathlib.Path, text_field: str, report: CorpusReport) -> Iterato
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not a JSON line ({exc.msg} at column {exc.colno})") from None
             if not isinstance(record, dict):
-                raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {text_field!r} field")
-            if text_field not in record:
+                raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {field!r} field")
+            if field not in record:
                 fields = ", ".join(map(repr, list(record)[:10])) or "none"
-                raise DataError(f"{where}: no {text_field!r} field (the record has: {fields}); "
-                                "set data.text_field to the field that holds the text")
-            text = record[text_field]
+                raise DataError(f"{where}: no {field!r} field (the record has: {fields}); {hint}")
+            text = record[field]
             if not isinstance(text, str):
-                raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string")
+                raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not a string")
             found = True
-            yield Document(where, text)
+            yield where, text
     if not found:
         raise DataError(f"{file}: an empty jsonl file (no documents in it)")
 
