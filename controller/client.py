@@ -116,6 +116,13 @@ class WorkerClient:
         except grpc.RpcError as exc:
             raise self._error(method, exc) from None
 
+    def call_stream(self, method: str, request, timeout_s: float):
+        """A server-streaming call with a deadline: its replies as they come; WorkerError on failure."""
+        try:
+            yield from getattr(self.stub, method)(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error(method, exc) from None
+
     def call_async(self, method: str, request, timeout_s: float) -> PendingCall:
         """Start a unary call with a deadline; the PendingCall's result() raises WorkerError."""
         return PendingCall(self, method, getattr(self.stub, method).future(request, timeout=timeout_s))

@@ -19,7 +19,6 @@ import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 from multipod.controller.errors import RunError
 
@@ -261,23 +260,6 @@ class TextStream:
         self.out.flush()
 
 
-def _stream(client, request, timeout_s: float) -> Iterator:
-    """GenerateStream's chunks; WorkerError naming the pod on failure."""
-    import grpc
-
-    from multipod.controller.client import WorkerError
-    from multipod.protos.transport import TOKEN_HEADER, default_security
-    security = default_security()
-    # The channel's token interceptor (protos/transport.py) covers unary calls only; with TLS the
-    # call credentials carry the token on every call.
-    metadata = [(TOKEN_HEADER, security.token)] if security.token and not security.tls else None
-    try:
-        yield from client.stub.GenerateStream(request, timeout=timeout_s, metadata=metadata)
-    except grpc.RpcError as exc:
-        raise WorkerError(f"{client.name}: GenerateStream failed: {exc.code().name}: {exc.details()}",
-                          exc.code()) from None
-
-
 def main(args) -> int:
     """Run `multipod generate`; returns the exit code (errors are raised for cli.run to print)."""
     checkpoint = find_checkpoint(args.checkpoint)
@@ -339,7 +321,8 @@ def _one(client, prompt: Prompt, request: dict, timeout: float, tokenizer, eos_i
     from multipod.protos import codec, multipod_pb2 as pb
     text = TextStream(tokenizer, prompt, eos_id)
     started, first, count = time.perf_counter(), None, 0
-    for chunk in _stream(client, pb.GenerateRequest(prompts=[codec.encode(_narrow(prompt.ids))], **request), timeout):
+    message = pb.GenerateRequest(prompts=[codec.encode(_narrow(prompt.ids))], **request)
+    for chunk in client.call_stream("GenerateStream", message, timeout):
         for token in codec.decode(chunk.tokens).tolist():
             first = time.perf_counter() - started if first is None else first
             count += 1
@@ -358,7 +341,7 @@ def _many(client, prompts: list[Prompt], request: dict, timeout: float, tokenize
             batch = prompts[at:at + args.batch_size]
             completions: list[list[int]] = [[] for _ in batch]
             message = pb.GenerateRequest(prompts=[codec.encode(_narrow(p.ids)) for p in batch], **request)
-            for chunk in _stream(client, message, timeout):
+            for chunk in client.call_stream("GenerateStream", message, timeout):
                 first = time.perf_counter() - started if first is None else first
                 for row, token in zip(chunk.rows, codec.decode(chunk.tokens).tolist()):
                     completions[row].append(token)

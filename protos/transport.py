@@ -116,8 +116,10 @@ class _TokenAuth(grpc.AuthMetadataPlugin):
         callback(self._metadata, None)
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
-    """Adds the token to every call of an insecure channel (call credentials need TLS)."""
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor,
+                        grpc.UnaryStreamClientInterceptor):
+    """Adds the token to every call of an insecure channel (call credentials need TLS), streamed
+    replies (GenerateStream) included."""
 
     def __init__(self, token: str):
         self._token = token
@@ -131,6 +133,9 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClient
 
     def intercept_stream_unary(self, continuation, details, request_iterator):
         return continuation(self._with_token(details), request_iterator)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
 
 
 class _Details(grpc.ClientCallDetails):
