@@ -19,10 +19,12 @@ from multipod.controller.config import Config
 from multipod.controller.dataset import TokenDataset
 from multipod.controller.metrics import out
 from multipod.controller.sources import iter_documents, source_fingerprint
-from multipod.controller.token_cache import open_cache
+from multipod.controller.token_cache import held_out, open_cache
 from multipod.controller.tokenizer import Tokenizer, TokenizerError, load_tokenizer, padded_vocab, train_bpe
 
-TOKENIZER_FORMAT = 1    # bump when train_bpe's recipe changes: cached tokenizers are then retrained
+# Bump when the recipe of a "bpe:N" tokenizer changes: cached ones are then retrained. 2: trained
+# on the training documents only (the held-out ones left out).
+TOKENIZER_FORMAT = 2
 
 
 @dataclasses.dataclass
@@ -56,7 +58,12 @@ def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
     out(f"tokenizer: training a byte-level BPE of {size:,} tokens on the corpus (once; cached in {path.parent})")
     started = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_bpe((doc.text for doc in iter_documents(data.path, data.text_field)), size, path)
+    # The held-out documents stay out of the tokenizer's training too. (A source of fewer than
+    # token_cache.EVAL_EVERY documents holds out the tail of its tokens instead, which the
+    # tokenizer does see.)
+    texts = (doc.text for number, doc in enumerate(iter_documents(data.path, data.text_field))
+             if not held_out(number))
+    tokenizer = train_bpe(texts, size, path)
     out(f"tokenizer: trained in {time.perf_counter() - started:.1f}s")
     return tokenizer
 

@@ -43,6 +43,13 @@ FORMAT_VERSION = 1
 SHARD_TOKENS = 1 << 24
 # Every EVAL_EVERY-th document is held out.
 EVAL_EVERY = 50
+
+
+def held_out(number: int) -> bool:
+    """Whether document `number` (0-based, in source order) belongs to the held-out split (a
+    trained tokenizer leaves these out too, so evaluation sees text it never saw)."""
+    return number % EVAL_EVERY == EVAL_EVERY - 1
+
 SPLIT_RULE = (f"doc i -> eval if i % {EVAL_EVERY} == {EVAL_EVERY - 1}; "
               f"under {EVAL_EVERY} docs: last 1/{EVAL_EVERY} of tokens")
 # Documents (and characters) per encode_batch call: big enough for the HF tokenizer's threads,
@@ -242,9 +249,26 @@ def _progress_bar(path: str, enabled: bool):
     return bar, task
 
 
+# A build folder untouched for this long was left by a process that died mid-build.
+ABANDONED_S = 3600.0
+
+
+def _remove_abandoned(final: pathlib.Path) -> None:
+    """Delete the build folders of `final` that a killed process left behind (a build still
+    running elsewhere writes to its folder, so it is younger than ABANDONED_S)."""
+    for folder in final.parent.glob(f".{final.name}.tmp-*"):
+        try:
+            newest = max([folder.stat().st_mtime] + [f.stat().st_mtime for f in folder.iterdir()])
+        except OSError:
+            continue
+        if time.time() - newest > ABANDONED_S:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _build(path: str, tokenizer, text_field: str, final: pathlib.Path, progress: bool, shard_tokens: int) -> None:
     """Tokenize the source into a temporary directory, then rename it to `final`."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(final)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     writers = {split: _StreamWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
@@ -263,7 +287,7 @@ def _build(path: str, tokenizer, text_field: str, final: pathlib.Path, progress:
                 raise DataError(f"tokenizer {tokenizer.name} gave id {int(ids.max())} outside its vocabulary "
                                 f"of {tokenizer.vocab_size} (source {report.source})")
             number = sum(documents.values())
-            split = "eval" if number % EVAL_EVERY == EVAL_EVERY - 1 else "train"
+            split = "eval" if held_out(number) else "train"
             size = len(text.encode("utf-8"))
             parts[split] += [ids, [tokenizer.eos_id]]
             documents[split] += 1

@@ -74,3 +74,25 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_a_warning(tmp_path, ca
     data = corpus.RunData(config=load_config(), tokenizer=ByteTokenizer(), dataset=None)
     assert corpus.write_beside_checkpoints(data, blocker / "checkpoints") is False
     assert "could not be written beside the checkpoints" in capsys.readouterr().out
+
+
+def test_a_trained_bpe_never_sees_the_held_out_documents(tmp_path, monkeypatch):
+    from multipod.controller import token_cache
+    source = tmp_path / "corpus"
+    source.mkdir()
+    for number in range(2 * token_cache.EVAL_EVERY):
+        (source / f"{number:03d}.py").write_text(f"def function_{number}(x):\n    return x + {number}\n")
+    seen = []
+
+    def spy(texts, size, path):
+        seen.extend(texts)
+        return real(seen, size, path)
+
+    real = corpus.train_bpe
+    monkeypatch.setattr(corpus, "train_bpe", spy)
+    config = load_config(None, [f'data.path="{source}"', 'data.tokenizer="bpe:300"', f'data.cache_dir="{tmp_path}"'])
+    corpus.resolve_tokenizer(config, tmp_path)
+    held = {n for n in range(2 * token_cache.EVAL_EVERY) if token_cache.held_out(n)}
+    assert held == {49, 99}
+    assert len(seen) == 2 * token_cache.EVAL_EVERY - 2
+    assert not any(f"function_{n}(" in text for text in seen for n in held)

@@ -216,3 +216,20 @@ def test_a_trained_bpe_gives_the_same_tokens_from_every_format_and_ends_document
     documents = np.split(ids, ends[:-1] + 1)
     assert [bpe.decode(d[:-1]) for d in documents] == [d for i, d in enumerate(DOCS) if i % EVAL_EVERY != 49]
     assert not open_quiet(jsonl, tmp_path / "cache", bpe).built
+
+
+def test_a_build_folder_left_by_a_killed_process_is_removed_by_the_next_build(folder, tmp_path):
+    import time
+    key = token_cache.cache_key(str(folder), ByteTokenizer())
+    tokens_dir = tmp_path / "cache" / "tokens"
+    tokens_dir.mkdir(parents=True)
+    old = tokens_dir / f".{key}.tmp-abandoned"
+    old.mkdir()
+    (old / "train-00000.bin").write_bytes(b"\0" * 8)
+    recent = tokens_dir / f".{key}.tmp-running"
+    recent.mkdir()
+    long_ago = time.time() - 2 * token_cache.ABANDONED_S
+    for path in (old / "train-00000.bin", old):
+        os.utime(path, (long_ago, long_ago))
+    open_cache(str(folder), ByteTokenizer(), tmp_path / "cache", progress=False)
+    assert not old.exists() and recent.exists()     # a build still running elsewhere is left alone
