@@ -30,9 +30,9 @@ def eval_metrics(loss_sum: float, tokens: int, bytes_per_token: float | None) ->
 class Evaluator:
     """Evaluates run.eval_batches held-out batches every run.eval_every steps and at run.steps.
 
-    cluster: the pods (live_clients, hosts, size, diagnose); dataset: anything with eval_batch(i),
-    num_eval_batches, eval_bytes_per_token and epoch(step); write: where the record goes
-    (Recorder.write_eval)."""
+    cluster: the pods (live_clients, hosts, size, diagnose); dataset: a dataset.TokenDataset (or
+    anything with eval_batch(i), num_eval_batches, eval_bytes_per_token and epoch(index)); write:
+    where the record goes (Recorder.write_eval)."""
 
     def __init__(self, cluster, dataset, write, data_offset: int = 0):
         self.cluster, self.dataset, self.write = cluster, dataset, write
@@ -44,17 +44,19 @@ class Evaluator:
 
     @property
     def batches(self) -> int:
-        return min(self.run.eval_batches, getattr(self.dataset, "num_eval_batches", self.run.eval_batches))
+        return min(self.run.eval_batches, self.dataset.num_eval_batches)
 
-    def on_step(self, step: int, drain) -> None:
+    def on_step(self, step: int, drain) -> bool:
         """At the boundary before `step` (after `step` steps have trained): evaluate if it is a
-        multiple of run.eval_every or the end of the run; drain() first finishes the steps in flight."""
+        multiple of run.eval_every or the end of the run; drain() first finishes the steps in
+        flight. Returns whether it evaluated."""
         every = self.run.eval_every
         due = step == self.run.steps or (every and step > 0 and step % every == 0)
         if not due or not self.batches or step == self._done_at:
-            return
+            return False
         drain()
         self.evaluate(step)
+        return True
 
     def evaluate(self, step: int) -> dict:
         """Evaluate now (the state after `step` steps) on the live pods; write and return the record.
@@ -78,11 +80,10 @@ class Evaluator:
                                                 [hosts[slot]]) from None
                 loss_sum, tokens = loss_sum + reply.loss_sum, tokens + reply.tokens
         record = {"step": step - 1, "trained_steps": step,
-                  **eval_metrics(loss_sum, tokens, getattr(self.dataset, "eval_bytes_per_token", None)),
+                  **eval_metrics(loss_sum, tokens, self.dataset.eval_bytes_per_token),
                   "eval_tokens": tokens, "eval_time_s": time.perf_counter() - started, "time": time.time()}
-        epoch = getattr(self.dataset, "epoch", None)
-        if epoch is not None and step > 0:
-            record["epoch"] = epoch(step - 1 + self.data_offset)
+        if step > 0:
+            record["epoch"] = self.dataset.epoch(step - 1 + self.data_offset)
         self.write(record)
         self.last, self._done_at = record, step
         return record

@@ -47,7 +47,7 @@ class StepLoop:
     checkpointer: anything with on_step(step, drain), called at every step boundary and at the
     end; evaluator: None or the same (evaluation.Evaluator); failover: None or anything with
     on_step(step, drain) -> whether the live pods changed; spike: a SpikePolicy; recorder: where
-    finished steps' records go. `batches` may have epoch(index): the records then count epochs."""
+    finished steps' records go; batches: a dataset.TokenDataset (batch(index), epoch(index))."""
 
     def __init__(self, cluster: Cluster, batches, checkpointer, spike: SpikePolicy, recorder: Recorder,
                  accounting: Accounting, failover=None, evaluator=None):
@@ -114,9 +114,7 @@ class StepLoop:
         self.checkpointer.on_step(step, self.drain)
         if self.evaluator is not None:
             self.evaluator.data_offset = self._data_offset
-            before = self.evaluator.last
-            self.evaluator.on_step(step, self.drain)
-            if self.evaluator.last is not before:
+            if self.evaluator.on_step(step, self.drain):
                 # It evaluated: that time is neither the next step's time nor a stall.
                 self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
 
@@ -161,8 +159,7 @@ class StepLoop:
     def _position(self, step: int) -> dict:
         """Where in the data step `step` trained: the batch index, and the epochs done after it."""
         index = step + self._data_offset
-        epoch = getattr(self.batches, "epoch", None)
-        return {"data_index": index, **({"epoch": epoch(index)} if epoch is not None else {})}
+        return {"data_index": index, "epoch": self.batches.epoch(index)}
 
     def _complete(self, step: int, who: tuple, calls: list) -> None:
         """Wait for one step's replies (watching the pods meanwhile), check and record it."""

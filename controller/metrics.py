@@ -193,9 +193,7 @@ class Recorder:
     def write_eval(self, record: dict) -> None:
         """Log and show an evaluation's record (it sits beside the step records, not among them)."""
         self.sink.write(record)
-        note = getattr(self.progress, "note", None)
-        if note is not None:
-            note(record)
+        self.progress.note(record)
 
     def in_order(self) -> list[dict]:
         """The latest record of every step, by step."""

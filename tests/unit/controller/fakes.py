@@ -38,6 +38,9 @@ class FakeBatches:
     def batch(self, index: int) -> np.ndarray:
         return np.full((self.rows, self.seq_len + 1), index, dtype=np.int32)
 
+    def epoch(self, index: int) -> float:
+        return (index + 1) / 100
+
 
 class FakeCall:
     """A PendingCall stand-in: finished with a result or an error, or pending until finish()."""
@@ -161,6 +164,9 @@ class ListSink:
 
 class NoProgress:
     def update(self, record: dict) -> None:
+        pass
+
+    def note(self, record: dict) -> None:
         pass
 
     def close(self) -> None:

@@ -107,8 +107,9 @@ def test_it_runs_every_n_steps_and_at_the_end_after_draining_once_per_boundary()
     cluster = EvalCluster([EvalPod(0)], hosts=[0], eval_every=3, steps=7)
     records, drains = [], []
     evaluator = Evaluator(cluster, Held(), records.append)
-    for step in [0, 1, 2, 3, 4, 5, 6, 6, 7]:     # boundary 6 again: a replayed segment
-        evaluator.on_step(step, lambda s=step: drains.append(s))
+    evaluated = [step for step in [0, 1, 2, 3, 4, 5, 6, 6, 7]     # boundary 6 again: a replayed segment
+                 if evaluator.on_step(step, lambda s=step: drains.append(s))]
+    assert evaluated == [3, 6, 7]
     assert [r["trained_steps"] for r in records] == [3, 6, 7]
     assert drains == [3, 6, 7]
     assert evaluator.last is records[-1]
