@@ -29,6 +29,11 @@ from multipod.pod_worker.config import (
     positive,
 )
 
+# A trained BPE (data.tokenizer = "bpe:N") has the 256 byte symbols, <|endoftext|> and at least
+# one merge.
+MIN_BPE_VOCAB = 258
+MAX_BPE_VOCAB = 1 << 20
+
 __all__ = ["Config", "ConfigError", "DataConfig", "DcnConfig", "MeshConfig", "ModelConfig",
            "OptimizerConfig", "RunConfig", "load_config", "parse_override"]
 
@@ -67,9 +72,9 @@ class DataConfig:
         if not self.tokenizer.startswith("bpe:"):
             return None
         size = self.tokenizer[4:]
-        if not size.isdigit() or not 258 <= int(size) <= (1 << 20):
-            raise ConfigError("data.tokenizer", f"{self.tokenizer!r}: bpe:N needs N in [258, {1 << 20}] "
-                              f"(the 256 bytes, the end-of-text token and at least one merge)")
+        if not size.isdigit() or not MIN_BPE_VOCAB <= int(size) <= MAX_BPE_VOCAB:
+            raise ConfigError("data.tokenizer", f"{self.tokenizer!r}: bpe:N needs N in [{MIN_BPE_VOCAB}, "
+                              f"{MAX_BPE_VOCAB}] (the 256 bytes, the end-of-text token and at least one merge)")
         return int(size)
 
 

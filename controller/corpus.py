@@ -19,8 +19,16 @@ from multipod.controller.config import Config
 from multipod.controller.dataset import TokenDataset
 from multipod.controller.metrics import out
 from multipod.controller.sources import iter_documents, source_fingerprint
-from multipod.controller.token_cache import held_out, open_cache
-from multipod.controller.tokenizer import Tokenizer, TokenizerError, load_tokenizer, padded_vocab, train_bpe
+from multipod.controller.token_cache import SPLIT_RULE, held_out, open_cache
+from multipod.controller.tokenizer import (
+    TRAIN_BYTES,
+    Tokenizer,
+    TokenizerError,
+    capped,
+    load_tokenizer,
+    padded_vocab,
+    train_bpe,
+)
 
 # Bump when the recipe of a "bpe:N" tokenizer changes: cached ones are then retrained. 2: trained
 # on the training documents only (the held-out ones left out).
@@ -48,8 +56,9 @@ def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
     size = data.bpe_size()
     if size is None:
         return load_tokenizer(data.tokenizer)
-    key = hashlib.blake2b(f"{TOKENIZER_FORMAT}|{size}|{source_fingerprint(data.path, data.text_field)}".encode(),
-                          digest_size=16).hexdigest()
+    # The split rule is in the key: it decides which documents the tokenizer may see.
+    key = hashlib.blake2b(f"{TOKENIZER_FORMAT}|{size}|{SPLIT_RULE}|{TRAIN_BYTES}|"
+                          f"{source_fingerprint(data.path, data.text_field)}".encode(), digest_size=16).hexdigest()
     path = root / "tokenizers" / key / "tokenizer.json"
     if path.is_file():
         tokenizer = load_tokenizer(str(path))
@@ -63,7 +72,7 @@ def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
     # tokenizer does see.)
     texts = (doc.text for number, doc in enumerate(iter_documents(data.path, data.text_field))
              if not held_out(number))
-    tokenizer = train_bpe(texts, size, path)
+    tokenizer = train_bpe(capped(texts, {}), size, path)   # at most TRAIN_BYTES of text: seconds
     out(f"tokenizer: trained in {time.perf_counter() - started:.1f}s")
     return tokenizer
 

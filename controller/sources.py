@@ -198,12 +198,15 @@ def _documents(root: pathlib.Path, files: list[pathlib.Path], hidden: list[pathl
             for rest in files[index:]:
                 report.skip(_over_cap(), rest)
             return
+        yielded = False
         try:
             size = file.stat().st_size
-            if file.suffix == ".jsonl":
-                yield from _jsonl(file, text_field, report)
-            elif file.suffix == ".parquet":
-                yield from _parquet(file, text_field, report, size)
+            if file.suffix in (".jsonl", ".parquet"):
+                records = _jsonl(file, text_field, report) if file.suffix == ".jsonl" else \
+                    _parquet(file, text_field, report, size)
+                for doc in records:
+                    yielded = True
+                    yield doc
             else:
                 data = file.read_bytes()
                 size = len(data)
@@ -217,7 +220,8 @@ def _documents(root: pathlib.Path, files: list[pathlib.Path], hidden: list[pathl
         except OSError as exc:
             # A file named on its own must be usable; in a directory, an unreadable file is left
             # out and reported (a permissions slip should not stop a run over a thousand files).
-            if single:
+            # One that failed after some of its records were read would be half in the corpus.
+            if single or yielded:
                 raise DataError(f"data file {file} cannot be read: {exc.strerror or exc}") from exc
             report.skip(UNREADABLE, file, detail=exc.strerror or type(exc).__name__)
             continue

@@ -21,15 +21,12 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from multipod.controller.config import MAX_BPE_VOCAB, MIN_BPE_VOCAB
 from multipod.controller.data import DataError
 
 # The model's vocabulary is padded up to a multiple of this, so that it shards over any model
 # axis that divides it (and the embedding matmul stays aligned).
 VOCAB_MULTIPLE = 128
-# A trained BPE has the 256 byte symbols, <|endoftext|> and at least one merge (config.py's bpe:N
-# range is the same).
-MIN_BPE_VOCAB = 258
-MAX_BPE_VOCAB = 1 << 20
 BPE_EOS = "<|endoftext|>"
 # `multipod tokenizer train` feeds the trainer at most this much text (the first documents), so
 # that it takes seconds (the whole default corpus, ~30 MiB of stdlib .py, trains in ~5 s on 2 cores).
@@ -79,7 +76,8 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes as ids 0..255; EOS is 0 (NUL), which the corpus loader keeps out of text."""
+    """UTF-8 bytes as ids 0..255; EOS is 0 (NUL). Text files with a NUL byte are left out of a
+    corpus, but a NUL inside a .jsonl or .parquet string would read as a document's end."""
 
     name = kind = "bytes"
     vocab_size = 256
@@ -206,7 +204,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         except Exception as exc:    # noqa: BLE001 -- both libraries raise bare Exception subclasses
             errors.append(str(exc).strip() or type(exc).__name__)
             continue
-        return cls(spec, parsed, _hash(kind, data))
+        return cls(str(path), parsed, _hash(kind, data))   # the path read: copyable beside checkpoints
     # The first guess's complaint is the one that describes the file.
     raise TokenizerError(f"tokenizer {spec} does not parse as a Hugging Face tokenizer.json or a "
                          f"SentencePiece model: {errors[0]}")
@@ -248,25 +246,30 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: pathlib.Path | str, *,
     return load_tokenizer(str(out))
 
 
+def capped(texts: Iterable[str], count: dict, limit: int = TRAIN_BYTES) -> Iterator[str]:
+    """`texts` until `limit` UTF-8 bytes have been given (so that BPE training takes seconds);
+    count["documents"] and count["bytes"] say how much was."""
+    count.setdefault("documents", 0)
+    count.setdefault("bytes", 0)
+    for text in texts:
+        if count["bytes"] >= limit:
+            return
+        count["documents"] += 1
+        count["bytes"] += len(text.encode("utf-8"))
+        yield text
+
+
 def train_main(args) -> int:
     """`multipod tokenizer train`: train a byte-level BPE and write tokenizer.json; exit code."""
     from multipod.controller.sources import iter_documents
     source = args.data or "Python's standard library"
-    count = {"documents": 0, "bytes": 0}
-
-    def texts() -> Iterator[str]:
-        for doc in iter_documents(args.data, text_field=args.text_field):
-            if count["bytes"] >= TRAIN_BYTES:
-                return
-            count["documents"] += 1
-            count["bytes"] += len(doc.text.encode("utf-8"))
-            yield doc.text
-
+    count: dict = {}
     start = time.perf_counter()
-    tok = train_bpe(texts(), args.vocab_size, args.out, source=source)
-    capped = f" (the first {TRAIN_BYTES >> 20} MiB of it)" if count["bytes"] >= TRAIN_BYTES else ""
+    texts = capped((doc.text for doc in iter_documents(args.data, text_field=args.text_field)), count)
+    tok = train_bpe(texts, args.vocab_size, args.out, source=source)
+    cut = f" (the first {TRAIN_BYTES >> 20} MiB of it)" if count["bytes"] >= TRAIN_BYTES else ""
     print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens on {count['documents']:,} documents, "
-          f"{count['bytes'] / (1 << 20):.1f} MiB of {source}{capped}, in {time.perf_counter() - start:.1f} s: "
+          f"{count['bytes'] / (1 << 20):.1f} MiB of {source}{cut}, in {time.perf_counter() - start:.1f} s: "
           f"{args.out}", file=sys.stderr)
     print(args.out)
     return 0

@@ -167,3 +167,18 @@ def test_the_fingerprint_follows_the_files_without_reading_them(tmp_path, monkey
     assert source_fingerprint(str(tmp_path)) == modified
     (tmp_path / ".hidden").write_text("not part of the source")
     assert source_fingerprint(str(tmp_path)) == modified
+
+
+def test_a_file_failing_after_some_of_its_records_is_an_error_not_half_a_file(tmp_path, monkeypatch):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "b.txt").write_text("three")
+    real = sources._jsonl
+
+    def breaks_midway(file, text_field, report):
+        documents = real(file, text_field, report)
+        yield next(documents)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(sources, "_jsonl", breaks_midway)
+    with pytest.raises(DataError, match="a.jsonl cannot be read: Input/output error"):
+        list(sources.iter_documents(str(tmp_path)))
