@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import secrets
 import sys
@@ -190,6 +191,10 @@ def check_flags(args, config) -> None:
     from multipod.controller.config import ConfigError
     if args.out and args.prompts is None:
         raise ConfigError("--out", "goes with --prompts (--prompt prints to the terminal)")
+    if args.out:    # checked before a worker starts, not found out after the generation
+        folder = pathlib.Path(args.out).absolute().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or pathlib.Path(args.out).is_dir():
+            raise ConfigError("--out", f"{args.out} cannot be written (is {folder} a writable directory?)")
     if args.temperature is not None and not args.temperature >= 0:
         raise ConfigError("--temperature", f"must be >= 0, got {args.temperature}")
     if args.top_k < 0:
@@ -348,9 +353,9 @@ def _many(client, prompts: list[Prompt], request: dict, timeout: float, tokenize
                     count += 1
             for prompt, tokens in zip(batch, completions):
                 ended = bool(tokens) and eos_id is not None and tokens[-1] == eos_id
-                text = tokenizer.decode(prompt.ids + (tokens[:-1] if ended else tokens))
-                base = tokenizer.decode(prompt.ids)
-                completion = text[len(base):] if text.startswith(base) else tokenizer.decode(tokens)
+                kept = tokens[:-1] if ended else tokens     # the end-of-text token is not text
+                text, base = tokenizer.decode(prompt.ids + kept), tokenizer.decode(prompt.ids)
+                completion = text[len(base):] if text.startswith(base) else tokenizer.decode(kept)
                 out.write(json.dumps({"prompt": prompt.text, "completion": completion, "tokens": len(tokens),
                                       "finish": "eos" if ended else "length"}) + "\n")
             out.flush()

@@ -78,3 +78,13 @@ def test_bad_input_is_refused_quickly_naming_the_problem(checkpoints, tmp_path, 
     assert "Traceback" not in result.stderr
     assert "starting a pod worker" not in result.stderr      # refused before any worker starts
     assert time.monotonic() - started < 30
+
+
+def test_an_out_file_that_cannot_be_written_is_refused_before_any_worker_starts(checkpoints, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def "}\n')
+    result = _generate("--checkpoint", str(checkpoints), "--prompts", str(prompts),
+                       "--out", str(tmp_path / "no-such-dir" / "out.jsonl"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "error: config: --out" in result.stderr and "no-such-dir" in result.stderr
+    assert "starting a pod worker" not in result.stderr and "Traceback" not in result.stderr
