@@ -16,7 +16,6 @@ import pathlib
 import time
 from collections.abc import Callable, Iterator
 
-import jax
 import numpy as np
 
 from multipod.model import Chunk, Sampling
@@ -33,7 +32,6 @@ from multipod.pod_worker.errors import (
     SavePending,
     StepAborted,
 )
-from multipod.pod_worker.generation import Generator, collect
 from multipod.pod_worker.hosts import HostLayout, meet
 from multipod.pod_worker.membership import PodMembership
 from multipod.pod_worker.sequencer import Sequencer
@@ -293,56 +291,20 @@ class Pod(PodMembership):
         with self.seq.hold("an evaluation", deadline):
             return self.setup().trainer.evaluate(tokens)
 
-    def generate(self, prompt, num_tokens: int, temperature: float, seed: int, deadline: float,
-                 **options) -> np.ndarray:
-        """Generate after `prompt` (a 1-d array of ids: returns int32 [n], n <= num_tokens; or a
-        list of them: returns int32 [len(prompt), num_tokens], each row padded with -1 after its
-        end). options: top_k, top_p, eos_id, shift_context (generate_stream)."""
-        single = isinstance(prompt, np.ndarray) and prompt.ndim == 1
-        prompts = [prompt] if single else list(prompt)
-        sampling = Sampling(temperature, options.pop("top_k", 0), options.pop("top_p", 1.0), seed)
-        out, lengths = collect(self.generate_stream(prompts, num_tokens, sampling, deadline, **options),
-                               len(prompts), num_tokens)
-        return out[0, :lengths[0]] if single else out
-
     def generate_stream(self, prompts: list[np.ndarray], num_tokens: int, sampling: Sampling, deadline: float,
                         eos_id: int | None = None, shift_context: bool = False) -> Iterator[Chunk]:
         """Generation with a KV cache on the pod's mesh (pod_worker/generation.py), streamed: one
         Chunk per new position. InvalidRequest at once if the request does not fit the model. The
         parameters are copied while no step runs (waiting until `deadline` for one, Busy after);
         steps may go on while the stream runs."""
-        setup = self.setup()
-        generator = self._generator_for(setup)
         try:
-            prompts = generator.check(prompts, num_tokens, sampling, eos_id, shift_context)
+            prompts = self.setup().trainer.generator.check(prompts, num_tokens, sampling, eos_id, shift_context)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        params = self._generation_params(setup, generator, deadline)
-        return generator.stream(params, prompts, num_tokens, sampling, eos_id, shift_context)
-
-    def _generator_for(self, setup: Setup):
-        """The setup's Generator, built once per trainer (its programs compile on first use)."""
-        cached = getattr(self, "_generator", None)
-        if cached is None or cached[0] is not setup.trainer:
-            trainer = setup.trainer
-            cached = (trainer, Generator(setup.config.model, trainer.mesh, trainer.param_sharding))
-            self._generator = cached
-        return cached[1]
-
-    def _generation_params(self, setup: Setup, generator, deadline: float):
-        """The current parameters, laid out for generation: a copy taken inside a sequencer hold
-        (a step's update donates the live ones), kept while the state is unchanged."""
         with self.seq.hold("a copy of the parameters", deadline):
-            setup = self.setup()
-            key = (id(setup.trainer), setup.epoch, setup.trainer.step, self._checksum)
-            cached = getattr(self, "_generation_copy", None)
-            if cached is not None and cached[0] == key:
-                return cached[1]
-            # np.array copies: on CPU a host view may share the live buffers, and a buffer with
-            # another reference cannot be donated by the next step's update.
-            params = generator.put_params(jax.tree.map(np.array, setup.trainer.host_state()["params"]))
-            self._generation_copy = (key, params)
-        return params
+            trainer = self.setup().trainer
+            params = trainer.params_copy()     # on the devices, as laid out for training
+        return trainer.generator.stream(params, prompts, num_tokens, sampling, eos_id, shift_context)
 
     def status(self) -> PodStatus:
         """What the pod is doing, with its state's step and checksum as of the last change; never waits."""

@@ -155,6 +155,18 @@ def _decode_tokens(setup: Setup, payload: bytes, rows: int | None) -> np.ndarray
     return tokens
 
 
+def _while_caller_waits(chunks, context):
+    """The generation's chunks until the caller cancels or its deadline passes: then the decoding
+    stops (it would only take the devices from the training steps)."""
+    try:
+        for chunk in chunks:
+            if not context.is_active():
+                return
+            yield chunk
+    finally:
+        chunks.close()
+
+
 def _accounting(trainer) -> dict:
     """ConfigureReply's compiled-step accounting fields (0 where XLA reports nothing)."""
     stats = trainer.compiled_stats()
@@ -285,20 +297,15 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
     @_handler
     def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateReply:
         chunks, count, single = self._generation(request, context)
-        out, lengths = collect(chunks, count, request.num_tokens)
+        out, lengths = collect(_while_caller_waits(chunks, context), count, request.num_tokens)
         tokens = out[0, :lengths[0]] if single else out
         return pb.GenerateReply(tokens=codec.encode(tokens), lengths=lengths.tolist())
 
     @_stream_handler
     def GenerateStream(self, request: pb.GenerateRequest, context):
         chunks, _, _ = self._generation(request, context)
-        try:
-            for chunk in chunks:
-                if not context.is_active():     # the caller cancelled or its deadline passed
-                    return
-                yield pb.GenerateChunk(index=chunk.index, rows=chunk.rows.tolist(), tokens=codec.encode(chunk.tokens))
-        finally:
-            chunks.close()
+        for chunk in _while_caller_waits(chunks, context):
+            yield pb.GenerateChunk(index=chunk.index, rows=chunk.rows.tolist(), tokens=codec.encode(chunk.tokens))
 
     @_handler
     def Save(self, request: pb.SaveRequest, context) -> pb.SaveReply:

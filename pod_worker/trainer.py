@@ -9,6 +9,7 @@ The step is split in two compiled programs so the DCN exchange can sit between t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -24,6 +25,7 @@ from multipod.model.partitioning import activate_rules, batch_sharding, make_mes
 from multipod.pod_worker import overlap, programs
 from multipod.pod_worker.config import OptimizerConfig, WorkerConfig
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
+from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostLayout, host_value
 
 log = logging.getLogger(__name__)
@@ -411,6 +413,17 @@ class PodTrainer:
         only its 8 bytes come to the host."""
         program = getattr(self, "_checksum_compiled", None) or self._checksum
         return programs.checksum_hex(host_value(program(self.params, self.opt_state)))
+
+    @functools.cached_property
+    def generator(self) -> Generator:
+        """Generation on this trainer's mesh with its parameter layout (pod_worker/generation.py),
+        built on first use; it goes with the trainer, so a reconfigured pod keeps no old programs."""
+        return Generator(self.config.model, self.mesh, self.param_sharding)
+
+    def params_copy(self) -> dict:
+        """A copy of the parameters on the devices, in their training layout, for generation: the
+        next update donates the live buffers. Take it between steps (a sequencer hold)."""
+        return jax.tree.map(jnp.copy, self.params)
 
     def host_state(self) -> dict:
         """Parameters, optimizer state and step as host arrays (for checkpoints and sampling)."""

@@ -11,7 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from multipod.model import Sampling
 from multipod.pod_worker.errors import Busy
+from multipod.pod_worker.generation import collect
 from multipod.pod_worker.pod import Pod
 from tests.helpers import tiny_worker_config
 
@@ -39,7 +41,8 @@ def _evaluate(pod: Pod, deadline: float):
 
 
 def _generate(pod: Pod, deadline: float):
-    return pod.generate(PROMPT, 8, 0.0, 0, deadline).tolist()
+    out, lengths = collect(pod.generate_stream([PROMPT], 8, Sampling(), deadline), 1, 8)
+    return out[0, :lengths[0]].tolist()
 
 
 class _Thread(threading.Thread):
@@ -63,7 +66,7 @@ class _Thread(threading.Thread):
         return self.result
 
 
-@pytest.mark.parametrize("call, reads", [(_evaluate, "evaluate"), (_generate, "host_state")])
+@pytest.mark.parametrize("call, reads", [(_evaluate, "evaluate"), (_generate, "params_copy")])
 def test_a_call_that_reads_the_parameters_waits_for_the_running_step(pod, monkeypatch, call, reads):
     trainer = pod.trainer
     if trainer.step == 0:
