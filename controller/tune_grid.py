@@ -80,15 +80,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _meshes(model_cfg, per_pod_batch: int, devices: int) -> tuple[list[tuple[int, int]], list[str]]:
-    """Every (data, model) mesh of `devices` the model and the batch allow; why the others are out."""
+def model_meshes(model_cfg, devices: int) -> tuple[list[tuple[int, int]], list[str]]:
+    """Every (data, model) mesh of `devices` whose model axis divides what tensor parallelism
+    splits (SHARDED_DIMS); why the others are out. Training and inference tuning both start here."""
     meshes, skipped = [], []
     for model in _divisors(devices):
         data = devices // model
         bad = [f"{name}={getattr(model_cfg, name)}" for name in SHARDED_DIMS if getattr(model_cfg, name) % model]
         if bad:
             skipped.append(f"mesh {data}x{model}: model={model} does not divide {', '.join(bad)}")
-        elif per_pod_batch % data:
+        else:
+            meshes.append((data, model))
+    return meshes, skipped
+
+
+def _meshes(model_cfg, per_pod_batch: int, devices: int) -> tuple[list[tuple[int, int]], list[str]]:
+    """Every (data, model) mesh of `devices` the model and the batch allow; why the others are out."""
+    allowed, skipped = model_meshes(model_cfg, devices)
+    meshes = []
+    for data, model in allowed:
+        if per_pod_batch % data:
             skipped.append(f"mesh {data}x{model}: data={data} does not divide the pod's batch of {per_pod_batch}")
         else:
             meshes.append((data, model))

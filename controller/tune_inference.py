@@ -28,7 +28,8 @@ import math
 import sys
 import time
 
-from multipod.controller.tune_grid import SHARDED_DIMS, parse_int_list
+from multipod.controller.tune_grid import model_meshes, parse_int_list
+from multipod.controller.tune_table import best_row
 
 # Generation batches tried when --batches is not given (those the data axis splits evenly).
 DEFAULT_BATCHES = (1, 2, 4, 8)
@@ -95,14 +96,7 @@ def enumerate_candidates(model_cfg, devices: int, meshes=None, batches=None
     the mesh's data axis does not divide is always left out (the pod would pad it with idle rows)."""
     skipped: list[str] = []
     if meshes is None:
-        meshes = []
-        for model in (d for d in range(1, devices + 1) if devices % d == 0):
-            data = devices // model
-            bad = [f"{name}={getattr(model_cfg, name)}" for name in SHARDED_DIMS if getattr(model_cfg, name) % model]
-            if bad:
-                skipped.append(f"mesh {data}x{model}: model={model} does not divide {', '.join(bad)}")
-            else:
-                meshes.append((data, model))
+        meshes, skipped = model_meshes(model_cfg, devices)
     candidates = []
     for data, model in meshes:
         for batch in batches or DEFAULT_BATCHES:
@@ -172,11 +166,6 @@ def rank(candidates: list[InferenceCandidate], results: list[dict], tokens: int,
     for position, row in enumerate(table, 1):
         row["rank"] = position if row["status"] == "ok" else None
     return table
-
-
-def best_row(table: list[dict]) -> dict | None:
-    """The highest-throughput row within the limits, or None."""
-    return next((row for row in table if row["status"] == "ok"), None)
 
 
 def print_table(table: list[dict], title: str, max_latency_ms: float | None = None) -> None:
