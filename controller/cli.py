@@ -1,4 +1,4 @@
-"""The controller's commands of `multipod`: train, local, peak-flops, tune, generate, report (the entry module,
+"""The controller's commands of `multipod`: train, local, ray, peak-flops, tune, generate, report (the entry module,
 multipod.cli, adds `worker` from the worker side).
 
 Kept free of jax imports at module level: `multipod --help` needs only the standard library.
@@ -67,6 +67,31 @@ def add_commands(sub) -> None:
                        help="simulated devices per pod, all its hosts together, split evenly over them "
                             "(default 2 with one host per pod; = --hosts-per-pod x --devices-per-host if both given)")
     _add_train_options(local)
+
+    ray = sub.add_parser("ray", help="launch the pods on a Ray cluster (one placement group per pod, one actor per "
+                         "host) and train; needs pip install 'multipod[ray]'")
+    ray.add_argument("--address", default="auto",
+                     help="the Ray cluster: HOST:PORT of its head (GCS), or auto for the one running on this machine "
+                          "(default auto)")
+    ray.add_argument("--pods", type=int, default=2, help="number of pods (default 2)")
+    ray.add_argument("--hosts-per-pod", type=int, default=1,
+                     help="hosts per pod: one Ray actor each, gang-scheduled in the pod's placement group; a pod's "
+                          "hosts form one jax.distributed cluster (default 1)")
+    ray.add_argument("--resources-per-host", default='{"CPU": 1}', metavar="JSON",
+                     help='what each host asks Ray for, e.g. \'{"TPU": 4}\' or \'{"GPU": 8, "CPU": 8}\' '
+                          '(default \'{"CPU": 1}\')')
+    ray.add_argument("--devices-per-host", type=int, default=0,
+                     help="simulated CPU devices per host (default 0: the devices jax finds on the node)")
+    ray.add_argument("--placement-strategy", default="STRICT_SPREAD",
+                     choices=("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
+                     help="how a pod's hosts are spread over nodes (default STRICT_SPREAD: a node each; "
+                          "PACK lets them share one, e.g. to try it on one machine)")
+    ray.add_argument("--place-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="deadline to place the pods, at the start and again after a failure (default 60)")
+    ray.add_argument("--insecure", action="store_true",
+                     help="let workers on other nodes than the controller listen unencrypted (gRPC without TLS, "
+                          "data plane without dcn.encrypt): only on a network you trust")
+    _add_train_options(ray)
 
     peak = sub.add_parser("peak-flops", help="measure per-device matmul FLOP/s and remember it for MFU")
     peak.add_argument("--devices", type=int, default=1, help="simulated devices sharing this machine (default 1)")
@@ -140,8 +165,10 @@ def _train(args, addresses_fn) -> int:
     if args.resume and not (args.run_dir or config.run.checkpoint_dir):
         raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
     security = security_from_args(args)
-    if args.command == "local" and not security.token:
-        # Local workers still authenticate: a fresh secret per run, handed over in their environment.
+    launched = args.command in LAUNCHERS     # we start the workers (local, ray), not the user
+    if launched and not security.token:
+        # Workers we start still authenticate: a fresh secret per run, handed over in their
+        # environment (local) or as an actor's constructor argument (ray), never on a command line.
         security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
     set_default_security(security)
     run_dir = _run_dir(args)
@@ -158,13 +185,17 @@ def _train(args, addresses_fn) -> int:
                                    local=args.command == "local")
         print_summary(summary)
     finally:
-        if args.command == "local":     # after the workers stopped, whether the run succeeded or not
+        if launched:     # after the workers stopped, whether the run succeeded or not
             write_report_quietly(run_dir)
     return 0
 
 
+# The commands that start their own workers: a fresh auth token, and report.png at the end.
+LAUNCHERS = ("local", "ray")
+
+
 def write_report_quietly(run_dir: pathlib.Path) -> None:
-    """The end of `multipod local`: draw RUN_DIR/report.png if the run wrote metrics, and print its
+    """The end of `multipod local` and `multipod ray`: draw RUN_DIR/report.png if the run wrote metrics, and print its
     path; a report that cannot be drawn is a warning, never the run's failure."""
     from multipod.controller.metrics import out
     metrics = run_dir / "metrics.jsonl"
@@ -252,6 +283,13 @@ def run(args: argparse.Namespace) -> int:
             return _train(args, lambda run_dir, config: _Fixed(addresses))
         if args.command == "local":
             return _train(args, lambda run_dir, config: _Local(args, run_dir, config))
+        if args.command == "ray":
+            from multipod.controller.ray_launcher import RayContext, check_request, import_ray, parse_resources
+            # Everything that can be checked without a cluster, before the data is prepared.
+            import_ray()
+            parse_resources(args.resources_per_host)
+            check_request(args.pods, args.hosts_per_pod, args.placement_strategy, args.devices_per_host)
+            return _train(args, lambda run_dir, config: RayContext(args, run_dir, config))
         if args.command == "report":
             from multipod.controller.report import write_report
             print(write_report(pathlib.Path(args.run_dir), args.out and pathlib.Path(args.out)))

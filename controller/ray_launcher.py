@@ -1,0 +1,464 @@
+"""`multipod ray`: the pods of a run on a Ray cluster.
+
+Each pod is one placement group of `hosts_per_pod` bundles (one per host, each with the resources
+a host asks for, e.g. {"TPU": 4}), gang-scheduled with STRICT_SPREAD by default (each host on a
+node of its own). Each host's worker runs under a Ray actor (controller/ray_worker.py
+`WorkerHost`) pinned to its bundle. The launcher:
+  - picks each host's ports once, on its node (a task in its bundle), so every incarnation of
+    its actor listens on the same addresses and a restarted pod rejoins like a restarted local one;
+  - hands the auth token to the actors as a constructor argument (never a command line);
+  - learns the workers' addresses from the actors and gives them to the controller;
+  - watches the actors: Ray restarts a dead one (max_restarts); a pod that Ray cannot bring back
+    within the deadline, or will not restart any more, is reported, and the run goes on with the
+    surviving pods (degraded mode);
+  - removes every actor and placement group it made when the run ends, fails or is interrupted.
+    If the controller is killed outright, Ray itself removes them: they belong to its job.
+
+Ray is imported lazily (an optional extra); without it, a LaunchError names the install command."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pathlib
+import secrets
+import socket
+import threading
+import time
+
+from multipod.controller.launcher import LaunchError
+from multipod.controller.metrics import out
+from multipod.controller.ray_worker import HostSpec, WorkerHost, free_ports
+from multipod.protos.transport import TOKEN_ENV, Security, default_security
+
+INSTALL_HINT = "pip install 'multipod[ray]'"
+STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
+NAMESPACE = "multipod"
+MONITOR_S = 1.0              # how often the actors are checked
+PING_S = 5.0                 # an actor that does not answer a ping within this is counted as down
+CONNECT_TIMEOUT_S = 30.0     # ray.init's deadline (it retries a silent address for good)
+
+
+def import_ray():
+    """The ray module, or a LaunchError that says how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise LaunchError(f"multipod ray needs Ray, which is not installed here ({exc}): {INSTALL_HINT}") from None
+    return ray
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """--resources-per-host: a JSON object of resource name -> amount (e.g. '{"TPU": 4}',
+    '{"GPU": 8, "CPU": 8}'); ValueError naming what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--resources-per-host: not JSON ({exc.msg} at column {exc.colno}): {text!r}; "
+                         f"e.g. '{{\"CPU\": 1}}' or '{{\"TPU\": 4}}'") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"--resources-per-host: a JSON object of resource -> amount, e.g. '{{\"TPU\": 4}}'; "
+                         f"got {text!r}")
+    resources = {}
+    for name, amount in value.items():
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount) \
+                or amount < 0:
+            raise ValueError(f"--resources-per-host: {name!r} must be a number >= 0, got {amount!r}")
+        resources[name] = float(amount)
+    if not any(resources.values()):
+        raise ValueError("--resources-per-host: every amount is 0; a host must ask for something (e.g. CPU)")
+    return resources
+
+
+def actor_options(resources: dict[str, float]) -> dict:
+    """Ray's options for a task or actor that takes exactly one bundle of `resources` (CPU, GPU
+    and memory have their own keywords; everything else, e.g. TPU, goes under `resources`)."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
+    options = {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0)}
+    if "memory" in resources:
+        options["memory"] = resources["memory"]
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+def check_request(pods: int, hosts_per_pod: int, strategy: str, devices_per_host: int) -> None:
+    """ValueError for a request that cannot make sense, before Ray is contacted."""
+    if pods < 1:
+        raise ValueError(f"--pods must be >= 1, got {pods}")
+    if hosts_per_pod < 1:
+        raise ValueError(f"--hosts-per-pod must be >= 1, got {hosts_per_pod}")
+    if devices_per_host < 0:
+        raise ValueError(f"--devices-per-host must be >= 0 (0: the devices jax finds), got {devices_per_host}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--placement-strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+
+
+def check_capacity(pods: int, hosts_per_pod: int, strategy: str, resources: dict[str, float],
+                   total: dict[str, float], nodes: int) -> None:
+    """LaunchError if the cluster could never place the run, whatever else it runs: not enough of
+    some resource in all, or STRICT_SPREAD over more hosts per pod than it has nodes."""
+    hosts = pods * hosts_per_pod
+    for name, amount in resources.items():
+        need = hosts * amount
+        if need > total.get(name, 0.0) + 1e-9:
+            raise LaunchError(f"the Ray cluster cannot place {pods} pod(s) x {hosts_per_pod} host(s) asking for "
+                              f"{_fmt(resources)} each: that is {need:g} {name} in all, and the cluster has "
+                              f"{total.get(name, 0.0):g} (cluster resources: {_fmt(total)})")
+    if strategy == "STRICT_SPREAD" and hosts_per_pod > nodes:
+        raise LaunchError(f"STRICT_SPREAD puts each of a pod's {hosts_per_pod} hosts on a node of its own, and the "
+                          f"Ray cluster has {nodes} node(s); add nodes, or pass --placement-strategy PACK to let "
+                          f"them share")
+
+
+def _fmt(resources: dict) -> str:
+    return json.dumps({k: (int(v) if float(v).is_integer() else v) for k, v in sorted(resources.items())
+                       if not k.startswith("node:")})
+
+
+def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
+    """Connect this process to the Ray cluster at `address` ("auto": the one started on this
+    machine with `ray start`); returns the ray module. LaunchError, within timeout_s, if there is
+    no cluster there."""
+    ray = import_ray()
+    if address and address not in ("auto", "local") and "://" not in address:
+        # ray.init retries an address where nothing answers for good: check that something listens.
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+        except ValueError:
+            raise LaunchError(f"--address {address}: expected HOST:PORT of the Ray head (GCS), or auto") from None
+        except OSError as exc:
+            raise LaunchError(f"no Ray cluster at --address {address}: {exc.strerror or exc}. Start one with "
+                              f"`ray start --head` (docs/deploy.md), or pass --address auto on one of its "
+                              f"nodes") from None
+    result: dict = {}
+
+    def init():
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+            result["ok"] = True
+        except Exception as exc:    # ConnectionError, RuntimeError, ...: reported below
+            result["error"] = exc
+
+    # In a thread, so that the deadline holds even when something that is not Ray answers there.
+    logging.getLogger("ray._private.worker").addFilter(_NoSignalWarning())
+    thread = threading.Thread(target=init, daemon=True, name="ray-connect")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise LaunchError(f"could not connect to a Ray cluster at --address {address} within {timeout_s:g}s")
+    if "error" in result:
+        hint = ""
+        if address not in ("auto", "") and "RAY_AUTH_MODE" not in os.environ:
+            # Ray turns its token authentication on by itself only for --address auto.
+            hint = (" (if the cluster uses Ray's token authentication, set RAY_AUTH_MODE=token, with the "
+                    "cluster's token in RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+        raise LaunchError(f"could not connect to a Ray cluster at --address {address}: {result['error']}{hint}")
+    return ray
+
+
+class _NoSignalWarning(logging.Filter):
+    """ray.init off the main thread warns that it set no SIGTERM handler: the controller has its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+class RayPods:
+    """The pods of one run as Ray placement groups and actors; the controller's supervisor
+    (kill(pod), like LocalPods). Use start() then stop(), or as a context manager."""
+
+    def __init__(self, ray, num_pods: int, hosts_per_pod: int, resources: dict[str, float], run_dir: pathlib.Path,
+                 strategy: str = "STRICT_SPREAD", devices_per_host: int = 0, max_restarts: int = 3,
+                 place_timeout_s: float = 60.0, start_timeout_s: float = 120.0, security: Security | None = None,
+                 dcn_encrypt: bool = False, insecure: bool = False):
+        """resources: what each host's bundle and actor ask for. max_restarts: Ray restarts of
+        each host's actor. place_timeout_s: the deadline to place the pods, at the start and
+        again after a failure. start_timeout_s: the deadline for the workers to serve.
+        insecure: let workers on other nodes than the controller's listen unencrypted."""
+        check_request(num_pods, hosts_per_pod, strategy, devices_per_host)
+        self.ray = ray
+        self.num_pods, self.hosts_per_pod, self.resources = num_pods, hosts_per_pod, resources
+        self.run_dir, self.strategy, self.devices_per_host = run_dir, strategy, devices_per_host
+        self.max_restarts, self.place_timeout_s, self.start_timeout_s = max_restarts, place_timeout_s, start_timeout_s
+        self.security = security or default_security()
+        self.dcn_encrypt, self.insecure = dcn_encrypt, insecure
+        self.run_id = secrets.token_hex(4)
+        self.groups: list = []                      # [pod]: placement groups
+        self.actors: list[list] = []                # [pod][host]
+        self.host_addresses: list[list[str]] = []   # [pod][host]: gRPC HOST:PORT
+        self.nodes: list[list[str]] = []            # [pod][host]: the node's IP
+        self.on_this_machine = True                 # every host runs on the controller's node
+        self._stopping = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, daemon=True, name="ray-monitor")
+
+    @property
+    def multi_host(self) -> bool:
+        return self.hosts_per_pod > 1
+
+    def log_path(self, pod: int, host: int = 0) -> pathlib.Path:
+        name = f"worker-{pod}.log" if not self.multi_host else f"worker-{pod}-host-{host}.log"
+        return (self.run_dir / name).absolute()
+
+    def __enter__(self) -> RayPods:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- start -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Place the pods, start their workers, wait until every one serves (LaunchError naming
+        what failed, within the deadlines)."""
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        check_capacity(self.num_pods, self.hosts_per_pod, self.strategy, self.resources, ray.cluster_resources(),
+                       nodes)
+        for pod in range(self.num_pods):
+            self.groups.append(placement_group([dict(self.resources)] * self.hosts_per_pod, strategy=self.strategy,
+                                               name=f"multipod-{self.run_id}-pod{pod}"))
+        ready, _ = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups),
+                            timeout=self.place_timeout_s)
+        if len(ready) < len(self.groups):
+            placed = {r.hex() for r in ready}
+            missing = [p for p, g in enumerate(self.groups) if g.ready().hex() not in placed]
+            raise LaunchError(f"Ray could not place pod(s) {missing} within {self.place_timeout_s:g}s "
+                              f"({self.hosts_per_pod} host(s) of {_fmt(self.resources)} each, {self.strategy}); "
+                              f"free now: {_fmt(ray.available_resources())}. Free resources, add nodes, or ask for "
+                              f"fewer pods (--place-timeout sets the deadline)")
+        specs = self._host_specs()
+        self._check_exposure()
+        Host = ray.remote(WorkerHost)
+        for pod in range(self.num_pods):
+            self.actors.append([
+                Host.options(name=f"multipod-{self.run_id}-pod{pod}-host{host}", namespace=NAMESPACE,
+                             max_restarts=self.max_restarts, max_task_retries=0, max_concurrency=4,
+                             scheduling_strategy=self._bundle(pod, host), **actor_options(self.resources))
+                .remote(specs[pod][host], self.security.token)
+                for host in range(self.hosts_per_pod)])
+        infos = self._get([a.ready.remote(self.start_timeout_s) for hosts in self.actors for a in hosts],
+                          self.start_timeout_s + 30, "start")
+        for pod in range(self.num_pods):
+            mine = infos[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
+            self.host_addresses.append([info["address"] for info in mine])
+            self.nodes.append([info["node"] for info in mine])
+        self._monitor.start()
+
+    def _bundle(self, pod: int, host: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return PlacementGroupSchedulingStrategy(placement_group=self.groups[pod], placement_group_bundle_index=host)
+
+    def _host_specs(self) -> list[list[HostSpec]]:
+        """Each host's ports, picked on its own node (a task in its bundle), and its worker's spec."""
+        probe = self.ray.remote(free_ports)
+        count = 3 if self.multi_host else 2     # gRPC, data plane (and host 0's coordinator)
+        refs = [[probe.options(scheduling_strategy=self._bundle(pod, host), **actor_options(self.resources))
+                 .remote(count) for host in range(self.hosts_per_pod)] for pod in range(self.num_pods)]
+        found = self._get([r for hosts in refs for r in hosts], self.place_timeout_s, "probe ports on")
+        here = self.ray.util.get_node_ip_address()
+        # Loopback when the whole run is on the controller's machine: nothing then leaves it (and
+        # the workers need no encryption); otherwise each worker listens on its node's address.
+        self.on_this_machine = all(ip == here for ip, _ in found)
+        flags = self._worker_flags()
+        env = tuple(sorted((k, v) for k, v in os.environ.items()
+                           if (k.startswith("MULTIPOD_") or k.startswith("JAX_")) and k != TOKEN_ENV))
+        if not any(k == "JAX_COMPILATION_CACHE_DIR" for k, _ in env):
+            # As under `multipod local`: a restarted worker loads its compiled step instead of compiling it.
+            env += (("JAX_COMPILATION_CACHE_DIR", str((self.run_dir / ".jax-cache").absolute())),
+                    ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
+        specs = []
+        for pod in range(self.num_pods):
+            mine = found[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
+            hosts = ["127.0.0.1" if self.on_this_machine else ip for ip, _ in mine]
+            coordinator = f"{hosts[0]}:{mine[0][1][2]}" if self.multi_host else ""
+            specs.append([HostSpec(run_id=self.run_id, pod=pod, host=h, hosts_per_pod=self.hosts_per_pod,
+                                   listen_host=hosts[h], port=ports[0], dcn_port=ports[1], coordinator=coordinator,
+                                   devices=self.devices_per_host, log_path=str(self.log_path(pod, h)),
+                                   flags=flags, env=env)
+                          for h, (_, ports) in enumerate(mine)])
+        return specs
+
+    def _worker_flags(self) -> tuple[str, ...]:
+        flags = []
+        if self.dcn_encrypt:
+            flags.append("--dcn-encrypt")
+        if self.insecure:
+            flags.append("--insecure")
+        if not self.security.token:
+            flags.append("--insecure-no-auth")
+        sec = self.security
+        for flag, value in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key), ("--tls-ca", sec.tls_ca),
+                            ("--tls-server-name", sec.tls_server_name)):
+            if value:   # the same paths on every node
+                flags += [flag, str(pathlib.Path(value).absolute())]
+        return tuple(flags)
+
+    def _check_exposure(self) -> None:
+        """Workers on other nodes listen beyond loopback: refused unencrypted unless --insecure
+        (the worker would refuse too; this says it before any worker starts)."""
+        if self.on_this_machine or self.insecure:
+            return
+        missing = []
+        if not self.security.tls_cert:
+            missing.append("TLS for the control plane (--tls-cert/--tls-key, --tls-ca)")
+        if not self.dcn_encrypt:
+            missing.append("an encrypted data plane (--set dcn.encrypt=true)")
+        if missing:
+            raise LaunchError("the pods run on other nodes than the controller, so their workers listen beyond "
+                              "loopback: that needs " + " and ".join(missing)
+                              + ", or --insecure on a network you trust")
+
+    def _get(self, refs: list, timeout_s: float, what: str) -> list:
+        """ray.get with a deadline; a failure is a LaunchError saying which host and why."""
+        ray = self.ray
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = {r.hex() for r in ready}
+        results = []
+        for index, ref in enumerate(refs):
+            pod, host = divmod(index, self.hosts_per_pod)
+            name = f"pod {pod}" + (f" host {host}" if self.multi_host else "")
+            if ref.hex() not in done:
+                raise LaunchError(f"could not {what} {name} within {timeout_s:g}s (see {self.log_path(pod, host)})")
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as exc:
+                raise LaunchError(f"could not {what} {name}: {exc.cause}") from None
+            except ray.exceptions.RayError as exc:
+                raise LaunchError(f"could not {what} {name}: {exc}") from None
+        return results
+
+    # -- while the run goes on -------------------------------------------------------------------
+    def kill(self, pod: int, host: int | None = None) -> None:
+        """Kill a pod's workers (e.g. one that hangs): their actors exit and Ray restarts them."""
+        for h, actor in enumerate(self.actors[pod]):
+            if host is None or h == host:
+                actor.kill_worker.remote()
+
+    def _state(self, actor) -> tuple[str, str]:
+        """("up" | "down" | "dead", why) of one host's actor."""
+        ray = self.ray
+        try:
+            up = ray.get(actor.ping.remote(), timeout=PING_S)
+            return ("up", "") if up else ("down", "its worker exited")
+        except ray.exceptions.ActorDiedError as exc:
+            return "dead", str(exc).splitlines()[0]
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return "down", "Ray is restarting its actor"
+        except ray.exceptions.RayError as exc:
+            return "down", str(exc).splitlines()[0]
+
+    def _watch(self) -> None:
+        """Say when a pod is down longer than the placement deadline, or for good; stop the
+        other hosts of a pod one of whose hosts went down, so that it restarts as a whole (a
+        jax.distributed cluster cannot take a lost host back)."""
+        down_since: dict[int, float] = {}
+        reported: dict[int, str] = {}
+        while not self._stopping.wait(MONITOR_S):
+            for pod, actors in enumerate(self.actors):
+                states = [self._state(a) for a in actors]
+                if self._stopping.is_set():
+                    return
+                if all(s == "up" for s, _ in states):
+                    if pod in reported:
+                        out(f"pod {pod}: Ray has placed it again")
+                    down_since.pop(pod, None)
+                    reported.pop(pod, None)
+                    continue
+                if pod not in down_since:
+                    down_since[pod] = time.monotonic()
+                    if self.multi_host:
+                        for actor, (state, _) in zip(actors, states):
+                            if state == "up":
+                                actor.kill_worker.remote()
+                dead = [(h, why) for h, (s, why) in enumerate(states) if s == "dead"]
+                if dead and reported.get(pod) != "dead":
+                    reported[pod] = "dead"
+                    h, why = dead[0]
+                    out(f"pod {pod}: Ray will not restart it (host {h}'s actor is gone: {why}; --max-restarts "
+                        f"{self.max_restarts} per host); the run goes on with the surviving pods")
+                elif not dead and pod not in reported and time.monotonic() - down_since[pod] > self.place_timeout_s:
+                    reported[pod] = "late"
+                    why = "; ".join(f"host {h}: {w}" for h, (s, w) in enumerate(states) if s != "up")
+                    out(f"pod {pod}: Ray could not place it again within {self.place_timeout_s:g}s ({why}); "
+                        f"the run goes on with the surviving pods")
+
+    # -- the end ---------------------------------------------------------------------------------
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every worker, then remove every actor and placement group of the run (each step
+        bounded; what fails to answer is killed)."""
+        ray = self.ray
+        self._stopping.set()
+        if self._monitor.is_alive():
+            self._monitor.join(timeout=PING_S * self.hosts_per_pod * 2 + 5)
+        actors = [a for hosts in self.actors for a in hosts]
+        if actors:
+            try:
+                ray.wait([a.stop.remote(grace_s) for a in actors], num_returns=len(actors), timeout=grace_s + 10)
+            except Exception:   # dead or restarting actors: ray.kill below covers them
+                pass
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        from ray.util.placement_group import remove_placement_group
+        for group in self.groups:
+            try:
+                remove_placement_group(group)
+            except Exception:
+                pass
+        self.actors, self.groups = [], []
+
+
+class RayContext:
+    """`multipod ray`'s launcher for controller/cli.py `_train`: connect to the cluster, start the
+    pods (entering gives their addresses, [pod][host]); leaving stops them and disconnects."""
+
+    def __init__(self, args, run_dir: pathlib.Path, config):
+        self.args, self.run_dir, self.config = args, run_dir, config
+        self.pods: RayPods | None = None
+        self._ray = None
+
+    def __enter__(self) -> list[list[str]]:
+        args, config = self.args, self.config
+        resources = parse_resources(args.resources_per_host)
+        check_request(args.pods, args.hosts_per_pod, args.placement_strategy, args.devices_per_host)
+        self._ray = connect(args.address)
+        try:
+            self.pods = RayPods(self._ray, args.pods, args.hosts_per_pod, resources, self.run_dir,
+                                strategy=args.placement_strategy, devices_per_host=args.devices_per_host,
+                                max_restarts=config.run.max_restarts, place_timeout_s=args.place_timeout,
+                                dcn_encrypt=config.dcn.encrypt, insecure=args.insecure)
+            out(f"placing {args.pods} pod(s) x {args.hosts_per_pod} host(s) of {_fmt(resources)} on the Ray cluster "
+                f"({args.placement_strategy})")
+            self.pods.__enter__()
+            if not self.pods.on_this_machine and not config.run.checkpoint_dir:
+                from multipod.controller.config import ConfigError
+                raise ConfigError("run.checkpoint_dir", "the pods run on other nodes than the controller: pass "
+                                  "--checkpoint-dir DIR on storage every node mounts at the same path")
+        except BaseException:
+            self.__exit__()
+            raise
+        pods = self.pods
+        where = "; ".join(f"pod {p}: " + ", ".join(f"{a} (node {n})" for a, n in zip(addrs, nodes))
+                          for p, (addrs, nodes) in enumerate(zip(pods.host_addresses, pods.nodes)))
+        out(f"started {args.pods} pod(s) x {args.hosts_per_pod} host(s) on Ray: {where} "
+            f"(logs in {self.run_dir} on each worker's node)")
+        return pods.host_addresses
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            if self.pods is not None:
+                self.pods.stop()
+        finally:
+            if self._ray is not None and self._ray.is_initialized():
+                self._ray.shutdown()
+        return False

@@ -1,0 +1,202 @@
+"""End to end: `multipod ray` against a real Ray cluster on this machine (one per module, started
+here with ray.init and a few logical CPUs), on the tiny config.
+
+Each run is checked for what the issue asks: the pods bitwise identical at every step, the same
+final fingerprint as `multipod local`, a killed actor restarted by Ray and rejoining without a
+step run twice, nothing of the run left in the cluster afterwards (after the end and after
+Ctrl-C), and clear errors for a missing cluster, a request the cluster cannot place and a
+missing `ray` package."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import time
+
+import pytest
+
+from tests.e2e.test_recovery import _Live, _wait_for_step
+from tests.helpers import TINY, read_metrics, run_cli
+
+ray = pytest.importorskip("ray")
+
+CPUS = 4
+# Tiny steps take ~10 ms: enough of them for a killed pod to come back and rejoin before the end.
+KILL_STEPS = 2000
+
+
+def _args(steps: int, *extra: str) -> tuple[str, ...]:
+    return ("--config", TINY, "--steps", str(steps), "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
+            "--set", "data.global_batch=4", "--set", "dcn.timeout_s=30", "--set", "run.step_timeout_s=90",
+            "--set", "run.health_interval_s=0.5", "--set", "run.health_timeout_s=2", *extra)
+
+
+@pytest.fixture(scope="module")
+def cluster(env):
+    """A local Ray cluster of CPUS logical CPUs for the module; its GCS address. Ray's token
+    authentication is off (it would write a token under ~/.ray): the address is local."""
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE",)}
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        context = ray.init(address="local", num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
+                           configure_logging=False)
+        yield context.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def ray_env(env, cluster) -> dict:
+    return dict(env, RAY_AUTH_MODE="disabled")
+
+
+def _ray(cluster: str, run_dir: pathlib.Path, steps: int, *extra: str, env: dict, timeout: float = 300):
+    return run_cli("ray", "--address", cluster, "--pods", "2", "--devices-per-host", "1",
+                   "--run-dir", str(run_dir), *_args(steps, *extra), env=env, timeout=timeout)
+
+
+def _left_in_cluster() -> tuple[list, list]:
+    """(actors, placement groups) of multipod runs that are not gone."""
+    from ray.util import placement_group_table
+    groups = [g for g in placement_group_table().values()
+              if g["name"].startswith("multipod-") and g["state"] != "REMOVED"]
+    actors = [name for name in ray.util.list_named_actors(all_namespaces=True)
+              if name["name"].startswith("multipod-")]
+    return actors, groups
+
+
+def _wait_nothing_left(timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while _left_in_cluster() != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _left_in_cluster() == ([], []), _left_in_cluster()
+
+
+def _fingerprint(run_dir: pathlib.Path) -> str:
+    return json.loads((run_dir / "summary.json").read_text())["fingerprint"]
+
+
+def _identical_every_step(run_dir: pathlib.Path, steps: int) -> list[dict]:
+    """Every step recorded once, its live pods' fingerprints equal."""
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(steps)), "a step was lost or run twice"
+    for r in records:
+        assert len(r["fingerprints"]) == r["live_pods"] and len(set(r["fingerprints"])) == 1, \
+            f"pods differ at step {r['step']}"
+    return records
+
+
+def test_two_pods_train_on_ray_like_local_and_leave_nothing_behind(cluster, ray_env, tmp_path):
+    steps = 8
+    result = _ray(cluster, tmp_path / "ray", steps, env=ray_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "started 2 pod(s) x 1 host(s) on Ray" in result.stdout
+    assert all(r["live_pods"] == 2 for r in _identical_every_step(tmp_path / "ray", steps))
+    for pod in (0, 1):      # each worker's log is in the run directory, as under `multipod local`
+        log = (tmp_path / "ray" / f"worker-{pod}.log").read_text()
+        assert f"pod {pod} serving on 127.0.0.1:" in log and "ray actor (pid" in log
+    _wait_nothing_left()
+    local = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--run-dir", str(tmp_path / "local"),
+                    *_args(steps), env=ray_env)
+    assert local.returncode == 0, local.stdout + local.stderr
+    assert _fingerprint(tmp_path / "ray") == _fingerprint(tmp_path / "local")
+
+
+def test_ctrl_c_tears_down_every_actor_and_placement_group(cluster, ray_env, tmp_path):
+    run = _Live("ray", "--address", cluster, "--pods", "2", "--devices-per-host", "1", "--run-dir", str(tmp_path),
+                *_args(100_000), env=ray_env)
+    try:
+        _wait_for_step(run.proc, tmp_path, 2, timeout=120)
+        assert _left_in_cluster()[1], "the run's placement groups should exist while it trains"
+        run.proc.send_signal(signal.SIGINT)
+        code = run.finish(60)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert code == 130, "".join(run.out + run.err)
+    assert "interrupted" in "".join(run.err)
+    _wait_nothing_left()
+
+
+def test_no_cluster_at_the_address_is_a_clear_error(tmp_path):
+    import socket
+    with socket.socket() as s:      # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run_cli("ray", "--address", f"127.0.0.1:{port}", "--run-dir", str(tmp_path), *_args(2), timeout=120)
+    assert result.returncode == 1
+    assert f"no Ray cluster at --address 127.0.0.1:{port}" in result.stderr
+
+
+def test_more_pods_than_the_cluster_can_place_is_a_clear_error(cluster, ray_env, tmp_path):
+    # More CPUs than the cluster has: refused at once, naming the shortfall.
+    result = run_cli("ray", "--address", cluster, "--pods", "8", "--devices-per-host", "1",
+                     "--run-dir", str(tmp_path / "a"), *_args(2), env=ray_env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"8 CPU in all, and the cluster has {CPUS}" in result.stderr
+    # Enough in all, but held by someone else: refused at the placement deadline.
+    from ray.util.placement_group import placement_group, remove_placement_group
+    hold = placement_group([{"CPU": CPUS - 1}])
+    ray.get(hold.ready(), timeout=30)
+    try:
+        result = run_cli("ray", "--address", cluster, "--pods", "2", "--devices-per-host", "1",
+                         "--place-timeout", "3", "--run-dir", str(tmp_path / "b"), *_args(2), env=ray_env,
+                         timeout=120)
+    finally:
+        remove_placement_group(hold)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"Ray could not place pod\(s\) \[\d(, \d)?\] within 3s", result.stderr), result.stderr
+    # STRICT_SPREAD over more hosts per pod than there are nodes, and the strategy that fits.
+    result = run_cli("ray", "--address", cluster, "--pods", "1", "--hosts-per-pod", "2",
+                     "--run-dir", str(tmp_path / "c"), *_args(2), env=ray_env, timeout=120)
+    assert result.returncode == 1 and "--placement-strategy PACK" in result.stderr, result.stdout + result.stderr
+    _wait_nothing_left()
+
+
+def test_without_ray_installed_it_says_which_extra_to_install(tmp_path):
+    fake = tmp_path / "site" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named ray (simulated)')\n")
+    result = run_cli("ray", "--run-dir", str(tmp_path / "run"), *_args(2), env={"PYTHONPATH": str(fake.parent)})
+    assert result.returncode == 1
+    assert "multipod ray needs Ray" in result.stderr and "pip install 'multipod[ray]'" in result.stderr
+    assert not (tmp_path / "run").exists()      # refused before anything was done
+
+
+@pytest.mark.slow
+def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_if_uninterrupted(cluster, ray_env, tmp_path):
+    reference = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--run-dir", str(tmp_path / "ref"),
+                        *_args(KILL_STEPS), env=ray_env, timeout=600)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    run_dir = tmp_path / "ray"
+    run = _Live("ray", "--address", cluster, "--pods", "2", "--devices-per-host", "1", "--run-dir", str(run_dir),
+                *_args(KILL_STEPS), env=ray_env)
+    try:
+        _wait_for_step(run.proc, run_dir, 20)
+        log = run_dir / "worker-1.log"
+        actor_pid = int(re.findall(r"ray actor \(pid (\d+)\)", log.read_text())[-1])
+        os.kill(actor_pid, signal.SIGKILL)      # the actor's process: Ray restarts the actor
+        run.wait_for("degraded: 1/2 pods", 120)
+        run.wait_for("rejoined", 300)
+        code = run.finish(600)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert code == 0, "".join(run.out + run.err)
+    assert "restarted ray actor" in log.read_text()
+    records = _identical_every_step(run_dir, KILL_STEPS)
+    expected = {r["step"]: r for r in read_metrics(tmp_path / "ref")}
+    for r in records:
+        assert set(r["fingerprints"]) == set(expected[r["step"]]["fingerprints"]), r["step"]
+    assert _fingerprint(run_dir) == _fingerprint(tmp_path / "ref")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_steps"] == 0 and summary["rejoins"] == 1
+    assert records[-1]["hosts"] == [0, 1]       # pod 1 computes its own shard again
+    _wait_nothing_left()
