@@ -190,8 +190,11 @@ class RayPods:
         self.actors: list[list] = []                # [pod][host]
         self.host_addresses: list[list[str]] = []   # [pod][host]: gRPC HOST:PORT
         self.nodes: list[list[str]] = []            # [pod][host]: the node's IP
+        self.pids: list[list[int]] = []             # [pod][host]: the worker's pid, as last seen
         self.on_this_machine = True                 # every host runs on the controller's node
         self._stopping = threading.Event()
+        self._down_since: dict[int, float] = {}     # pod -> when the monitor first saw it down
+        self._reported: dict[int, str] = {}         # pod -> what was said about it ("late" | "dead")
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="ray-monitor")
 
     @property
@@ -250,6 +253,7 @@ class RayPods:
             mine = infos[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
             self.host_addresses.append([info["address"] for info in mine])
             self.nodes.append([info["node"] for info in mine])
+            self.pids.append([info["pid"] for info in mine])
         self._monitor.start()
 
     def _bundle(self, pod: int, host: int):
@@ -336,18 +340,27 @@ class RayPods:
         return results
 
     # -- while the run goes on -------------------------------------------------------------------
-    def kill(self, pod: int, host: int | None = None) -> None:
-        """Kill a pod's workers (e.g. one that hangs): their actors exit and Ray restarts them."""
+    def kill(self, pod: int, host: int | None = None, pid: int | None = None) -> None:
+        """Kill a pod's workers (e.g. one that hangs), or one host's (only if its worker is still
+        `pid`): their actors exit and Ray restarts them."""
         for h, actor in enumerate(self.actors[pod]):
             if host is None or h == host:
-                actor.kill_worker.remote()
+                actor.kill_worker.remote(pid)
 
-    def _state(self, actor) -> tuple[str, str]:
-        """("up" | "down" | "dead", why) of one host's actor."""
+    def _state(self, pod: int, host: int) -> tuple[str, str]:
+        """("up" | "down" | "moved" | "dead", why) of one host's actor."""
+        actor = self.actors[pod][host]
         ray = self.ray
         try:
-            up = ray.get(actor.ping.remote(), timeout=PING_S)
-            return ("up", "") if up else ("down", "its worker exited")
+            node, self.pids[pod][host] = ray.get(actor.ping.remote(), timeout=PING_S)
+            if not node:
+                return "down", "its worker exited"
+            if node != self.nodes[pod][host]:
+                # Its bundle was placed again on another node: the worker listens there, but the
+                # controller and the peers know only its old address.
+                return "moved", (f"Ray placed it again on node {node}, not {self.nodes[pod][host]}: a pod must "
+                                 f"come back at its old address to rejoin")
+            return "up", ""
         except ray.exceptions.ActorDiedError as exc:
             return "dead", str(exc).splitlines()[0]
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
@@ -356,39 +369,45 @@ class RayPods:
             return "down", str(exc).splitlines()[0]
 
     def _watch(self) -> None:
-        """Say when a pod is down longer than the placement deadline, or for good; stop the
-        other hosts of a pod one of whose hosts went down, so that it restarts as a whole (a
-        jax.distributed cluster cannot take a lost host back)."""
-        down_since: dict[int, float] = {}
-        reported: dict[int, str] = {}
+        """The monitor thread: check every pod's actors every MONITOR_S."""
         while not self._stopping.wait(MONITOR_S):
             for pod, actors in enumerate(self.actors):
-                states = [self._state(a) for a in actors]
+                states = [self._state(pod, host) for host in range(len(actors))]
                 if self._stopping.is_set():
                     return
-                if all(s == "up" for s, _ in states):
-                    if pod in reported:
-                        out(f"pod {pod}: Ray has placed it again")
-                    down_since.pop(pod, None)
-                    reported.pop(pod, None)
-                    continue
-                if pod not in down_since:
-                    down_since[pod] = time.monotonic()
-                    if self.multi_host:
-                        for actor, (state, _) in zip(actors, states):
-                            if state == "up":
-                                actor.kill_worker.remote()
-                dead = [(h, why) for h, (s, why) in enumerate(states) if s == "dead"]
-                if dead and reported.get(pod) != "dead":
-                    reported[pod] = "dead"
-                    h, why = dead[0]
-                    out(f"pod {pod}: Ray will not restart it (host {h}'s actor is gone: {why}; --max-restarts "
-                        f"{self.max_restarts} per host); the run goes on with the surviving pods")
-                elif not dead and pod not in reported and time.monotonic() - down_since[pod] > self.place_timeout_s:
-                    reported[pod] = "late"
-                    why = "; ".join(f"host {h}: {w}" for h, (s, w) in enumerate(states) if s != "up")
-                    out(f"pod {pod}: Ray could not place it again within {self.place_timeout_s:g}s ({why}); "
-                        f"the run goes on with the surviving pods")
+                self.check(pod, states, time.monotonic())
+
+    def check(self, pod: int, states: list[tuple[str, str]], now: float) -> None:
+        """One look at a pod's hosts (each ("up" | "down" | "dead", why)): say when the pod is
+        down longer than the placement deadline, or for good, and when it is back; stop the other
+        hosts of a pod one of whose hosts went down, so that the pod restarts as a whole (a
+        jax.distributed cluster cannot take a lost host back). The controller's degraded mode
+        carries the run meanwhile."""
+        down_since, reported = self._down_since, self._reported
+        if all(s == "up" for s, _ in states):
+            if pod in reported:
+                out(f"pod {pod}: Ray has placed it again")
+            down_since.pop(pod, None)
+            reported.pop(pod, None)
+            return
+        if pod not in down_since:
+            down_since[pod] = now
+            if self.multi_host:
+                for host, (state, _) in enumerate(states):
+                    if state == "up":
+                        self.kill(pod, host, self.pids[pod][host])
+        dead = [(h, why) for h, (s, why) in enumerate(states) if s in ("dead", "moved")]
+        if dead and reported.get(pod) != "dead":
+            reported[pod] = "dead"
+            host, why = dead[0]
+            gone = (f"{why}" if states[host][0] == "moved" else
+                    f"host {host}'s actor is gone: {why}; --max-restarts {self.max_restarts} per host")
+            out(f"pod {pod}: it cannot rejoin ({gone}); the run goes on with the surviving pods")
+        elif not dead and pod not in reported and now - down_since[pod] > self.place_timeout_s:
+            reported[pod] = "late"
+            why = "; ".join(f"host {h}: {w}" for h, (s, w) in enumerate(states) if s != "up")
+            out(f"pod {pod}: Ray could not place it again within {self.place_timeout_s:g}s ({why}); "
+                f"the run goes on with the surviving pods")
 
     # -- the end ---------------------------------------------------------------------------------
     def stop(self, grace_s: float = 5.0) -> None:

@@ -181,12 +181,16 @@ class WorkerHost:
         except OSError:
             return ""
 
-    def ping(self) -> bool:
-        """True while the worker process runs."""
-        return self.proc.poll() is None
+    def ping(self) -> tuple[str, int]:
+        """(this node's IP, the worker's pid) while the worker process runs, else ("", pid)."""
+        return (self.node_ip if self.proc.poll() is None else ""), self.proc.pid
 
-    def kill_worker(self) -> None:
-        """SIGKILL the worker (e.g. one that hangs): the actor then exits and Ray restarts it."""
+    def kill_worker(self, pid: int | None = None) -> None:
+        """SIGKILL the worker (e.g. one that hangs): the actor then exits and Ray restarts it.
+        With pid, only if that is still the worker: a call meant for an incarnation that has
+        died since must not kill its successor."""
+        if pid is not None and pid != self.proc.pid:
+            return
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

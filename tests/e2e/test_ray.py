@@ -200,3 +200,35 @@ def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_if_uninterrupted
     assert summary["lost_steps"] == 0 and summary["rejoins"] == 1
     assert records[-1]["hosts"] == [0, 1]       # pod 1 computes its own shard again
     _wait_nothing_left()
+
+
+@pytest.mark.slow
+def test_pods_of_two_hosts_a_killed_host_restarts_its_pod_which_rejoins(cluster, ray_env, tmp_path):
+    """2 pods x 2 hosts packed on this one node: host 1 of pod 1 loses its actor; the pod's other
+    host is stopped too (one jax.distributed cluster per pod), Ray restarts both, and the pod
+    rejoins; the run ends bitwise as `multipod local`'s 2 x 2 run."""
+    steps = 600
+    reference = run_cli("local", "--pods", "2", "--hosts-per-pod", "2", "--devices-per-host", "1",
+                        "--run-dir", str(tmp_path / "ref"), *_args(steps), env=ray_env, timeout=600)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    run_dir = tmp_path / "ray"
+    run = _Live("ray", "--address", cluster, "--pods", "2", "--hosts-per-pod", "2", "--placement-strategy", "PACK",
+                "--devices-per-host", "1", "--run-dir", str(run_dir), *_args(steps), env=ray_env)
+    try:
+        _wait_for_step(run.proc, run_dir, 20)
+        log = run_dir / "worker-1-host-1.log"
+        os.kill(int(re.findall(r"ray actor \(pid (\d+)\)", log.read_text())[-1]), signal.SIGKILL)
+        run.wait_for("degraded: 1/2 pods", 120)
+        run.wait_for("rejoined", 300)
+        code = run.finish(600)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert code == 0, "".join(run.out + run.err)
+    for host in (0, 1):     # both hosts of pod 1 came back, each once
+        assert (run_dir / f"worker-1-host-{host}.log").read_text().count("restarted ray actor") == 1
+    _identical_every_step(run_dir, steps)
+    assert _fingerprint(run_dir) == _fingerprint(tmp_path / "ref")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_steps"] == 0 and summary["rejoins"] == 1
+    _wait_nothing_left()
