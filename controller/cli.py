@@ -1,5 +1,5 @@
-"""The controller's commands of `multipod`: train, local, ray, peak-flops, tune, generate, report (the entry module,
-multipod.cli, adds `worker` from the worker side).
+"""The controller's commands of `multipod`: train, local, ray, ptune, peak-flops, tune, generate, report (the
+entry module, multipod.cli, adds `worker` from the worker side).
 
 Kept free of jax imports at module level: `multipod --help` needs only the standard library.
 """
@@ -47,6 +47,17 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     add_security_arguments(parser)
 
 
+def _add_local_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pods", type=int, default=2, help="number of simulated pods (default 2)")
+    parser.add_argument("--hosts-per-pod", type=int, default=1,
+                        help="worker processes per pod, one jax.distributed cluster per pod (default 1)")
+    parser.add_argument("--devices-per-host", type=int,
+                        help="simulated devices per worker process (default: 1 with several hosts per pod)")
+    parser.add_argument("--devices-per-pod", type=int,
+                        help="simulated devices per pod, all its hosts together, split evenly over them "
+                             "(default 2 with one host per pod; = --hosts-per-pod x --devices-per-host if both given)")
+
+
 def add_commands(sub) -> None:
     """Add the controller's commands to the `multipod` subparsers."""
     train = sub.add_parser("train", help="run the controller against running pod workers")
@@ -58,14 +69,7 @@ def add_commands(sub) -> None:
     _add_train_options(train)
 
     local = sub.add_parser("local", help="simulate pods on this machine and train")
-    local.add_argument("--pods", type=int, default=2, help="number of simulated pods (default 2)")
-    local.add_argument("--hosts-per-pod", type=int, default=1,
-                       help="worker processes per pod, one jax.distributed cluster per pod (default 1)")
-    local.add_argument("--devices-per-host", type=int,
-                       help="simulated devices per worker process (default: 1 with several hosts per pod)")
-    local.add_argument("--devices-per-pod", type=int,
-                       help="simulated devices per pod, all its hosts together, split evenly over them "
-                            "(default 2 with one host per pod; = --hosts-per-pod x --devices-per-host if both given)")
+    _add_local_options(local)
     _add_train_options(local)
 
     ray = sub.add_parser("ray", help="launch the pods on a Ray cluster (one placement group per pod, one actor per "
@@ -109,6 +113,13 @@ def add_commands(sub) -> None:
     bpe.add_argument("--text-field", default="text", help="the text field of .jsonl and .parquet records")
     bpe.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, special tokens included")
     bpe.add_argument("--out", required=True, metavar="PATH", help="where tokenizer.json goes")
+
+    from multipod.controller.ptune import add_arguments as add_ptune_arguments
+    ptune = sub.add_parser("ptune", help="prompt tuning or p-tuning of a checkpoint on a task of input/output pairs: "
+                           "the base stays frozen; across simulated pods, or --workers")
+    add_ptune_arguments(ptune)
+    _add_local_options(ptune)
+    _add_train_options(ptune)
 
     from multipod.controller.generate import add_arguments as add_generate_arguments
     generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, one local pod)")
@@ -156,7 +167,8 @@ def _train(args, addresses_fn) -> int:
     from multipod.protos.transport import set_default_security
     given: set = set()
     config = resolve_config(args, given)
-    if args.command == "train" and not config.run.checkpoint_dir:
+    mode = _mode(args)
+    if mode == "train" and not config.run.checkpoint_dir:
         # Pod 0 writes the checkpoints: the default, under the controller's run directory, would
         # land on pod 0's own disk, where the other pods cannot read it when they restore.
         raise ConfigError("run.checkpoint_dir", "multipod train with --workers needs a checkpoint directory "
@@ -165,7 +177,7 @@ def _train(args, addresses_fn) -> int:
     if args.resume and not (args.run_dir or config.run.checkpoint_dir):
         raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
     security = security_from_args(args)
-    launched = args.command in LAUNCHERS     # we start the workers (local, ray), not the user
+    launched = mode in LAUNCHERS     # we start the workers (local, ray), not the user
     if launched and not security.token:
         # Workers we start still authenticate: a fresh secret per run, handed over in their
         # environment (local) or as an actor's constructor argument (ray), never on a command line.
@@ -182,7 +194,7 @@ def _train(args, addresses_fn) -> int:
         with context as addresses:
             summary = run_training(data.config, addresses, run_dir, resume=args.resume,
                                    supervisor=getattr(context, "pods", None), data=data,
-                                   local=args.command == "local")
+                                   local=mode == "local")
         print_summary(summary)
     finally:
         if launched:     # after the workers stopped, whether the run succeeded or not
@@ -192,6 +204,13 @@ def _train(args, addresses_fn) -> int:
 
 # The commands that start their own workers: a fresh auth token, and report.png at the end.
 LAUNCHERS = ("local", "ray")
+
+
+def _mode(args: argparse.Namespace) -> str:
+    """Where the workers come from: "train" (the user's, --workers) or one of LAUNCHERS."""
+    if args.command == "ptune":
+        return "train" if args.workers else "local"
+    return args.command
 
 
 def write_report_quietly(run_dir: pathlib.Path) -> None:
@@ -282,6 +301,14 @@ def run(args: argparse.Namespace) -> int:
             addresses = parse_workers(args.workers)     # [pod][host]; before anything else is done
             return _train(args, lambda run_dir, config: _Fixed(addresses))
         if args.command == "local":
+            return _train(args, lambda run_dir, config: _Local(args, run_dir, config))
+        if args.command == "ptune":
+            from multipod.controller.ptune import derived_overrides
+            args.overrides = derived_overrides(args) + args.overrides     # the user's --set come last
+            if args.workers:
+                from multipod.controller.hosts import parse_workers
+                addresses = parse_workers(args.workers)
+                return _train(args, lambda run_dir, config: _Fixed(addresses))
             return _train(args, lambda run_dir, config: _Local(args, run_dir, config))
         if args.command == "ray":
             from multipod.controller.ray_launcher import RayContext, check_request, import_ray, parse_resources

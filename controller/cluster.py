@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 STATIC_AGREEMENT = (("protocol version", lambda r: r.protocol_version),
                     ("mesh shape (data, model)", lambda r: tuple(r.mesh_shape)),
                     ("device count", lambda r: r.num_devices),
-                    ("config hash", lambda r: r.config_hash))
+                    ("config hash", lambda r: r.config_hash),
+                    # prompt tuning: every pod must hold the very same frozen base
+                    ("base model fingerprint", lambda r: r.base_fingerprint))
 AGREEMENT = STATIC_AGREEMENT + (("initial step", lambda r: r.step),
                                 ("initial state fingerprint", lambda r: r.fingerprint))
 

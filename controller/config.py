@@ -20,11 +20,13 @@ from multipod.pod_worker.config import (
     DcnConfig,
     MeshConfig,
     OptimizerConfig,
+    PromptConfig,
     TrainShape,
     WorkerConfig,
     build,
     check_fits,
     check_overlap,
+    check_prompt,
     non_negative,
     positive,
 )
@@ -35,7 +37,7 @@ MIN_BPE_VOCAB = 258
 MAX_BPE_VOCAB = 1 << 20
 
 __all__ = ["Config", "ConfigError", "DataConfig", "DcnConfig", "MeshConfig", "ModelConfig",
-           "OptimizerConfig", "RunConfig", "load_config", "parse_override"]
+           "OptimizerConfig", "PromptConfig", "RunConfig", "load_config", "parse_override"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ class DataConfig:
     # library (.py files).
     path: str = ""
     text_field: str = "text"      # the field of a .jsonl record / the column of a .parquet holding the text
+    # Prompt tuning (a [prompt] kind): data.path is a .jsonl of task examples, each an input and
+    # the output the model should write after it; the loss counts the output tokens only.
+    input_field: str = "input"
+    output_field: str = "output"
     # "bytes" | "bpe:N" (a byte-level BPE of N tokens trained on the corpus, cached) | a path to a
     # Hugging Face tokenizer.json | a path to a SentencePiece model. The model's vocab_size follows
     # it, padded up to a multiple of 128, unless model.vocab_size is given.
@@ -59,8 +65,9 @@ class DataConfig:
         positive("data.global_batch", self.global_batch)
         if self.path and not pathlib.Path(self.path).exists():
             raise ConfigError("data.path", f"{self.path!r} does not exist")
-        if not self.text_field:
-            raise ConfigError("data.text_field", "must not be empty")
+        for name in ("text_field", "input_field", "output_field"):
+            if not getattr(self, name):
+                raise ConfigError(f"data.{name}", "must not be empty")
         self.bpe_size()     # checks the bpe:N form
         if self.tokenizer != "bytes" and not self.tokenizer.startswith("bpe:") \
                 and not pathlib.Path(self.tokenizer).is_file():
@@ -150,13 +157,15 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     dcn: DcnConfig = field(default_factory=DcnConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
 
     def validate(self) -> Config:
         """Check every section and the cross-section rules; return self."""
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
-        check_fits("data.seq_len", self.data.seq_len, self.model)
+        check_fits("data.seq_len", self.data.seq_len, self.model, self.prompt)
         check_overlap(self.dcn, self.model)   # refused on load, not only when a worker configures
+        check_prompt(self.prompt, self.dcn, self.model)
         return self
 
     def to_dict(self) -> dict:
@@ -169,7 +178,7 @@ class Config:
     def worker_config(self) -> WorkerConfig:
         """The part of the config a pod worker gets in Configure (and nothing else)."""
         return WorkerConfig(model=self.model, optimizer=self.optimizer, mesh=self.mesh, dcn=self.dcn,
-                            train=TrainShape(seed=self.run.seed, total_steps=self.run.steps,
+                            prompt=self.prompt, train=TrainShape(seed=self.run.seed, total_steps=self.run.steps,
                                              seq_len=self.data.seq_len, global_batch=self.data.global_batch))
 
     @classmethod

@@ -15,7 +15,7 @@ import pathlib
 import shutil
 import time
 
-from multipod.controller.config import Config
+from multipod.controller.config import Config, ConfigError
 from multipod.controller.dataset import TokenDataset
 from multipod.controller.metrics import out
 from multipod.controller.sources import iter_documents, source_fingerprint
@@ -98,10 +98,30 @@ def prepare(config: Config, vocab_given: bool = False, progress: bool = True) ->
     """The tokenizer, the token cache and the dataset of `config`, and the config with its
     vocabulary resolved. DataError (a TokenizerError among them) naming the file on bad input."""
     root = cache_root(config)
+    if config.prompt.enabled:
+        return prepare_task(config, root)
     tokenizer = resolve_tokenizer(config, root)
     config = resolve_vocab(config, tokenizer, vocab_given)
     cache = open_cache(config.data.path, tokenizer, root, config.data.text_field, progress=progress)
     dataset = TokenDataset(cache, config.data.seq_len, config.data.global_batch, config.run.seed)
+    return RunData(config=config, tokenizer=tokenizer, dataset=dataset)
+
+
+def prepare_task(config: Config, root: pathlib.Path) -> RunData:
+    """Prompt tuning: the base model's tokenizer (data.tokenizer names its file) and the task's
+    examples (task_data.py). The vocabulary is the base model's; it must hold every id."""
+    from multipod.controller.task_data import TaskDataset, read_examples
+    if config.data.bpe_size() is not None:
+        raise ConfigError("data.tokenizer", "prompt tuning uses the base model's tokenizer (its file, or \"bytes\"), "
+                          "not a new bpe:N")
+    tokenizer = resolve_tokenizer(config, root)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError("data.tokenizer", f"{tokenizer.name} has {tokenizer.vocab_size:,} tokens, more than the base "
+                          f"model's vocabulary of {config.model.vocab_size:,}")
+    if not config.data.path or pathlib.Path(config.data.path).suffix != ".jsonl":
+        raise ConfigError("data.path", f"prompt tuning reads a .jsonl of examples, got {config.data.path!r}")
+    examples = read_examples(config.data.path, tokenizer, config.data.input_field, config.data.output_field)
+    dataset = TaskDataset(examples, config.data.seq_len, config.data.global_batch, config.run.seed, tokenizer.eos_id)
     return RunData(config=config, tokenizer=tokenizer, dataset=dataset)
 
 

@@ -8,6 +8,7 @@ and orders them by a permutation per epoch (a pure function of (seed, step), so 
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -48,11 +49,30 @@ def shard(batch: np.ndarray, num_pods: int) -> list[np.ndarray]:
     return np.split(batch, num_pods)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepData:
+    """One step's encoded per-pod shards: tokens, loss masks (b"" where every target counts),
+    and the loss normaliser: the targets counted in the whole global batch."""
+    tokens: list[bytes]
+    masks: list[bytes]
+    global_tokens: int
+
+
+def step_data(tokens: np.ndarray, mask: np.ndarray | None, num_pods: int, dtype) -> StepData:
+    """A global batch (and its loss mask, None: every target counts) cut and encoded per pod."""
+    shards = [codec.encode(narrow(s, dtype)) for s in shard(tokens, num_pods)]
+    if mask is None:
+        return StepData(shards, [b""] * num_pods, int(tokens.shape[0] * (tokens.shape[1] - 1)))
+    masks = [codec.encode(np.ascontiguousarray(m, np.uint8)) for m in shard(mask, num_pods)]
+    return StepData(shards, masks, int(np.count_nonzero(mask)))
+
+
 class Prefetcher:
     """Builds the encoded per-pod shards of steps start..stop-1 on a background thread, `depth`
     steps ahead, so the step loop never waits for data. Step s trains on batch s + offset (the
-    offset grows when a loss-spike rewind skips batches). `batches` is anything with batch(i).
-    Shards are encoded as `dtype` (data.token_dtype of the vocabulary: uint8 for bytes)."""
+    offset grows when a loss-spike rewind skips batches). `batches` is anything with batch(i) and
+    loss_mask(i) (None: every target counts). Shards are encoded as `dtype` (data.token_dtype of
+    the vocabulary: uint8 for bytes)."""
 
     def __init__(self, batches, num_pods: int, start: int, stop: int, depth: int = 4, offset: int = 0,
                  dtype=np.int32):
@@ -66,8 +86,8 @@ class Prefetcher:
     def _run(self, batches, num_pods: int, start: int, stop: int, offset: int) -> None:
         for step in range(start, stop):
             try:
-                item = (step, [codec.encode(narrow(s, self._dtype))
-                               for s in shard(batches.batch(step + offset), num_pods)])
+                index = step + offset
+                item = (step, step_data(batches.batch(index), batches.loss_mask(index), num_pods, self._dtype))
             except Exception as exc:   # handed to the loop, which raises it: not a silent stall
                 item = (step, exc)
             # Short waits on a full queue, so that close() is noticed soon.
@@ -80,8 +100,8 @@ class Prefetcher:
             if self._stop.is_set() or isinstance(item[1], Exception):
                 return
 
-    def next(self, timeout_s: float = 60.0) -> tuple[int, list[bytes]]:
-        """(step, encoded shards) of the next step; RunError if none comes within timeout_s."""
+    def next(self, timeout_s: float = 60.0) -> tuple[int, StepData]:
+        """(step, its StepData) of the next step; RunError if none comes within timeout_s."""
         try:
             step, shards = self._queue.get(timeout=timeout_s)
         except queue.Empty:

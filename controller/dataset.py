@@ -79,6 +79,13 @@ class TokenDataset:
             sequences[chosen] = self.permutation(int(epoch))[positions[chosen]]
         return self._rows(self.cache.train, sequences)
 
+    def loss_mask(self, step: int) -> None:
+        """Every target of a corpus batch counts (a task's batches carry a mask: task_data.py)."""
+        return None
+
+    def eval_loss_mask(self, index: int) -> None:
+        return None
+
     def epoch(self, step: int) -> float:
         """Epochs completed once `step` is done (1.5: one full pass and half the next)."""
         return (step + 1) * self.global_batch / self.num_train_sequences

@@ -16,8 +16,8 @@ import math
 import time
 
 from multipod.controller.client import WorkerError
-from multipod.controller.data import narrow, shard, token_dtype
-from multipod.protos import codec, multipod_pb2 as pb
+from multipod.controller.data import step_data, token_dtype
+from multipod.protos import multipod_pb2 as pb
 
 
 def eval_metrics(loss_sum: float, tokens: int, bytes_per_token: float | None) -> dict:
@@ -31,7 +31,8 @@ class Evaluator:
     """Evaluates run.eval_batches held-out batches every run.eval_every steps and at run.steps.
 
     cluster: the pods (live_clients, hosts, size, diagnose); dataset: a dataset.TokenDataset (or
-    anything with eval_batch(i), num_eval_batches, eval_bytes_per_token and epoch(index)); write:
+    anything with eval_batch(i), eval_loss_mask(i), num_eval_batches, eval_bytes_per_token and
+    epoch(index)); write:
     where the record goes (Recorder.write_eval)."""
 
     def __init__(self, cluster, dataset, write, data_offset: int = 0):
@@ -66,10 +67,11 @@ class Evaluator:
         clients = {c.pod_index: c for c in self.cluster.live_clients}
         loss_sum, tokens = 0.0, 0
         for index in range(self.batches):
-            slots = shard(self.dataset.eval_batch(index), self.cluster.size)
+            data = step_data(self.dataset.eval_batch(index), self.dataset.eval_loss_mask(index), self.cluster.size,
+                             self._dtype)
             calls = [clients[hosts[slot]].call_async(
-                "Evaluate", pb.EvaluateRequest(tokens=codec.encode(narrow(rows, self._dtype))),
-                self.run.step_timeout_s) for slot, rows in enumerate(slots)]
+                "Evaluate", pb.EvaluateRequest(tokens=data.tokens[slot], loss_mask=data.masks[slot]),
+                self.run.step_timeout_s) for slot in range(self.cluster.size)]
             for slot, call in enumerate(calls):     # summed in slot order: the same on any pods
                 try:
                     reply = call.result()

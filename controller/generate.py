@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a run's checkpoint directory (RUN_DIR/checkpoints, or RUN_DIR itself: its newest "
                              "checkpoint) or one step folder in it (RUN_DIR/checkpoints/300)")
+    parser.add_argument("--prompt-checkpoint", metavar="DIR",
+                        help="generate after the virtual tokens a `multipod ptune` run learned on this --checkpoint "
+                             "(its checkpoint directory or a step folder); refused for another base model")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt: the text is printed as it is generated")
     what.add_argument("--prompts", metavar="FILE.jsonl",
@@ -80,6 +83,11 @@ class Prompt:
 
 def _step_folders(directory: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def newest_step(root: pathlib.Path) -> pathlib.Path:
+    """The newest step folder of a checkpoint directory (find_checkpoint made sure there is one)."""
+    return root / str(_step_folders(root)[-1])
 
 
 def find_checkpoint(text: str) -> Checkpoint:
@@ -162,7 +170,7 @@ def plan(args, config, prompts: list[Prompt]) -> int:
     """The number of new tokens per prompt; GenerateError if a prompt or prompt + --max-tokens does
     not fit the model's context, ConfigError naming a bad flag."""
     from multipod.controller.config import ConfigError
-    context = config.model.max_seq_len
+    context = config.model.max_seq_len - (config.prompt.virtual_tokens if config.prompt.enabled else 0)
     for prompt in prompts:
         if len(prompt.ids) > context:
             raise GenerateError(f"{prompt.where}: the prompt has {len(prompt.ids)} tokens, more than the model's "
@@ -184,6 +192,27 @@ def plan(args, config, prompts: list[Prompt]) -> int:
                             f"{args.max_tokens} exceed the model's context of {context} tokens (model.max_seq_len): "
                             f"ask for at most {room}, or pass --shift-context")
     return args.max_tokens
+
+
+def with_prompt(text: str, base: Checkpoint, base_config):
+    """(the config of a pod generating after a prompt checkpoint's virtual tokens, the prompt
+    checkpoint): the tuned run's config with --checkpoint as its base. GenerateError if `text`
+    is not a prompt checkpoint or was tuned on a model of another shape; one tuned on another base
+    of the same shape is refused by the pod when it restores it (the checkpoint holds the base's
+    fingerprint)."""
+    from multipod.model.config import LAYOUT_FIELDS
+    prompt = find_checkpoint(text)
+    tuned, _ = load_run(prompt.root)
+    if not tuned.prompt.enabled:
+        raise GenerateError(f"--prompt-checkpoint {text} is not a prompt checkpoint: its run trained the whole model "
+                            f"(give the checkpoint directory of a multipod ptune run)")
+    for field in dataclasses.fields(base_config.model):
+        have, want = getattr(tuned.model, field.name), getattr(base_config.model, field.name)
+        if field.name not in LAYOUT_FIELDS and have != want:
+            raise GenerateError(f"--prompt-checkpoint {text} was tuned on another base model: its "
+                                f"model.{field.name} is {have!r}, --checkpoint {base.path or base.root} has {want!r}")
+    folder = base.path or newest_step(base.root)
+    return dataclasses.replace(tuned, prompt=dataclasses.replace(tuned.prompt, base_checkpoint=str(folder))), prompt
 
 
 def check_flags(args, config) -> None:
@@ -269,6 +298,9 @@ def main(args) -> int:
     """Run `multipod generate`; returns the exit code (errors are raised for cli.run to print)."""
     checkpoint = find_checkpoint(args.checkpoint)
     config, tokenizer = load_run(checkpoint.root)
+    restore = checkpoint
+    if args.prompt_checkpoint:
+        config, restore = with_prompt(args.prompt_checkpoint, checkpoint, config)
     check_flags(args, config)
     prompts = read_prompts(args, tokenizer)
     num_tokens = plan(args, config, prompts)
@@ -278,6 +310,10 @@ def main(args) -> int:
     _say(f"checkpoint {checkpoint.path or checkpoint.root} ({'newest step' if checkpoint.path is None else 'this step'}"
          f"): {config.model.param_count():,} parameters, context {config.model.max_seq_len} tokens, tokenizer "
          f"{tokenizer.describe()}")
+    if config.prompt.enabled:
+        where = restore.path or restore.root
+        _say(f"after the {config.prompt.virtual_tokens} virtual tokens of prompt checkpoint {where} "
+             f"({config.prompt.kind}; {'newest step' if restore.path is None else 'this step'})")
 
     from multipod.controller.cluster import connect
     from multipod.controller.launcher import LocalPods
@@ -294,7 +330,8 @@ def main(args) -> int:
                 started = time.perf_counter()
                 cluster.configure()
                 client = cluster.clients[0]
-                target = ({"path": str(checkpoint.path)} if checkpoint.path else {"directory": str(checkpoint.root)})
+                # A prompt checkpoint is the state of a prompt-tuning pod, whose base --checkpoint is.
+                target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.root)})
                 restored = client.call("Restore", pb.RestoreRequest(run_id=cluster.next_generation(), **target),
                                        config.run.step_timeout_s + 60.0)
                 _say(f"restored {restored.path} (step {restored.step}) in {time.perf_counter() - started:.1f} s")

@@ -14,7 +14,7 @@ import grpc
 
 from multipod.controller.client import WorkerError
 from multipod.controller.cluster import Cluster, Watchdog
-from multipod.controller.data import Prefetcher, token_dtype
+from multipod.controller.data import Prefetcher, StepData, token_dtype
 from multipod.controller.errors import RunError
 from multipod.controller.metrics import Accounting, Recorder, step_record
 from multipod.controller.spike import Spike, SpikePolicy
@@ -55,8 +55,6 @@ class StepLoop:
         self.evaluator = evaluator
         self.spike, self.recorder, self.accounting = spike, recorder, accounting
         self.run_config = cluster.config.run
-        data = cluster.config.data
-        self.global_tokens = data.global_batch * data.seq_len
         # (step, (clients, hosts), calls) in flight, oldest first
         self._pending: collections.deque = collections.deque()
         self._watchdog: Watchdog | None = None
@@ -129,7 +127,7 @@ class StepLoop:
         self._complete(*self._pending[0])
         self._pending.popleft()
 
-    def _dispatch(self, step: int, shards: list[bytes]) -> None:
+    def _dispatch(self, step: int, shards: StepData) -> None:
         """Send step `step` to every live pod: its own shard, and the shards of the failed pods
         it hosts (each in its slot)."""
         timeout = self.run_config.step_timeout_s
@@ -140,10 +138,10 @@ class StepLoop:
         calls = []
         for client in clients:
             pod = client.pod_index
-            extra = [pb.Shard(slot=slot, tokens=shards[slot]) for slot, host in enumerate(hosts)
-                     if host == pod and slot != pod]
-            request = pb.StepRequest(step=step, tokens=shards[pod], global_tokens=self.global_tokens,
-                                     full_fingerprint=full, extra_shards=extra)
+            extra = [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot])
+                     for slot, host in enumerate(hosts) if host == pod and slot != pod]
+            request = pb.StepRequest(step=step, tokens=shards.tokens[pod], loss_mask=shards.masks[pod],
+                                     global_tokens=shards.global_tokens, full_fingerprint=full, extra_shards=extra)
             calls.append(client.call_async("Step", request, timeout))
         self._pending.append((step, (clients, hosts), calls))
 

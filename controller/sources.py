@@ -236,11 +236,10 @@ def _jsonl(file: pathlib.Path, text_field: str, report: CorpusReport) -> Iterato
         yield Document(where, text)
 
 
-def jsonl_texts(file: pathlib.Path, field: str, hint: str, on_line=None) -> Iterator[tuple[str, str]]:
-    """(FILE:LINE, the string in `field`) for every non-empty line of a .jsonl file, read line by
-    line; on_line(bytes) is called for each line read. DataError naming the file and line for a
-    line that is not a JSON object, lacks the field (`hint` says how to name another) or holds a
-    non-string, and naming the file if it holds no record at all."""
+def jsonl_records(file: pathlib.Path, on_line=None, what: str = "record") -> Iterator[tuple[str, dict]]:
+    """(FILE:LINE, the JSON object) for every non-empty line of a .jsonl file, read line by line;
+    on_line(bytes) is called for each line read. DataError naming the file and line for a line
+    that is not a JSON object, and naming the file if it holds none."""
     found = False
     with pathlib.Path(file).open("rb") as lines:
         for number, raw in enumerate(lines, 1):
@@ -255,17 +254,30 @@ def jsonl_texts(file: pathlib.Path, field: str, hint: str, on_line=None) -> Iter
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not a JSON line ({exc.msg} at column {exc.colno})") from None
             if not isinstance(record, dict):
-                raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {field!r} field")
-            if field not in record:
-                fields = ", ".join(map(repr, list(record)[:10])) or "none"
-                raise DataError(f"{where}: no {field!r} field (the record has: {fields}); {hint}")
-            text = record[field]
-            if not isinstance(text, str):
-                raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not a string")
+                raise DataError(f"{where}: a JSON {type(record).__name__}, not an object")
             found = True
-            yield where, text
+            yield where, record
     if not found:
-        raise DataError(f"{file}: an empty jsonl file (no documents in it)")
+        raise DataError(f"{file}: an empty jsonl file (no {what} in it)")
+
+
+def jsonl_texts(file: pathlib.Path, field: str, hint: str, on_line=None) -> Iterator[tuple[str, str]]:
+    """(FILE:LINE, the string in `field`) for every non-empty line of a .jsonl file (jsonl_records);
+    DataError naming the file and line for a record that lacks the field (`hint` says how to
+    name another) or holds a non-string."""
+    for where, record in jsonl_records(file, on_line, what="documents"):
+        yield where, record_text(where, record, field, hint)
+
+
+def record_text(where: str, record: dict, field: str, hint: str) -> str:
+    """The string in `field` of a jsonl record; DataError naming the line if it is missing or not a string."""
+    if field not in record:
+        fields = ", ".join(map(repr, list(record)[:10])) or "none"
+        raise DataError(f"{where}: no {field!r} field (the record has: {fields}); {hint}")
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not a string")
+    return text
 
 
 def _parquet(file: pathlib.Path, text_field: str, report: CorpusReport, size: int) -> Iterator[Document]:

@@ -116,6 +116,10 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
         replies = cluster.configure()
     accounting = _accounting(cluster, replies, local)
+    base_fingerprint = replies[0].base_fingerprint or None      # prompt tuning: the same on every pod (cluster.py)
+    if base_fingerprint:
+        out(f"tuning a {config.prompt.kind} of {config.prompt.virtual_tokens} virtual tokens on the frozen base "
+            f"{config.prompt.base_checkpoint} (fingerprint {base_fingerprint} on every pod)")
     events = EventLog(run_dir / "events.jsonl")
     checkpointer = Checkpointer(cluster, checkpoint_dir(config, run_dir), events)
     spike = SpikePolicy(run)
@@ -172,7 +176,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
              "on_pod_failure": run.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
              "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
              "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
-             "first_step": first_step, "reattached": reattached is not None}
+             "first_step": first_step, "reattached": reattached is not None, "base_fingerprint": base_fingerprint}
     if extra["pod_failures"]:
         out(f"pod failures: {extra['pod_failures']} ({run.on_pod_failure} mode); steps trained more than once: "
             f"{lost}; {failover.degraded_s:.1f}s degraded; {failover.rejoins} rejoin(s), "

@@ -25,6 +25,11 @@ class ConfigError(ValueError):
         self.message = message
 
 
+# ModelConfig fields that only lay the math out (where and when it runs, not what it computes): a
+# trained model may be run, tuned or resumed with other values than it was trained with.
+LAYOUT_FIELDS = ("remat", "sequence_parallel", "microbatches")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of the PaLM-style decoder-only Transformer.

@@ -94,13 +94,17 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> list[dict]:
             for _ in range(config.n_layers)]
 
 
-def prefill(params, config: ModelConfig, cache: list, tokens: jax.Array, lengths: jax.Array):
+def prefill(params, config: ModelConfig, cache: list, tokens: jax.Array, lengths: jax.Array,
+            prefix: jax.Array | None = None):
     """Run the prompts tokens [B, P] (row b's real tokens: the first lengths[b]) into `cache` from
-    position 0; returns (float32 logits [B, vocab] at each row's last prompt token, cache)."""
+    position 0; returns (float32 logits [B, vocab] at each row's last prompt token, cache). With
+    `prefix` (virtual-token embeddings [N, d], model/prompt.py) the prompts sit after it, at
+    positions N ..."""
     model = Transformer(decoding_config(config))
     start = jnp.zeros(tokens.shape[:1], jnp.int32)
-    logits, cache = model.apply({"params": params}, tokens, cache, start)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits, cache = model.apply({"params": params}, tokens, cache, start, prefix=prefix)
+    before = 0 if prefix is None else prefix.shape[0]
+    last = jnp.take_along_axis(logits, (lengths + before - 1)[:, None, None], axis=1)[:, 0]
     return last, cache
 
 
@@ -150,8 +154,9 @@ def sample_next(logits: jax.Array, key: jax.Array, index: jax.Array, rows: jax.A
     return jax.lax.cond(temperature > 0, draw, greedy, logits)
 
 
-def programs(config: ModelConfig, max_len: int) -> dict[str, Callable]:
-    """The pure functions a Decoder compiles:
+def programs(config: ModelConfig, max_len: int, prefix_len: int = 0) -> dict[str, Callable]:
+    """The pure functions a Decoder compiles (with prefix_len > 0, `params` is the pair
+    (model parameters, virtual-token embeddings [prefix_len, d]) and the prompts follow them):
     init_cache(batch_template int32 [B]) -> cache;
     prefill(params, cache, tokens [B, P], lengths [B], rows [B], key, index, temperature, top_k, top_p)
         -> (next tokens [B], cache, logits [B, V]);
@@ -163,10 +168,12 @@ def programs(config: ModelConfig, max_len: int) -> dict[str, Callable]:
         return init_cache(config, template.shape[0], max_len)
 
     def run_prefill(params, cache, tokens, lengths, rows, key, index, temperature, top_k, top_p):
-        logits, cache = prefill(params, config, cache, tokens, lengths)
+        params, prefix = params if prefix_len else (params, None)
+        logits, cache = prefill(params, config, cache, tokens, lengths, prefix)
         return sample_next(logits, key, index, rows, temperature, top_k, top_p), cache, logits
 
     def run_decode(params, cache, tokens, positions, rows, key, index, temperature, top_k, top_p):
+        params = params[0] if prefix_len else params
         logits, cache = decode_step(params, config, cache, tokens, positions)
         return sample_next(logits, key, index, rows, temperature, top_k, top_p), cache, logits
 
@@ -220,14 +227,24 @@ class Decoder:
     Generator compiles them for a mesh. Batches are padded to a multiple of `batch_multiple`
     rows (the mesh's data axis) and prompts to a power of two, so a few programs serve every
     request. Thread-safe: a call keeps its state in its own generator.
+
+    prefix_len > 0 (a prompt-tuned model): `params` is (model parameters, virtual-token
+    embeddings [prefix_len, d]); they take the first prefix_len positions of the context, so a
+    prompt and its completion have max_len - prefix_len.
     """
 
-    def __init__(self, config: ModelConfig, max_len: int | None = None, batch_multiple: int = 1):
+    def __init__(self, config: ModelConfig, max_len: int | None = None, batch_multiple: int = 1,
+                 prefix_len: int = 0):
         config.validate()
         self.config = config
         self.max_len = max_len or config.max_seq_len
+        if not 0 <= prefix_len < self.max_len:
+            raise ValueError(f"{prefix_len} virtual tokens leave no room in a context of {self.max_len}")
+        self.prefix_len = prefix_len
+        self.context = self.max_len - prefix_len    # positions left for a prompt and its completion
         self.batch_multiple = batch_multiple
-        self._programs = {name: self.compile(name, fn) for name, fn in programs(config, self.max_len).items()}
+        self._programs = {name: self.compile(name, fn)
+                          for name, fn in programs(config, self.max_len, prefix_len).items()}
 
     def compile(self, name: str, fn: Callable) -> Callable:
         """The compiled program `name` (see programs()); the cache argument of prefill and decode
@@ -242,19 +259,19 @@ class Decoder:
               shift_context: bool = False) -> list[np.ndarray]:
         """The prompts as int32 arrays; ValueError if the request cannot run (check_request)."""
         prompts = [np.asarray(p).astype(np.int32).reshape(-1) for p in prompts]
-        check_request(self.config, prompts, num_tokens, sampling, eos_id, shift_context, self.max_len)
+        check_request(self.config, prompts, num_tokens, sampling, eos_id, shift_context, self.context)
         return prompts
 
     def _prefill(self, params, contexts: list[list[int]], rows, key, index: int, scalars):
         """Prefill `contexts` (one per padded row) into a fresh cache; (next tokens, cache, positions)."""
         lengths = np.array([len(c) for c in contexts], np.int32)
-        tokens = np.zeros((len(contexts), bucket(int(lengths.max()), self.max_len)), np.int32)
+        tokens = np.zeros((len(contexts), bucket(int(lengths.max()), self.context)), np.int32)
         for r, context in enumerate(contexts):
             tokens[r, :len(context)] = context
         cache = self.run("init_cache", lengths)
         next_tokens, cache, _ = self.run("prefill", params, cache, tokens, lengths, rows, key, np.int32(index),
                                          *scalars)
-        return next_tokens, cache, lengths
+        return next_tokens, cache, lengths + self.prefix_len
 
     def stream(self, params, prompts, num_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
                shift_context: bool = False) -> Iterator[Chunk]:
@@ -300,7 +317,7 @@ class Decoder:
                     for context, token in zip(contexts, host.tolist()):
                         context.append(token)
             else:   # shift_context (check_request refuses the rest): go on from the last half
-                keep = max(1, self.max_len // 2)
+                keep = max(1, self.context // 2)
                 contexts = [(context + [token])[-keep:] for context, token in zip(contexts, host.tolist())]
                 next_tokens, cache, positions = self._prefill(params, contexts, rows, key, index + 1, scalars)
 

@@ -36,3 +36,19 @@ def loss_sums(params, tokens: jax.Array, config: ModelConfig) -> tuple[jax.Array
     logits = Transformer(config).apply({"params": params}, inputs)
     ce, z_loss = token_losses(logits, targets, config.z_loss_weight)
     return jnp.sum(ce), jnp.sum(z_loss)
+
+
+def prompted_loss_sums(params, prefix: jax.Array, tokens: jax.Array, loss_mask: jax.Array | None,
+                       config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """loss_sums with N virtual-token embeddings prefix [N, d] before every row (prompt tuning),
+    counting only the targets where loss_mask [B, T] is 1 (None: every target).
+
+    tokens: int32 [B, T+1] as in loss_sums; the logits of the N virtual positions predict nothing.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = Transformer(config).apply({"params": params}, inputs, prefix=prefix)[:, prefix.shape[0]:]
+    ce, z_loss = token_losses(logits, targets, config.z_loss_weight)
+    if loss_mask is not None:
+        weight = loss_mask.astype(jnp.float32)
+        ce, z_loss = ce * weight, z_loss * weight
+    return jnp.sum(ce), jnp.sum(z_loss)

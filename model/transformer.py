@@ -23,12 +23,16 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, cache: list | None = None, start: jax.Array | None = None):
+    def __call__(self, tokens: jax.Array, cache: list | None = None, start: jax.Array | None = None,
+                 prefix: jax.Array | None = None):
         """int32 tokens [B, T] -> float32 logits [B, T, vocab].
 
         Decoding (model/decode.py): with `cache` (one {"key", "value"} per block, each
         [B, max_len, kv_heads, head_dim]) and `start` (int32 [B]: row b's tokens sit at positions
         start[b] ..), returns (logits, updated cache). Same parameters, same code as training.
+
+        prefix (prompt tuning, model/prompt.py): embeddings [N, d] of N virtual tokens put before
+        every row's tokens (positions 0..N-1); the logits then cover N + T positions.
         """
         c = self.config
         # Logits are scaled by 1/sqrt(d_model) as in PaLM. With a shared matrix a token's own
@@ -40,6 +44,9 @@ class Transformer(nn.Module):
         embedding = embedding.astype(c.compute_dtype)
 
         x = embed_tokens(embedding, tokens)
+        if prefix is not None:
+            virtual = jnp.broadcast_to(prefix.astype(x.dtype)[None], (x.shape[0], *prefix.shape))
+            x = constrain(jnp.concatenate([virtual, x], axis=1), RESIDUAL)
         block = block_class(c)
         updated = []
         for i in range(c.n_layers):

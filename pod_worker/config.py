@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 
 from multipod.model.config import ConfigError, ModelConfig
+from multipod.model.prompt import PROMPT_KINDS
 from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 # Gradient encodings on the DCN link (pod_worker/dcn/wire.py implements them).
@@ -112,6 +113,31 @@ class TrainShape:
 
 
 @dataclass(frozen=True)
+class PromptConfig:
+    """Prompt tuning / p-tuning (model/prompt.py): with a kind, the pod trains only the prompt
+    parameters; the model is the frozen base read from base_checkpoint, and the optimizer, the
+    DCN exchange, the checksum and the checkpoints carry the prompt parameters alone."""
+    kind: str = ""                # "" (train the whole model) or one of PROMPT_KINDS
+    virtual_tokens: int = 10      # virtual tokens before every sequence (they take context positions)
+    hidden: int = 128             # the prompt encoder's hidden width ("mlp", "lstm")
+    base_checkpoint: str = ""     # a checkpoint step folder of the base model, readable by every pod
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kind)
+
+    def validate(self) -> None:
+        if not self.enabled:
+            return
+        if self.kind not in PROMPT_KINDS:
+            raise ConfigError("prompt.kind", f"must be one of {', '.join(PROMPT_KINDS)} (or empty), got {self.kind!r}")
+        positive("prompt.virtual_tokens", self.virtual_tokens)
+        positive("prompt.hidden", self.hidden)
+        if not self.base_checkpoint:
+            raise ConfigError("prompt.base_checkpoint", "prompt tuning needs the base model's checkpoint")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """Everything a pod worker uses: model, optimizer, mesh, DCN link and the run's shape."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -119,12 +145,14 @@ class WorkerConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dcn: DcnConfig = field(default_factory=DcnConfig)
     train: TrainShape = field(default_factory=TrainShape)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
 
     def validate(self) -> WorkerConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
-        check_fits("train.seq_len", self.train.seq_len, self.model)
+        check_fits("train.seq_len", self.train.seq_len, self.model, self.prompt)
         check_overlap(self.dcn, self.model)
+        check_prompt(self.prompt, self.dcn, self.model)
         return self
 
     @property
@@ -135,9 +163,15 @@ class WorkerConfig:
     def state_key(self) -> dict:
         """Every value the pod's training state depends on (shapes, the update's maths, the
         schedule, the initial parameters): a checkpoint resumes bitwise only if they all match."""
-        return {"model": dataclasses.asdict(self.model), "optimizer": dataclasses.asdict(self.optimizer),
-                "schedule_steps": self.schedule_steps, "seed": self.train.seed,
-                "seq_len": self.train.seq_len, "global_batch": self.train.global_batch}
+        key = {"model": dataclasses.asdict(self.model), "optimizer": dataclasses.asdict(self.optimizer),
+               "schedule_steps": self.schedule_steps, "seed": self.train.seed,
+               "seq_len": self.train.seq_len, "global_batch": self.train.global_batch}
+        if self.prompt.enabled:
+            # The base is not here: which base a prompt belongs to is checked by its fingerprint
+            # (the prompt checkpoint records it), whatever folder it is read from.
+            key["prompt"] = {"kind": self.prompt.kind, "virtual_tokens": self.prompt.virtual_tokens,
+                             "hidden": self.prompt.hidden}
+        return key
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -166,10 +200,23 @@ def check_overlap(dcn: DcnConfig, model: ModelConfig) -> None:
                                                 "(the overlapped step does not accumulate microbatches)")
 
 
-def check_fits(name: str, seq_len: int, model: ModelConfig) -> None:
-    """ConfigError(name) unless sequences of seq_len fit the model's positions."""
-    if seq_len > model.max_seq_len:
-        raise ConfigError(name, f"{seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+def check_fits(name: str, seq_len: int, model: ModelConfig, prompt: PromptConfig | None = None) -> None:
+    """ConfigError(name) unless sequences of seq_len (after the prompt's virtual tokens, if any)
+    fit the model's positions."""
+    virtual = prompt.virtual_tokens if prompt is not None and prompt.enabled else 0
+    if seq_len + virtual > model.max_seq_len:
+        after = f" after prompt.virtual_tokens={virtual}" if virtual else ""
+        raise ConfigError(name, f"{seq_len}{after} exceeds model.max_seq_len={model.max_seq_len}")
+
+
+def check_prompt(prompt: PromptConfig, dcn: DcnConfig, model: ModelConfig) -> None:
+    """ConfigError naming the field if prompt tuning cannot run with these settings."""
+    if not prompt.enabled:
+        return
+    if dcn.overlap:
+        raise ConfigError("dcn.overlap", "prompt tuning runs the fused step (its gradient is a few kilobytes)")
+    if model.microbatches != 1:
+        raise ConfigError("model.microbatches", f"prompt tuning runs unsplit batches, got {model.microbatches}")
 
 
 # -- the typed loader (the controller's config uses it too) ---------------------------------------

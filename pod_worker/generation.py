@@ -37,12 +37,14 @@ def collect(chunks: Iterable[Chunk], count: int, num_tokens: int) -> tuple[np.nd
 class Generator(Decoder):
     """Prefill and decode compiled for `mesh`; params must be laid out by `param_sharding`
     (partitioning.param_shardings: what the pod's trainer uses). Batches are padded to a multiple
-    of the mesh's data axis. stream() yields each new token row as soon as it is known."""
+    of the mesh's data axis. stream() yields each new token row as soon as it is known. With
+    prefix_len (a prompt-tuned pod), params is (model parameters, virtual-token embeddings), the
+    embeddings replicated."""
 
-    def __init__(self, config: ModelConfig, mesh, param_sharding, max_len: int | None = None):
+    def __init__(self, config: ModelConfig, mesh, param_sharding, max_len: int | None = None, prefix_len: int = 0):
         self.mesh = mesh
-        self.param_sharding = param_sharding
-        super().__init__(config, max_len, batch_multiple=mesh.shape["data"])
+        self.param_sharding = (param_sharding, replicated(mesh)) if prefix_len else param_sharding
+        super().__init__(config, max_len, batch_multiple=mesh.shape["data"], prefix_len=prefix_len)
 
     def _sharding(self, *names: str) -> NamedSharding:
         return NamedSharding(self.mesh, nn.logical_to_mesh_axes(names, logical_rules()))

@@ -34,6 +34,7 @@ from multipod.pod_worker.errors import (
 )
 from multipod.pod_worker.hosts import HostLayout, meet
 from multipod.pod_worker.membership import PodMembership
+from multipod.pod_worker.prompt_trainer import PromptTrainer
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
 from multipod.protos import multipod_pb2 as pb
@@ -123,7 +124,7 @@ class Pod(PodMembership):
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
         refused from now on."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
-            trainer = PodTrainer(config, layout=self.layout)
+            trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
             trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
             # Built before the old one closes: if it fails, the pod keeps a working exchange.
             exchange = self._new_exchange(run_id, trainer, config, list(peers))
@@ -140,13 +141,15 @@ class Pod(PodMembership):
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
              is_active: Callable[[], bool], full_fingerprint: bool = False,
-             extra: dict[int, np.ndarray] | None = None) -> tuple[StepOutcome, float]:
+             extra: dict[int, np.ndarray] | None = None, loss_mask: np.ndarray | None = None,
+             extra_masks: dict[int, np.ndarray] | None = None) -> tuple[StepOutcome, float]:
         """Run training step `step` on this pod's shard (validated against `setup`) once the steps
         before it are done; returns the outcome and the seconds spent waiting for them. The
         sequencer's errors say why a step cannot run; a step that fails leaves the state as it
         was and refuses later steps until the pod is restored or reconfigured. With
         full_fingerprint the outcome carries the full hash of the new state too. extra: {slot:
-        tokens} of the failed pods' shards this pod computes too (exactly setup.extra_slots)."""
+        tokens} of the failed pods' shards this pod computes too (exactly setup.extra_slots).
+        loss_mask, extra_masks: the targets the loss counts, for a prompt-tuning pod (None: all)."""
         trainer = setup.trainer
         extra = extra or {}
         want = setup.extra_slots(self.pod_index)
@@ -155,8 +158,9 @@ class Pod(PodMembership):
                                  f"the request carries {sorted(extra)}")
         self.seq.check_not_done(step)
         # The shard goes to the devices now, while an earlier step may still be computing.
-        on_device = trainer.put_batch(tokens)
-        extra_on_device = {slot: trainer.put_batch(t) for slot, t in extra.items()}
+        extra_masks = extra_masks or {}
+        on_device = trainer.put_batch(tokens, loss_mask)
+        extra_on_device = {slot: trainer.put_batch(t, extra_masks.get(slot)) for slot, t in extra.items()}
         wait_start = time.perf_counter()
         self.seq.begin_step(step, setup.epoch, deadline, is_active)
         wait_s = time.perf_counter() - wait_start
@@ -212,7 +216,8 @@ class Pod(PodMembership):
             if step != trainer.step:
                 raise InvalidRequest(f"save requested for step {step}, pod {self.pod_index} is at step {trainer.step}")
             fp = trainer.fingerprint()
-            metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key())
+            metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key(),
+                            **trainer.save_metadata())
             # The device arrays themselves: orbax copies what this host owns before submit returns.
             state = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
             path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
@@ -238,6 +243,7 @@ class Pod(PodMembership):
         path = path or str(checkpoint.latest(directory))
         metadata = checkpoint.read_metadata(path)
         checkpoint.check_compatible(path, metadata, setup.config.state_key())
+        setup.trainer.check_restorable(path, metadata)
         aborted = None
         if run_id and self.exchange is not None:
             # A step stuck waiting on a dead peer fails now, not at the DCN deadline: the restore
@@ -285,11 +291,12 @@ class Pod(PodMembership):
         return Restored(path=path, step=trainer.step, fingerprint=fp, metadata=metadata)
 
     # -- using the state -----------------------------------------------------------------------
-    def evaluate(self, tokens: np.ndarray, deadline: float) -> tuple[float, int]:
-        """Loss sum and target-token count of `tokens` under the current parameters (between
-        steps: waits until `deadline` for a running one)."""
+    def evaluate(self, tokens: np.ndarray, deadline: float, loss_mask: np.ndarray | None = None
+                 ) -> tuple[float, int]:
+        """Loss sum and target-token count of `tokens` (the targets loss_mask keeps, if given)
+        under the current parameters (between steps: waits until `deadline` for a running one)."""
         with self.seq.hold("an evaluation", deadline):
-            return self.setup().trainer.evaluate(tokens)
+            return self.setup().trainer.evaluate(tokens, loss_mask)
 
     def generate_stream(self, prompts: list[np.ndarray], num_tokens: int, sampling: Sampling, deadline: float,
                         eos_id: int | None = None, shift_context: bool = False) -> Iterator[Chunk]:

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import optax
 
 from multipod.model import ConfigError, ModelConfig, loss_sums
+from multipod.model.loss import prompted_loss_sums
 from multipod.model.partitioning import rules_for
+from multipod.model.prompt import prompt_embeddings
 
 
 def check_microbatches(rows: int, k: int) -> None:
@@ -96,6 +98,31 @@ def make_eval_step(model_cfg: ModelConfig):
     def eval_step(params, tokens):
         with rules_for(model_cfg):
             return loss_sums(params, tokens, model_cfg)
+    return eval_step
+
+
+def make_prompt_grad_step(model_cfg: ModelConfig, kind: str, hidden: int):
+    """Prompt tuning: (prompt_params, base_params, tokens [b, T+1], loss_mask [b, T], normalizer)
+    -> (gradient of the prompt parameters alone, ce_sum, z_sum). The base is an input the
+    gradient is not taken for: it never changes. The loss counts the masked-in targets, divided
+    by their global count (normalizer), so the pods' gradients sum to the global mean's."""
+    def grad_step(prompt_params, base, tokens, loss_mask, normalizer):
+        with rules_for(model_cfg):
+            def loss_fn(p):
+                prefix = prompt_embeddings(p, kind, model_cfg.d_model, hidden)
+                ce, z = prompted_loss_sums(base, prefix, tokens, loss_mask, model_cfg)
+                return (ce + z) / normalizer, (ce, z)
+            (_, (ce, z)), grads = jax.value_and_grad(loss_fn, has_aux=True)(prompt_params)
+            return grads, ce, z
+    return grad_step
+
+
+def make_prompt_eval_step(model_cfg: ModelConfig, kind: str, hidden: int):
+    """(prompt_params, base_params, tokens, loss_mask) -> (ce_sum, z_sum) over the masked-in targets."""
+    def eval_step(prompt_params, base, tokens, loss_mask):
+        with rules_for(model_cfg):
+            prefix = prompt_embeddings(prompt_params, kind, model_cfg.d_model, hidden)
+            return prompted_loss_sums(base, prefix, tokens, loss_mask, model_cfg)
     return eval_step
 
 

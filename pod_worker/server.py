@@ -155,6 +155,23 @@ def _decode_tokens(setup: Setup, payload: bytes, rows: int | None) -> np.ndarray
     return tokens
 
 
+def _decode_mask(setup: Setup, payload: bytes, tokens: np.ndarray) -> np.ndarray | None:
+    """A codec-encoded uint8 loss mask of 0s and 1s, one per target of `tokens` ([rows, seq_len]);
+    None if empty (every target counts). Taken only by a prompt-tuning pod."""
+    if not payload:
+        return None
+    if not setup.config.prompt.enabled:
+        raise _invalid("loss_mask is taken only by a pod tuning a prompt (prompt.kind); this pod trains the whole "
+                       "model on every target")
+    mask = codec.decode(payload, max_bytes=protos.MAX_MESSAGE_BYTES)
+    want = (tokens.shape[0], tokens.shape[1] - 1)
+    if mask.dtype != np.uint8 or mask.shape != want:
+        raise _invalid(f"loss_mask must be uint8 {want} (one per target), got {mask.dtype} {mask.shape}")
+    if mask.size and mask.max() > 1:
+        raise _invalid("loss_mask values must be 0 or 1")
+    return mask
+
+
 def _while_caller_waits(chunks, context):
     """The generation's chunks until the caller cancels or its deadline passes: then the decoding
     stops (it would only take the devices from the training steps)."""
@@ -223,7 +240,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             mesh_shape=list(trainer.mesh_shape), num_devices=trainer.num_devices,
             config_hash=config.config_hash(), fingerprint=fp,
             param_count=sum(s.nbytes // s.dtype.itemsize for s in trainer.leaf_specs),
-            device_kind=jax.devices()[0].device_kind, step=trainer.step, **_accounting(trainer))
+            device_kind=jax.devices()[0].device_kind, step=trainer.step,
+            base_fingerprint=trainer.base_fingerprint, **_accounting(trainer))
 
     @_handler
     def Step(self, request: pb.StepRequest, context) -> pb.StepReply:
@@ -231,15 +249,18 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         # This host's rows of the pod's shard.
         rows = setup.config.train.global_batch // setup.num_pods // self.pod.layout.hosts_per_pod
         tokens = _decode_tokens(setup, request.tokens, rows)
+        mask = _decode_mask(setup, request.loss_mask, tokens)
         if request.global_tokens <= 0:
             raise _invalid("global_tokens must be positive")
-        extra = {}
+        extra, extra_masks = {}, {}
         for shard in request.extra_shards:
             if shard.slot in extra or shard.slot == self.pod.pod_index or shard.slot >= setup.num_pods:
                 raise _invalid(f"extra shard for slot {shard.slot}: a duplicate, this pod's own, or out of range")
             extra[shard.slot] = _decode_tokens(setup, shard.tokens, rows)
+            extra_masks[shard.slot] = _decode_mask(setup, shard.loss_mask, extra[shard.slot])
         outcome, wait_s = self.pod.step(setup, request.step, tokens, request.global_tokens, _deadline(context),
-                                        context.is_active, full_fingerprint=request.full_fingerprint, extra=extra)
+                                        context.is_active, full_fingerprint=request.full_fingerprint, extra=extra,
+                                        loss_mask=mask, extra_masks=extra_masks)
         link = outcome.link
         shards = [pb.ShardResult(slot=self.pod.pod_index if slot is None else slot, loss_sum=loss, z_loss_sum=z,
                                  tokens=count) for slot, loss, z, count in outcome.shards]
@@ -263,7 +284,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         if tokens.shape[0] == 0 or tokens.shape[0] % data_axis:
             raise _invalid(f"evaluation batch of {tokens.shape[0]} rows must be a positive multiple of "
                            f"the data axis ({data_axis})")
-        loss_sum, count = self.pod.evaluate(tokens, _deadline(context))
+        mask = _decode_mask(setup, request.loss_mask, tokens)
+        loss_sum, count = self.pod.evaluate(tokens, _deadline(context), mask)
         return pb.EvaluateReply(loss_sum=loss_sum, tokens=count)
 
     def _generation(self, request: pb.GenerateRequest, context):

@@ -93,6 +93,8 @@ class PodTrainer:
     (`layout`), every host of the pod builds the same trainer over all the pod's devices
     (jax.devices() spans the pod's jax.distributed cluster) and runs the same programs."""
 
+    base_fingerprint = ""   # the frozen base model's, when the pod tunes a prompt (PromptTrainer)
+
     def __init__(self, config: WorkerConfig, devices=None, layout: HostLayout | None = None):
         self.config = config
         self.layout = layout = layout or HostLayout()
@@ -106,16 +108,13 @@ class PodTrainer:
         self.schedule = make_schedule(config.optimizer, config.schedule_steps)
         self.step = 0
 
-        self.param_sharding = param_shardings(abstract_params(config.model), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
         self.scalar_sharding = replicated(self.mesh)
-        # Identical on every pod: a pure function of the seed, computed locally, never transferred.
-        with activate_rules(self.mesh):
-            self.params = init_params(config.model, config.train.seed, shardings=self.param_sharding)
+        self.param_sharding, self.params = self._initial_params()
         opt_abstract = jax.eval_shape(self.tx.init, self.params)
         # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
         # need an explicit replicated sharding or jit's in_shardings refuses them.
-        self.opt_sharding = self._opt_shardings(opt_abstract)
+        self.opt_sharding = self._opt_shardings(opt_abstract, self.param_sharding)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
         self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(self.params)]
         self._treedef = jax.tree.structure(self.params)
@@ -123,6 +122,15 @@ class PodTrainer:
         self.assembler = (Assembler(self.mesh, [s.shape for s in self.leaf_specs],
                                     jax.tree.leaves(self.param_sharding), layout) if layout.multi else None)
         self._compile()
+
+    def _initial_params(self):
+        """(shardings, parameters) of what this pod trains: the whole model, laid out by the rules
+        table. Identical on every pod: a pure function of the seed, computed locally, never
+        transferred."""
+        sharding = param_shardings(abstract_params(self.config.model), self.mesh)
+        with activate_rules(self.mesh):
+            params = init_params(self.config.model, self.config.train.seed, shardings=sharding)
+        return sharding, params
 
     @property
     def exchange_specs(self) -> list[LeafSpec]:
@@ -141,9 +149,11 @@ class PodTrainer:
             out.append(host_value(leaf).reshape(-1)[a:b])
         return out
 
-    def _opt_shardings(self, opt_abstract):
+    def _opt_shardings(self, opt_abstract, param_sharding):
+        """The shardings of an optimizer state shaped `opt_abstract` over parameters laid out by
+        `param_sharding`."""
         by_path = {}
-        for path, sharding in jax.tree_util.tree_flatten_with_path(self.param_sharding)[0]:
+        for path, sharding in jax.tree_util.tree_flatten_with_path(param_sharding)[0]:
             by_path[path] = sharding
 
         def pick(path, leaf):
@@ -205,9 +215,13 @@ class PodTrainer:
         return {**grad_mem, "update_peak_bytes": update_mem["peak_bytes"], "hardware_flops_per_step": hw}
 
     # -- the step ------------------------------------------------------------------------------
-    def put_batch(self, tokens: np.ndarray) -> jax.Array:
+    def put_batch(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> jax.Array:
         """Host tokens (int32, or uint8/uint16 as they travel) -> int32 on the pod's devices, split
-        over the data axis; the widening runs on the devices."""
+        over the data axis; the widening runs on the devices. Every target counts here: a loss
+        mask is for a prompt-tuning pod (PromptTrainer)."""
+        if loss_mask is not None:
+            raise ValueError("a loss mask is taken only by a pod tuning a prompt (prompt.kind); this pod trains "
+                             "the whole model on every target")
         if self.layout.multi:   # this host's rows of the pod's batch
             global_shape = (tokens.shape[0] * self.layout.hosts_per_pod, *tokens.shape[1:])
             on_device = jax.make_array_from_process_local_data(self.batch_sharding, tokens, global_shape)
@@ -267,8 +281,8 @@ class PodTrainer:
             outcome.fingerprint_s += time.perf_counter() - start
         return outcome
 
-    @staticmethod
-    def _tokens(batch) -> int:
+    def target_count(self, batch) -> int:
+        """The targets the loss counts in a batch put_batch made."""
         return int(batch.shape[0] * (batch.shape[1] - 1))
 
     def _train_step_fused(self, batch: jax.Array, global_tokens: int, all_reduce, extra: dict) -> StepOutcome:
@@ -278,10 +292,10 @@ class PodTrainer:
         t0 = time.perf_counter()
         # Returns once the program is done; a single pod's gradient never leaves the device.
         grads, ce, z = self.gradients(batch, global_tokens, to_host=all_reduce is not None)
-        shards, extra_grads = [(None, ce + z, z, self._tokens(batch))], {}
+        shards, extra_grads = [(None, ce + z, z, self.target_count(batch))], {}
         for slot, shard in extra.items():
             extra_grads[slot], ce_k, z_k = self.gradients(shard, global_tokens, to_host=True)
-            shards.append((slot, ce_k + z_k, z_k, self._tokens(shard)))
+            shards.append((slot, ce_k + z_k, z_k, self.target_count(shard)))
         t1 = time.perf_counter()
         if self.assembler is not None and all_reduce is not None:
             # Several hosts: this host exchanges its block of every leaf with the same host of the
@@ -337,8 +351,8 @@ class PodTrainer:
         jax.block_until_ready(summed)
         t2 = time.perf_counter()
         backward_end = max(o.backward_end(timeout=self.config.dcn.timeout_s) for o in (launched, *others.values()))
-        shards = [(None, float(launched.ce) + float(launched.z), float(launched.z), self._tokens(batch))]
-        shards += [(slot, float(o.ce) + float(o.z), float(o.z), self._tokens(extra[slot]))
+        shards = [(None, float(launched.ce) + float(launched.z), float(launched.z), self.target_count(batch))]
+        shards += [(slot, float(o.ce) + float(o.z), float(o.z), self.target_count(extra[slot]))
                    for slot, o in others.items()]
         result = self.apply(summed)
         t3 = time.perf_counter()
@@ -391,9 +405,11 @@ class PodTrainer:
         counts = [host_value(l) for l in jax.tree.leaves(self.opt_state) if np.ndim(l) == 0]
         return int(counts[-1]) if counts else self.step
 
-    def evaluate(self, tokens: np.ndarray) -> tuple[float, int]:
+    def evaluate(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> tuple[float, int]:
         """Loss sum and target tokens of a whole batch (with several hosts, every host is given
         the whole batch and puts its own rows on its devices)."""
+        if loss_mask is not None:
+            raise ValueError("a loss mask is taken only by a pod tuning a prompt (prompt.kind)")
         if self.layout.multi:
             batch = jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
             batch = batch if batch.dtype == jnp.int32 else self._widen(batch)
@@ -402,6 +418,14 @@ class PodTrainer:
         with activate_rules(self.mesh):
             ce, z = self._eval_step(self.params, batch)
         return float(ce), int(tokens.shape[0] * (tokens.shape[1] - 1))
+
+    def save_metadata(self) -> dict:
+        """What a checkpoint of this trainer records beside its state (PromptTrainer: its base)."""
+        return {}
+
+    def check_restorable(self, path: str, metadata: dict) -> None:
+        """CheckpointError-raising hook: a checkpoint that fits the state's shapes but not this
+        trainer (PromptTrainer: made for another base model)."""
 
     def fingerprint(self) -> str:
         """The full hash: BLAKE2b of a host copy of every parameter and optimizer-state leaf (at

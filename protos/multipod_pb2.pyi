@@ -49,7 +49,7 @@ class ConfigureRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., keep_state: _Optional[bool] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes")
+    __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes", "base_fingerprint")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class ConfigureReply(_message.Message):
     MEMORY_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TEMP_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     mesh_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -78,29 +79,34 @@ class ConfigureReply(_message.Message):
     memory_output_bytes: int
     memory_temp_bytes: int
     memory_peak_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ..., hardware_flops_per_step: _Optional[float] = ..., memory_argument_bytes: _Optional[int] = ..., memory_output_bytes: _Optional[int] = ..., memory_temp_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
+    base_fingerprint: str
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ..., hardware_flops_per_step: _Optional[float] = ..., memory_argument_bytes: _Optional[int] = ..., memory_output_bytes: _Optional[int] = ..., memory_temp_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tokens", "global_tokens", "full_fingerprint", "extra_shards")
+    __slots__ = ("step", "tokens", "global_tokens", "full_fingerprint", "extra_shards", "loss_mask")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: bytes
     global_tokens: int
     full_fingerprint: bool
     extra_shards: _containers.RepeatedCompositeFieldContainer[Shard]
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., full_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ...) -> None: ...
+    loss_mask: bytes
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., full_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("slot", "tokens")
+    __slots__ = ("slot", "tokens", "loss_mask")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     slot: int
     tokens: bytes
-    def __init__(self, slot: _Optional[int] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+    loss_mask: bytes
+    def __init__(self, slot: _Optional[int] = ..., tokens: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class ShardResult(_message.Message):
     __slots__ = ("slot", "loss_sum", "z_loss_sum", "tokens")
@@ -273,10 +279,12 @@ class RestoreReply(_message.Message):
     def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "loss_mask")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     tokens: bytes
-    def __init__(self, tokens: _Optional[bytes] = ...) -> None: ...
+    loss_mask: bytes
+    def __init__(self, tokens: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class EvaluateReply(_message.Message):
     __slots__ = ("loss_sum", "tokens")

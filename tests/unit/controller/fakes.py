@@ -38,6 +38,9 @@ class FakeBatches:
     def batch(self, index: int) -> np.ndarray:
         return np.full((self.rows, self.seq_len + 1), index, dtype=np.int32)
 
+    def loss_mask(self, index: int) -> None:
+        return None
+
     def epoch(self, index: int) -> float:
         return (index + 1) / 100
 

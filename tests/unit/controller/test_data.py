@@ -29,10 +29,14 @@ def test_tokens_travel_as_the_narrowest_dtype_that_holds_the_vocabulary():
     class Batches:
         def batch(self, index):
             return np.full((4, 9), index, np.int32)
+
+        def loss_mask(self, index):
+            return None
     prefetch = Prefetcher(Batches(), 2, 0, 1, dtype=np.uint8)
     try:
         step, shards = prefetch.next(10)
     finally:
         prefetch.close()
-    decoded = [codec.decode(s) for s in shards]
+    assert shards.masks == [b"", b""] and shards.global_tokens == 4 * 8
+    decoded = [codec.decode(s) for s in shards.tokens]
     assert step == 0 and [d.dtype for d in decoded] == [np.uint8] * 2 and [d.shape for d in decoded] == [(2, 9)] * 2

@@ -17,8 +17,8 @@ def test_yields_steps_in_order_with_the_data_offset_applied():
     try:
         for step in range(3, 7):
             got, shards = prefetch.next(5.0)
-            assert got == step and len(shards) == 2
-            parts = [codec.decode(s) for s in shards]
+            assert got == step and len(shards.tokens) == 2
+            parts = [codec.decode(s) for s in shards.tokens]
             assert all(p.shape == (2, 9) and (p == step + 10).all() for p in parts)
         with pytest.raises(RunError):
             prefetch.next(0.1)        # nothing after the last step
@@ -33,6 +33,9 @@ class _Stalled:
     def batch(self, index):
         self.release.wait(10)
         return FakeBatches().batch(index)
+
+    def loss_mask(self, index):
+        return None
 
 
 def test_a_stalled_producer_is_a_deadline_error():

@@ -26,7 +26,7 @@ def test_loader_rejects_unknown_and_bad_values_naming_the_field():
 
 def test_the_worker_config_holds_no_controller_concerns():
     sections = {f.name for f in dataclasses.fields(WorkerConfig)}
-    assert sections == {"model", "optimizer", "mesh", "dcn", "train"}
+    assert sections == {"model", "optimizer", "mesh", "dcn", "train", "prompt"}
     with pytest.raises(ConfigError, match="data: unknown section"):
         WorkerConfig.from_json('{"data": {"path": "/nowhere"}}')
     with pytest.raises(ConfigError, match="run: unknown section"):

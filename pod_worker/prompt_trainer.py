@@ -1,0 +1,182 @@
+"""A pod that tunes a prompt (prompt.kind: prompt tuning or p-tuning, model/prompt.py) on a frozen
+base model.
+
+It is a PodTrainer whose trained state is the prompt parameters alone: the optimizer, the DCN
+exchange (a few kilobytes per step), the per-step checksum, the checkpoints and the state transfer
+to a rejoining pod all carry them and nothing else, through the very code of full training. The
+base model is read from prompt.base_checkpoint onto the pod's mesh, laid out by the rules table,
+and is an input of the programs, never an output: nothing can change it. Its fingerprint (BLAKE2b
+of its parameters) is reported at configure and recorded in every prompt checkpoint, computed
+afresh at each save; a prompt checkpoint is restored only onto a pod holding the same base.
+
+Batches carry a loss mask [rows, seq_len]: the loss counts a task's output tokens only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+from multipod.model import ModelConfig, abstract_params
+from multipod.model.config import LAYOUT_FIELDS, ConfigError
+from multipod.model.partitioning import activate_rules, param_shardings
+from multipod.model.prompt import init_prompt as init_prompt_params, prompt_embeddings, sampled_vocab_init
+from multipod.pod_worker import checkpoint, programs
+from multipod.pod_worker.config import WorkerConfig
+from multipod.pod_worker.generation import Generator
+from multipod.pod_worker.trainer import PodTrainer, fingerprint, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedBatch:
+    """A batch on the pod's devices with the targets its loss counts."""
+    tokens: jax.Array       # int32 [rows, T+1]
+    loss_mask: jax.Array    # uint8 [rows, T]
+    count: int              # targets counted (the mask's sum)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tokens.shape)
+
+
+def base_step_folder(path: str) -> pathlib.Path:
+    """The base checkpoint's step folder: `path` itself, or the newest under a checkpoint directory."""
+    folder = pathlib.Path(path).expanduser().absolute()
+    return folder if folder.name.isdigit() else checkpoint.latest(str(folder))
+
+
+def check_base_model(path: pathlib.Path, base: ModelConfig, model: ModelConfig) -> None:
+    """ConfigError naming the first model value the base checkpoint disagrees on (layout fields aside)."""
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in LAYOUT_FIELDS and getattr(base, f.name) != getattr(model, f.name):
+            raise ConfigError(f"model.{f.name}", f"the base checkpoint {path} has {getattr(base, f.name)!r}, this "
+                              f"run has {getattr(model, f.name)!r}: a prompt is tuned on the base model as trained")
+
+
+def load_base(path: str, model: ModelConfig, shardings) -> tuple[dict, str]:
+    """The base checkpoint's parameters on the devices (laid out by `shardings`) and their
+    fingerprint. The whole saved state is read and checked against the fingerprint saved with
+    it (a corrupt base is refused), then its optimizer state is dropped."""
+    folder = base_step_folder(path)
+    metadata = checkpoint.read_metadata(str(folder))
+    try:
+        saved = WorkerConfig.from_json(json.dumps(metadata.get("worker_config")))
+    except ConfigError as exc:
+        raise checkpoint.CheckpointError(f"base checkpoint {folder}: its worker config is unreadable: {exc}") from None
+    check_base_model(folder, saved.model, model)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          jax.eval_shape(lambda: _unboxed(model)), shardings)
+    opt = jax.eval_shape(make_optimizer(saved.optimizer, saved.schedule_steps).init, params)
+    state, meta = checkpoint.restore(str(folder), {"params": params, "opt_state": opt, "step": 0})
+    if fingerprint(state["params"], state["opt_state"]) != meta.get("fingerprint"):
+        raise checkpoint.CheckpointError(f"base checkpoint {folder} is corrupt: its state does not match the "
+                                         f"fingerprint saved with it")
+    return state["params"], fingerprint(state["params"])
+
+
+def _unboxed(model: ModelConfig):
+    import flax.linen as nn
+    return nn.unbox(abstract_params(model))
+
+
+class PromptTrainer(PodTrainer):
+    """PodTrainer for prompt.kind: trains the prompt parameters on the frozen base (see the module)."""
+
+    def __init__(self, config: WorkerConfig, devices=None, layout=None):
+        if layout is not None and layout.multi:
+            raise ConfigError("prompt.kind", "prompt tuning runs on pods of one host")
+        super().__init__(config, devices, layout)
+
+    def _initial_params(self):
+        """Load the base, then the prompt parameters from the seed (replicated: they are small)."""
+        model, prompt = self.config.model, self.config.prompt
+        self.base_sharding = param_shardings(abstract_params(model), self.mesh)
+        self.base, self.base_fingerprint = load_base(prompt.base_checkpoint, model, self.base_sharding)
+        seed = self.config.train.seed
+        params = init_prompt_params(prompt.kind, prompt.virtual_tokens, model.d_model, prompt.hidden, seed)
+        if prompt.kind == "prompt":
+            params = {**params, "virtual": sampled_vocab_init(self.base["embedding"], prompt.virtual_tokens, seed)}
+        sharding = jax.tree.map(lambda _: self.scalar_sharding, params)
+        return sharding, jax.device_put(params, sharding)
+
+    def _compile(self) -> None:
+        super()._compile()      # the update, checksum and widening programs are the same
+        model, prompt = self.config.model, self.config.prompt
+        p, base, b, s = self.param_sharding, self.base_sharding, self.batch_sharding, self.scalar_sharding
+        grad_step = programs.make_prompt_grad_step(model, prompt.kind, prompt.hidden)
+        eval_step = programs.make_prompt_eval_step(model, prompt.kind, prompt.hidden)
+        with activate_rules(self.mesh):
+            self._grad_step = jax.jit(grad_step, in_shardings=(p, base, b, b, s), out_shardings=(p, s, s))
+            self._eval_step = jax.jit(eval_step, in_shardings=(p, base, b, b), out_shardings=(s, s))
+            embed = functools.partial(prompt_embeddings, kind=prompt.kind, d_model=model.d_model,
+                                      hidden=prompt.hidden)
+            self._prefix = jax.jit(embed, in_shardings=(p,), out_shardings=s)
+
+    def compile_for(self, batch_shape: tuple[int, int]) -> dict:
+        import time
+        start = time.perf_counter()
+        rows, cols = batch_shape
+        tokens = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=self.batch_sharding)
+        mask = jax.ShapeDtypeStruct((rows, cols - 1), np.uint8, sharding=self.batch_sharding)
+        norm = jax.ShapeDtypeStruct((), np.float32, sharding=self.scalar_sharding)
+        with activate_rules(self.mesh):
+            self._grad_compiled = self._grad_step.lower(self.params, self.base, tokens, mask, norm).compile()
+            self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
+            self._checksum_compiled = self._checksum.lower(self.params, self.opt_state).compile()
+        self._compiled_shape = tuple(batch_shape)
+        return {"compile_s": time.perf_counter() - start}
+
+    def put_batch(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> MaskedBatch:
+        """Tokens and their loss mask (None: every target counts) onto the devices."""
+        if loss_mask is None:
+            loss_mask = np.ones((tokens.shape[0], tokens.shape[1] - 1), np.uint8)
+        on_device = super().put_batch(tokens)
+        mask = jax.device_put(np.asarray(loss_mask, np.uint8), self.batch_sharding)
+        return MaskedBatch(on_device, mask, int(np.count_nonzero(loss_mask)))
+
+    def target_count(self, batch: MaskedBatch) -> int:
+        return batch.count
+
+    def gradients(self, batch: MaskedBatch, global_tokens: int, to_host: bool = True):
+        norm = self._normalizer(global_tokens)
+        with activate_rules(self.mesh):
+            program = self._grad_compiled if getattr(self, "_compiled_shape", None) == batch.shape else self._grad_step
+            grads, ce, z = program(self.params, self.base, batch.tokens, batch.loss_mask, norm)
+        leaves = jax.tree.leaves(grads)
+        if to_host:
+            for leaf in leaves:
+                leaf.copy_to_host_async()
+        return leaves, float(ce), float(z)
+
+    def evaluate(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> tuple[float, int]:
+        batch = self.put_batch(tokens, loss_mask)
+        with activate_rules(self.mesh):
+            ce, z = self._eval_step(self.params, self.base, batch.tokens, batch.loss_mask)
+        return float(ce), batch.count
+
+    @functools.cached_property
+    def generator(self) -> Generator:
+        """Generation after the learned virtual tokens (they take the first context positions)."""
+        return Generator(self.config.model, self.mesh, self.base_sharding, prefix_len=self.config.prompt.virtual_tokens)
+
+    def params_copy(self):
+        """(the base, the virtual-token embeddings of the current prompt): what the generator takes.
+        The base is never donated; the embeddings are a new array."""
+        with activate_rules(self.mesh):
+            return self.base, self._prefix(self.params)
+
+    def save_metadata(self) -> dict:
+        # Hashed at every save, so each prompt checkpoint shows the base as it was then.
+        return {"base_fingerprint": fingerprint(self.base), "base_checkpoint": str(self.config.prompt.base_checkpoint)}
+
+    def check_restorable(self, path: str, metadata: dict) -> None:
+        saved = metadata.get("base_fingerprint")
+        if saved != self.base_fingerprint:
+            raise checkpoint.CheckpointError(
+                f"prompt checkpoint {path} was tuned on a base model with fingerprint {saved or 'unknown'} "
+                f"({metadata.get('base_checkpoint', '?')}); this pod's base {self.config.prompt.base_checkpoint} has "
+                f"fingerprint {self.base_fingerprint}: give the base the prompt was tuned on")

@@ -1,0 +1,114 @@
+"""`multipod ptune` on a base model trained here (tests/e2e/ptune_task.py's toy task): the task loss
+falls by a clear margin, 2 pods train as 1 pod, the base stays bitwise as it was, the DCN carries
+the prompt's gradient alone, and `multipod generate --prompt-checkpoint` writes after the learned
+prompt, refusing one made for another base. Bad input is refused before a worker starts."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+from tests.e2e import ptune_task
+from tests.helpers import TINY, read_evals, read_metrics, run_cli
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ptune")
+    corpus, task = ptune_task.write(folder)
+    base = folder / "base"
+    result = run_cli("local", "--config", TINY, "--pods", "1", "--devices-per-pod", "1", "--steps", "300",
+                     "--data", str(corpus), "--run-dir", str(base), "--set", "run.sample_tokens=0",
+                     "--set", "run.eval_batches=0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder, base / "checkpoints", task
+
+
+def _ptune(files, name: str, pods: int, *extra: str):
+    folder, checkpoints, task = files
+    run_dir = folder / name
+    result = run_cli("ptune", "--checkpoint", str(checkpoints), "--data", str(task), "--kind", "mlp",
+                     "--virtual-tokens", "4", "--pods", str(pods), "--devices-per-pod", "1", "--steps", str(STEPS),
+                     "--eval-every", "20", "--no-peak", "--run-dir", str(run_dir), *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir, result
+
+
+@pytest.fixture(scope="module")
+def two_pods(files):
+    return _ptune(files, "two", 2)
+
+
+def test_the_task_loss_falls_and_two_pods_train_as_one(files, two_pods):
+    two, result = two_pods
+    one, _ = _ptune(files, "one", 1)
+    steps_two, steps_one = read_metrics(two), read_metrics(one)
+    assert len(steps_two) == len(steps_one) == STEPS
+    for a, b in zip(steps_two, steps_one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5)
+        assert a["tokens"] == b["tokens"]        # the output tokens of the batch, the same on any pods
+    evals_two, evals_one = read_evals(two), read_evals(one)
+    assert [e["eval_loss"] for e in evals_two] == pytest.approx([e["eval_loss"] for e in evals_one], rel=1e-5)
+    # Clearly lower: the learned prompt picks the mode the task's outputs are in.
+    assert evals_two[-1]["eval_loss"] < steps_two[0]["loss"] - 0.3
+    assert "frozen base" in result.stdout
+
+
+def test_the_base_stays_frozen_and_only_the_prompt_travels_and_is_saved(files, two_pods):
+    from multipod.pod_worker import checkpoint
+    two, _ = two_pods
+    summary = json.loads((two / "summary.json").read_text())
+    at_configure = summary["base_fingerprint"]
+    assert at_configure and summary["last_checkpoint"].endswith(f"/{STEPS}")
+    # Every prompt checkpoint hashes the pods' base anew when it is written: the first (step 0)
+    # and the last show the same base as the pods loaded.
+    for step in (0, STEPS):
+        assert checkpoint.read_metadata(str(two / "checkpoints" / str(step)))["base_fingerprint"] == at_configure
+    import jax
+
+    from multipod.model.prompt import init_prompt
+    d_model = json.loads((files[1] / "run_config.json").read_text())["model"]["d_model"]
+    prompt_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(init_prompt("mlp", 4, d_model, 128, 0)))
+    for record in read_metrics(two):
+        # Each of the 2 pods sends its prompt gradient to the other: nothing of the base travels.
+        assert record["dcn_bytes_sent"] == 2 * prompt_bytes
+
+
+def test_generation_uses_the_prompt_checkpoint_and_refuses_another_base(files, two_pods):
+    folder, checkpoints, _ = files
+    two, _ = two_pods
+    args = ("generate", "--checkpoint", str(checkpoints), "--prompt", ">", "--max-tokens", "8", "--temperature", "0")
+    prompt = ("--prompt-checkpoint", str(two / "checkpoints"))
+    runs = [args, args + prompt, args[:2] + (str(checkpoints / "200"),) + args[3:] + prompt]
+    # Side by side: most of each is a worker starting and waiting for its compiles.
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        plain, tuned, other = pool.map(lambda a: run_cli(*a), runs)
+    assert plain.returncode == 0 and tuned.returncode == 0, plain.stderr + tuned.stderr
+    assert "virtual tokens of prompt checkpoint" in tuned.stderr and f"checkpoints/{STEPS}" in tuned.stderr
+    assert tuned.stdout != plain.stdout
+    assert other.returncode == 1
+    assert "was tuned on a base model with fingerprint" in other.stderr and "give the base" in other.stderr
+
+
+@pytest.mark.parametrize("case", ["missing checkpoint", "line without the output", "example beyond the context",
+                                  "a corpus, not a task"])
+def test_bad_input_is_refused_before_a_worker_starts(files, tmp_path, case):
+    folder, checkpoints, task = files
+    data, message = str(task), ""
+    if case == "missing checkpoint":
+        checkpoints, message = tmp_path / "nothing", "does not exist"
+    elif case == "line without the output":
+        (tmp_path / "t.jsonl").write_text('{"input": ">", "output": "ab"}\n{"input": ">", "answer": "b"}\n')
+        data, message = str(tmp_path / "t.jsonl"), "t.jsonl:2: no 'output' field"
+    elif case == "example beyond the context":
+        (tmp_path / "t.jsonl").write_text(json.dumps({"input": ">", "output": "a" * 40}) + "\n")
+        data, message = str(tmp_path / "t.jsonl"), "t.jsonl:1: input + output + end-of-text are 42 tokens"
+    else:
+        data, message = str(folder / "corpus.jsonl"), "no 'input' field"
+    result = run_cli("ptune", "--checkpoint", str(checkpoints), "--data", data, "--pods", "1", "--no-peak",
+                     "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert result.returncode != 0 and message in result.stderr, result.stdout + result.stderr
+    assert "started" not in result.stdout

@@ -1,0 +1,78 @@
+"""A pod tuning a prompt (pod_worker/prompt_trainer.py): it trains and exchanges the prompt
+parameters alone, its base stays bitwise as loaded, a prompt checkpoint is only restored onto the
+base it was tuned on, and a base that does not fit the run is refused naming the field."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from multipod.model import ModelConfig
+from multipod.model.config import ConfigError
+from multipod.pod_worker import checkpoint
+from multipod.pod_worker.config import PromptConfig, TrainShape, WorkerConfig
+from multipod.pod_worker.prompt_trainer import PromptTrainer
+from multipod.pod_worker.trainer import PodTrainer, fingerprint
+
+MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, head_dim=8, mlp_dim=64, max_seq_len=24)
+BASE = WorkerConfig(model=MODEL, train=TrainShape(seq_len=16, global_batch=4))
+
+
+@pytest.fixture(scope="module")
+def base_checkpoint(tmp_path_factory):
+    trainer = PodTrainer(BASE)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        trainer.train_step(trainer.put_batch(rng.integers(0, 128, (4, 17)).astype(np.int32)), 64)
+    meta = {"worker_config": BASE.to_dict(), "state_key": BASE.state_key()}
+    path = checkpoint.save(str(tmp_path_factory.mktemp("base")), trainer.host_state(), trainer.fingerprint(),
+                           json.dumps(meta))
+    return path, fingerprint(trainer.params)
+
+
+def _config(path, kind="mlp", model=MODEL):
+    return dataclasses.replace(BASE, model=model, train=TrainShape(seq_len=12, global_batch=4),
+                               prompt=PromptConfig(kind=kind, virtual_tokens=4, hidden=16,
+                                                   base_checkpoint=str(path))).validate()
+
+
+def test_only_the_prompt_trains_and_the_base_stays_as_loaded(base_checkpoint):
+    path, base_params_fingerprint = base_checkpoint
+    trainer = PromptTrainer(_config(path))
+    assert trainer.base_fingerprint == base_params_fingerprint
+    # What the DCN exchange carries: the prompt encoder's leaves, a few kilobytes.
+    assert sum(s.nbytes for s in trainer.leaf_specs) < 20_000
+    before = trainer.fingerprint()
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 128, (4, 13)).astype(np.int32)
+    mask = np.zeros((4, 12), np.uint8)
+    mask[:, 6:] = 1
+    losses = []
+    for _ in range(4):
+        outcome = trainer.train_step(trainer.put_batch(tokens, mask), int(mask.sum()))
+        losses.append(outcome.loss_sum / outcome.tokens)
+    assert outcome.tokens == 24 and trainer.step == 4
+    assert trainer.fingerprint() != before and losses[-1] < losses[0]
+    assert fingerprint(trainer.base) == base_params_fingerprint
+    assert trainer.save_metadata()["base_fingerprint"] == base_params_fingerprint
+    assert trainer.evaluate(tokens, mask)[1] == 24 and trainer.evaluate(tokens)[1] == 4 * 12
+
+
+def test_a_prompt_checkpoint_is_restored_only_onto_its_base(base_checkpoint):
+    path, base_params_fingerprint = base_checkpoint
+    trainer = PromptTrainer(_config(path, kind="prompt"))
+    trainer.check_restorable("p", {"base_fingerprint": base_params_fingerprint})
+    with pytest.raises(checkpoint.CheckpointError, match="tuned on a base model with fingerprint 0123"):
+        trainer.check_restorable("p", {"base_fingerprint": "0123", "base_checkpoint": "/elsewhere"})
+
+
+def test_a_base_of_another_model_is_refused_naming_the_field(base_checkpoint):
+    path, _ = base_checkpoint
+    with pytest.raises(ConfigError, match=r"model\.rope_base.*base checkpoint"):
+        PromptTrainer(_config(path, model=dataclasses.replace(MODEL, rope_base=500.0)))
+
+
+def test_a_pod_training_the_whole_model_refuses_a_loss_mask():
+    trainer = PodTrainer(BASE)
+    with pytest.raises(ValueError, match="loss mask is taken only by a pod tuning a prompt"):
+        trainer.put_batch(np.zeros((4, 17), np.int32), np.ones((4, 16), np.uint8))
