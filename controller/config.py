@@ -37,7 +37,7 @@ MIN_BPE_VOCAB = 258
 MAX_BPE_VOCAB = 1 << 20
 
 __all__ = ["Config", "ConfigError", "DataConfig", "DcnConfig", "MeshConfig", "ModelConfig",
-           "OptimizerConfig", "PromptConfig", "RunConfig", "load_config", "parse_override"]
+           "GenerateConfig", "OptimizerConfig", "PromptConfig", "RunConfig", "load_config", "parse_override"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,22 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class GenerateConfig:
+    """How `multipod generate --layout FILE` lays its pod out; `multipod tune --inference` writes
+    the best it measured (its flags --devices, --model-parallel and --batch-size win over these)."""
+    devices: int = 1              # simulated devices of the generating pod
+    model_parallel: int = 1       # the mesh's model axis (the data axis takes the other devices)
+    batch_size: int = 64          # prompts generated together
+
+    def validate(self) -> None:
+        for name in ("devices", "model_parallel", "batch_size"):
+            positive(f"generate.{name}", getattr(self, name))
+        if self.devices % self.model_parallel:
+            raise ConfigError("generate.model_parallel", f"{self.model_parallel} does not divide generate.devices "
+                              f"{self.devices}")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole resolved configuration of a run."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -158,6 +174,7 @@ class Config:
     dcn: DcnConfig = field(default_factory=DcnConfig)
     run: RunConfig = field(default_factory=RunConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     def validate(self) -> Config:
         """Check every section and the cross-section rules; return self."""

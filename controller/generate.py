@@ -23,8 +23,8 @@ import time
 
 from multipod.controller.errors import RunError
 
-# Prompts sent in one GenerateStream request (a worker takes at most 256).
-DEFAULT_BATCH = 64
+# Prompts sent in one GenerateStream request at most (a worker takes at most 256; the default is
+# the config's generate.batch_size).
 MAX_BATCH = 256
 DEFAULT_MAX_TOKENS = 100
 
@@ -58,12 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shift-context", action="store_true",
                         help="allow prompt + --max-tokens beyond the model's context: when it is full, go on from "
                              "its last half")
-    parser.add_argument("--devices", type=int, default=1, help="simulated devices of the pod (default 1)")
-    parser.add_argument("--model-parallel", type=int, default=1,
+    parser.add_argument("--layout", metavar="FILE.toml",
+                        help="take --devices, --model-parallel and --batch-size from this config's [generate] "
+                             "section (what `multipod tune --inference` writes); the flags win over it")
+    parser.add_argument("--devices", type=int, help="simulated devices of the pod (default 1)")
+    parser.add_argument("--model-parallel", type=int,
                         help="the mesh's model axis: heads, MLP units and vocabulary split over this many devices "
                              "(default 1); the data axis takes the rest and splits the prompts")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
-                        help=f"prompts generated together (default {DEFAULT_BATCH}, at most {MAX_BATCH})")
+    parser.add_argument("--batch-size", type=int,
+                        help=f"prompts generated together, at most {MAX_BATCH} (default: --layout's, else 64)")
 
 
 @dataclasses.dataclass
@@ -215,6 +218,17 @@ def with_prompt(text: str, base: Checkpoint, base_config):
     return dataclasses.replace(tuned, prompt=dataclasses.replace(tuned.prompt, base_checkpoint=str(folder))), prompt
 
 
+def apply_layout(args) -> None:
+    """Fill --devices, --model-parallel and --batch-size the user did not give from --layout's
+    [generate] section, or from the defaults. ConfigError naming the file or the field."""
+    from multipod.controller.config import GenerateConfig, load_config
+    layout = load_config(args.layout).generate if args.layout else GenerateConfig()
+    for flag, value in (("devices", layout.devices), ("model_parallel", layout.model_parallel),
+                        ("batch_size", layout.batch_size)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+
+
 def check_flags(args, config) -> None:
     """ConfigError naming the first flag that cannot work with this checkpoint."""
     from multipod.controller.config import ConfigError
@@ -296,6 +310,7 @@ class TextStream:
 
 def main(args) -> int:
     """Run `multipod generate`; returns the exit code (errors are raised for cli.run to print)."""
+    apply_layout(args)
     checkpoint = find_checkpoint(args.checkpoint)
     config, tokenizer = load_run(checkpoint.root)
     restore = checkpoint

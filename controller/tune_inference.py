@@ -17,8 +17,8 @@ batch x tokens / that time (prefill included: what a caller of `multipod generat
 
 Ranking: the highest tokens/s among the rows within --max-latency-ms (ties: the lower per-token
 latency). Rows over the limit are kept, marked and never best; then the rows over --memory-limit,
-then the errors. The best layout is written as a config (the run's config with its [mesh]; the
-generation batch is a comment, since no config key holds it).
+then the errors. The best layout is written as a config: the run's config with its [mesh], and
+the [generate] section (devices, model axis, batch) that `multipod generate --layout` takes.
 """
 from __future__ import annotations
 
@@ -108,9 +108,13 @@ def enumerate_candidates(model_cfg, devices: int, meshes=None, batches=None
 
 
 def candidate_config(base, candidate: InferenceCandidate):
-    """The run config (controller.config.Config) with the candidate's mesh; not validated."""
+    """The run config (controller.config.Config) with the candidate's mesh, and its layout as the
+    [generate] section `multipod generate --layout` reads; not validated."""
+    from multipod.controller.config import GenerateConfig
     from multipod.pod_worker.config import MeshConfig
-    return dataclasses.replace(base, mesh=MeshConfig(data=candidate.data, model=candidate.model))
+    layout = GenerateConfig(devices=candidate.data * candidate.model, model_parallel=candidate.model,
+                            batch_size=candidate.batch)
+    return dataclasses.replace(base, mesh=MeshConfig(data=candidate.data, model=candidate.model), generate=layout)
 
 
 def candidate_payload(base, candidate: InferenceCandidate) -> dict:
@@ -259,9 +263,8 @@ def main(args: argparse.Namespace) -> int:
               f"{choice.label()}: first token {best['ttft_ms']:.2f} ms, {best['token_latency_ms']:.2f} ms/token, "
               f"{best['tokens_per_s']:,.0f} tokens/s ({tokens} tokens after {prompt_len}), "
               f"{mib(best.get('memory_bytes'))} MiB per device",
-              f"generation batch: {choice.batch} (no config key holds it: `multipod generate --batch-size "
-              f"{choice.batch}`)"]
+              f"use it with `multipod generate --checkpoint DIR --layout {args.out}` (its [generate] section)"]
     write_config(args.out, candidate_config(config, choice), header)
-    out(f"best: {choice.label()} -> {args.out} (generate with `multipod generate --checkpoint DIR --devices "
-        f"{args.devices} --model-parallel {choice.model} --batch-size {choice.batch}`)")
+    out(f"best: {choice.label()} -> {args.out} (generate with `multipod generate --checkpoint DIR --layout "
+        f"{args.out}`)")
     return 0

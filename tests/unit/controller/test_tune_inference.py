@@ -62,6 +62,29 @@ def test_payload_is_the_pods_worker_config_with_the_mesh_and_the_batch():
     assert worker["model"]["d_model"] == 32
 
 
+def test_generate_takes_the_written_layout_and_its_own_flags_win(tmp_path):
+    import argparse
+
+    from multipod.controller.config import ConfigError
+    from multipod.controller.generate import apply_layout
+    from multipod.controller.tune_inference import candidate_config
+    from multipod.controller.tune_table import write_config
+    path = tmp_path / "best.toml"
+    write_config(path, candidate_config(load_config(TINY), C(1, 2, 4)), ["test"])
+    args = argparse.Namespace(layout=str(path), devices=None, model_parallel=None, batch_size=None)
+    apply_layout(args)
+    assert (args.devices, args.model_parallel, args.batch_size) == (2, 2, 4)
+    args = argparse.Namespace(layout=str(path), devices=4, model_parallel=None, batch_size=16)
+    apply_layout(args)
+    assert (args.devices, args.model_parallel, args.batch_size) == (4, 2, 16)
+    args = argparse.Namespace(layout=None, devices=None, model_parallel=None, batch_size=None)
+    apply_layout(args)
+    assert (args.devices, args.model_parallel, args.batch_size) == (1, 1, 64)
+    path.write_text("[generate]\ndevices = 3\nmodel_parallel = 2\n")
+    with pytest.raises(ConfigError, match="generate.model_parallel"):
+        apply_layout(argparse.Namespace(layout=str(path), devices=None, model_parallel=None, batch_size=None))
+
+
 CANDIDATES = [C(2, 1, 2), C(1, 2, 4), C(2, 1, 8), C(1, 2, 8), C(2, 2, 2), C(1, 2, 1)]
 RESULTS = [
     # batch 2: 8 tokens in 10 ms -> 2 x 8 / 0.01 = 1,600 tokens/s
@@ -164,12 +187,12 @@ def test_when_nothing_qualifies_the_command_says_so_and_writes_no_config(tmp_pat
     report = json.loads((tmp_path / "t.json").read_text())
     assert report["best"] is None and report["max_latency_ms"] == 0.5
     assert {r["status"] for r in report["rows"]} == {"over latency limit"}
-    # Within the limit: the best is written as a config that loads, with the batch in its header.
+    # Within the limit: the best is written as a config that loads, its layout in [generate].
     args = _args("--inference", "--batches", "2", "--tokens", "8", "--max-latency-ms", "1", "--out", str(out))
     assert tune_inference.main(args) == 0
     config = load_config(str(out))
     assert (config.mesh.data, config.mesh.model) == (2, 1)
-    assert "generation batch: 2" in out.read_text()
+    assert (config.generate.devices, config.generate.model_parallel, config.generate.batch_size) == (2, 1, 2)
 
 
 def test_options_of_the_other_mode_are_refused():
