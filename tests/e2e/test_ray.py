@@ -16,11 +16,10 @@ import signal
 import time
 
 import pytest
+import ray  # the test extra brings it (pyproject.toml): CI runs these tests
 
 from tests.e2e.test_recovery import _Live, _wait_for_step
 from tests.helpers import TINY, read_metrics, run_cli
-
-ray = pytest.importorskip("ray")
 
 CPUS = 4
 # Tiny steps take ~10 ms: enough of them for a killed pod to come back and rejoin before the end.

@@ -9,12 +9,11 @@ import json
 import os
 
 import pytest
+import ray
 
 from tests.e2e.test_ray import _args, _fingerprint, _identical_every_step, _wait_nothing_left
 from tests.e2e.test_recovery import _Live, _wait_for_step
 from tests.helpers import run_cli
-
-ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.slow
 
