@@ -124,6 +124,14 @@ def test_ctrl_c_tears_down_every_actor_and_placement_group(cluster, ray_env, tmp
     _wait_nothing_left()
 
 
+def test_a_controller_error_after_the_pods_started_tears_them_down(cluster, ray_env, tmp_path):
+    # 3 sequences do not split over 2 pods: refused once the pods are known, after they started.
+    result = _ray(cluster, tmp_path, 2, "--set", "data.global_batch=3", env=ray_env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "started 2 pod(s)" in result.stdout and "data.global_batch: 3 does not split over 2 pods" in result.stderr
+    _wait_nothing_left()
+
+
 def test_no_cluster_at_the_address_is_a_clear_error(tmp_path):
     import socket
     with socket.socket() as s:      # a port where nothing listens
