@@ -311,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
                 return _train(args, lambda run_dir, config: _Fixed(addresses))
             return _train(args, lambda run_dir, config: _Local(args, run_dir, config))
         if args.command == "ray":
-            from multipod.controller.ray_launcher import RayContext, check_request, import_ray, parse_resources
+            from multipod.controller.ray_cluster import check_request, import_ray, parse_resources
+            from multipod.controller.ray_launcher import RayContext
             # Everything that can be checked without a cluster, before the data is prepared.
             import_ray()
             parse_resources(args.resources_per_host)

@@ -8,13 +8,8 @@ import pathlib
 import pytest
 
 from multipod.controller.launcher import LaunchError
-from multipod.controller.ray_launcher import (
-    RayPods,
-    actor_options,
-    check_capacity,
-    check_request,
-    parse_resources,
-)
+from multipod.controller.ray_cluster import actor_options, check_capacity, check_request, parse_resources
+from multipod.controller.ray_launcher import RayPods
 from multipod.controller.ray_worker import HostSpec
 
 
