@@ -57,10 +57,12 @@ def check_base_model(path: pathlib.Path, base: ModelConfig, model: ModelConfig) 
                               f"run has {getattr(model, f.name)!r}: a prompt is tuned on the base model as trained")
 
 
-def load_base(path: str, model: ModelConfig, shardings) -> tuple[dict, str]:
+def load_base(path: str, model: ModelConfig, shardings, opt_shardings) -> tuple[dict, str]:
     """The base checkpoint's parameters on the devices (laid out by `shardings`) and their
-    fingerprint. The whole saved state is read and checked against the fingerprint saved with
-    it (a corrupt base is refused), then its optimizer state is dropped."""
+    fingerprint. The whole saved state is read (its optimizer state laid out by
+    opt_shardings(abstract optimizer state), as this mesh can hold it whatever mesh saved it) and
+    checked against the fingerprint saved with it (a corrupt base is refused), then the
+    optimizer state is dropped."""
     folder = base_step_folder(path)
     metadata = checkpoint.read_metadata(str(folder))
     try:
@@ -71,6 +73,7 @@ def load_base(path: str, model: ModelConfig, shardings) -> tuple[dict, str]:
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           jax.eval_shape(lambda: _unboxed(model)), shardings)
     opt = jax.eval_shape(make_optimizer(saved.optimizer, saved.schedule_steps).init, params)
+    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, opt_shardings(opt))
     state, meta = checkpoint.restore(str(folder), {"params": params, "opt_state": opt, "step": 0})
     if fingerprint(state["params"], state["opt_state"]) != meta.get("fingerprint"):
         raise checkpoint.CheckpointError(f"base checkpoint {folder} is corrupt: its state does not match the "
@@ -95,7 +98,8 @@ class PromptTrainer(PodTrainer):
         """Load the base, then the prompt parameters from the seed (replicated: they are small)."""
         model, prompt = self.config.model, self.config.prompt
         self.base_sharding = param_shardings(abstract_params(model), self.mesh)
-        self.base, self.base_fingerprint = load_base(prompt.base_checkpoint, model, self.base_sharding)
+        self.base, self.base_fingerprint = load_base(prompt.base_checkpoint, model, self.base_sharding,
+                                                     lambda opt: self._opt_shardings(opt, self.base_sharding))
         seed = self.config.train.seed
         params = init_prompt_params(prompt.kind, prompt.virtual_tokens, model.d_model, prompt.hidden, seed)
         if prompt.kind == "prompt":

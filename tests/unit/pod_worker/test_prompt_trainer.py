@@ -4,6 +4,7 @@ base it was tuned on, and a base that does not fit the run is refused naming the
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ BASE = WorkerConfig(model=MODEL, train=TrainShape(seq_len=16, global_batch=4))
 
 @pytest.fixture(scope="module")
 def base_checkpoint(tmp_path_factory):
-    trainer = PodTrainer(BASE)
+    trainer = PodTrainer(BASE, devices=jax.devices()[:1])    # tuned on 2 devices below
     rng = np.random.default_rng(0)
     for _ in range(2):
         trainer.train_step(trainer.put_batch(rng.integers(0, 128, (4, 17)).astype(np.int32)), 64)
@@ -38,8 +39,8 @@ def _config(path, kind="mlp", model=MODEL):
 
 def test_only_the_prompt_trains_and_the_base_stays_as_loaded(base_checkpoint):
     path, base_params_fingerprint = base_checkpoint
-    trainer = PromptTrainer(_config(path))
-    assert trainer.base_fingerprint == base_params_fingerprint
+    trainer = PromptTrainer(_config(path), devices=jax.devices()[:2])
+    assert trainer.mesh_shape == (2, 1) and trainer.base_fingerprint == base_params_fingerprint
     # What the DCN exchange carries: the prompt encoder's leaves, a few kilobytes.
     assert sum(s.nbytes for s in trainer.leaf_specs) < 20_000
     before = trainer.fingerprint()
