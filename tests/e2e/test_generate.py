@@ -3,6 +3,7 @@ tokens/s to stderr; a jsonl of prompts gives a jsonl of completions; greedy outp
 on a model-parallel mesh of 2 devices as on one; bad input is refused quickly, naming the problem."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import pathlib
 import time
@@ -27,12 +28,12 @@ def _generate(*args: str):
 
 def test_a_prompt_streams_its_text_and_the_same_on_a_model_parallel_mesh(checkpoints):
     args = ("--checkpoint", str(checkpoints), "--prompt", "def ", "--max-tokens", "8", "--temperature", "0")
-    one = _generate(*args)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:     # side by side: mostly start-up and compiles
+        one, two = pool.map(lambda extra: _generate(*args, *extra), [(), ("--devices", "2", "--model-parallel", "2")])
     assert one.returncode == 0, one.stdout + one.stderr
     assert one.stdout.startswith("def ") and len(one.stdout) > len("def \n")
     assert "8 token(s) in" in one.stderr and "tokens/s" in one.stderr
     assert "(step 10)" in one.stderr
-    two = _generate(*args, "--devices", "2", "--model-parallel", "2")
     assert two.returncode == 0, two.stdout + two.stderr
     assert "mesh data=1 model=2" in two.stderr
     assert two.stdout == one.stdout

@@ -27,6 +27,10 @@ def test_overlap_on_and_off_give_the_same_losses_with_identical_pods(tmp_path):
             assert pod["exposed_exchange_s"] >= 0.0
 
 
+@pytest.mark.slow
 def test_three_pods_with_overlap_stay_identical(tmp_path):
+    # Slow: 3 pods over the data plane are in the default run without overlap
+    # (tests/e2e/test_dcn_local.py), overlap with 2 pods above, and an exchange taking the leaves
+    # in a given order on 3 pods in tests/unit/pod_worker/test_dcn.py.
     records = _run(tmp_path, 3, True, "data.global_batch=6")
     assert records[-1]["loss"] < records[0]["loss"]
