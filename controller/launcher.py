@@ -30,7 +30,29 @@ class LaunchError(RuntimeError):
     """A local worker failed to start or died."""
 
 
-class LocalPods:
+class Launched:
+    """Workers started by a launcher: start() on entering, stop() on leaving, and stop() also when
+    start() fails halfway (whatever it had started goes)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalPods(Launched):
     """Start `num_pods` pods of `hosts_per_pod` workers each on 127.0.0.1; use as a context manager.
 
     addresses[p] is pod p's address as the controller takes it: its hosts' HOST:PORT joined with
@@ -105,17 +127,6 @@ class LocalPods:
     def procs(self) -> list[subprocess.Popen]:
         """Each pod's host-0 process (its only one in a pod of one host); host_procs has them all."""
         return [hosts[0] for hosts in self.host_procs]
-
-    def __enter__(self) -> LocalPods:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def name(self, pod: int, host: int = 0) -> str:
         return f"pod {pod}" + (f" host {host}" if self.multi_host else "")

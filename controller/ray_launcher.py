@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 
-from multipod.controller.launcher import LaunchError
+from multipod.controller.launcher import Launched, LaunchError
 from multipod.controller.metrics import out
 from multipod.controller.ray_cluster import (
     NAMESPACE,
@@ -41,7 +41,7 @@ MONITOR_S = 1.0              # how often the actors are checked
 PING_S = 5.0                 # an actor that does not answer a ping within this is counted as down
 
 
-class RayPods:
+class RayPods(Launched):
     """The pods of one run as Ray placement groups and actors; the controller's supervisor
     (kill(pod), like LocalPods). Use start() then stop(), or as a context manager."""
 
@@ -79,17 +79,6 @@ class RayPods:
     def log_path(self, pod: int, host: int = 0) -> pathlib.Path:
         name = f"worker-{pod}.log" if not self.multi_host else f"worker-{pod}-host-{host}.log"
         return (self.run_dir / name).absolute()
-
-    def __enter__(self) -> RayPods:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- start -----------------------------------------------------------------------------------
     def start(self) -> None:

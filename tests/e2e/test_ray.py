@@ -177,6 +177,20 @@ def test_without_ray_installed_it_says_which_extra_to_install(tmp_path):
     assert not (tmp_path / "run").exists()      # refused before anything was done
 
 
+def _kill_actor_and_finish(run, run_dir, log) -> int:
+    """At step 20, SIGKILL the actor process whose worker writes `log` (Ray restarts the actor);
+    wait for the degraded run, the rejoin and the end; the run's exit code."""
+    try:
+        _wait_for_step(run.proc, run_dir, 20)
+        os.kill(int(re.findall(r"ray actor \(pid (\d+)\)", log.read_text())[-1]), signal.SIGKILL)
+        run.wait_for("degraded: 1/2 pods", 120)
+        run.wait_for("rejoined", 300)
+        return run.finish(600)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+
+
 @pytest.mark.slow
 def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_if_uninterrupted(cluster, ray_env, tmp_path):
     reference = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--run-dir", str(tmp_path / "ref"),
@@ -185,17 +199,8 @@ def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_if_uninterrupted
     run_dir = tmp_path / "ray"
     run = _Live("ray", "--address", cluster, "--pods", "2", "--devices-per-host", "1", "--run-dir", str(run_dir),
                 *_args(KILL_STEPS), env=ray_env)
-    try:
-        _wait_for_step(run.proc, run_dir, 20)
-        log = run_dir / "worker-1.log"
-        actor_pid = int(re.findall(r"ray actor \(pid (\d+)\)", log.read_text())[-1])
-        os.kill(actor_pid, signal.SIGKILL)      # the actor's process: Ray restarts the actor
-        run.wait_for("degraded: 1/2 pods", 120)
-        run.wait_for("rejoined", 300)
-        code = run.finish(600)
-    finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
+    log = run_dir / "worker-1.log"
+    code = _kill_actor_and_finish(run, run_dir, log)
     assert code == 0, "".join(run.out + run.err)
     assert "restarted ray actor" in log.read_text()
     records = _identical_every_step(run_dir, KILL_STEPS)
@@ -221,16 +226,7 @@ def test_pods_of_two_hosts_a_killed_host_restarts_its_pod_which_rejoins(cluster,
     run_dir = tmp_path / "ray"
     run = _Live("ray", "--address", cluster, "--pods", "2", "--hosts-per-pod", "2", "--placement-strategy", "PACK",
                 "--devices-per-host", "1", "--run-dir", str(run_dir), *_args(steps), env=ray_env)
-    try:
-        _wait_for_step(run.proc, run_dir, 20)
-        log = run_dir / "worker-1-host-1.log"
-        os.kill(int(re.findall(r"ray actor \(pid (\d+)\)", log.read_text())[-1]), signal.SIGKILL)
-        run.wait_for("degraded: 1/2 pods", 120)
-        run.wait_for("rejoined", 300)
-        code = run.finish(600)
-    finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
+    code = _kill_actor_and_finish(run, run_dir, run_dir / "worker-1-host-1.log")
     assert code == 0, "".join(run.out + run.err)
     for host in (0, 1):     # both hosts of pod 1 came back, each once
         assert (run_dir / f"worker-1-host-{host}.log").read_text().count("restarted ray actor") == 1
