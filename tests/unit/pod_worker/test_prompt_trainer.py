@@ -77,3 +77,27 @@ def test_a_pod_training_the_whole_model_refuses_a_loss_mask():
     trainer = PodTrainer(BASE)
     with pytest.raises(ValueError, match="loss mask is taken only by a pod tuning a prompt"):
         trainer.put_batch(np.zeros((4, 17), np.int32), np.ones((4, 16), np.uint8))
+
+
+def test_a_survivor_computes_a_failed_pod_s_masked_shard_as_that_pod_would(base_checkpoint):
+    # Degraded mode for a prompt: the failed pod's shard, with its own loss mask, gives the
+    # exchange bitwise the gradient that pod would have given.
+    from tests.unit.pod_worker.test_degraded_step import Recorded, Recorder, assert_leaves_bitwise
+    path, _ = base_checkpoint
+    config = _config(path)
+    survivor, reference = (PromptTrainer(config, devices=jax.devices()[:2]) for _ in range(2))
+    rng = np.random.default_rng(4)
+    shards = {}
+    for slot, first in ((0, 5), (1, 9)):
+        mask = np.zeros((4, 12), np.uint8)
+        mask[:, first:] = 1
+        shards[slot] = (rng.integers(0, 128, (4, 13)).astype(np.int32), mask)
+    global_tokens = sum(int(mask.sum()) for _, mask in shards.values())
+    alone = Recorder(fail=True)
+    with pytest.raises(Recorded):
+        reference.train_step(reference.put_batch(*shards[1]), global_tokens, alone)
+    recorder = Recorder()
+    outcome = survivor.train_step(survivor.put_batch(*shards[0]), global_tokens, recorder,
+                                  extra={1: survivor.put_batch(*shards[1])})
+    assert_leaves_bitwise(recorder.calls[0]["extra"][1], alone.calls[0]["own"])
+    assert outcome.tokens == global_tokens and [s[3] for s in outcome.shards] == [28, 12]
