@@ -227,6 +227,20 @@ def parse_override(text: str) -> tuple[list[str], object]:
     return path, parsed
 
 
+def read_section(path: str, section: str, cls):
+    """Section `section` of the TOML file `path` as a validated `cls` (defaults where the file has
+    none), the rest of the file unread. ConfigError naming the file or the field."""
+    try:
+        data = tomllib.loads(pathlib.Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(path, "no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, f"not valid TOML: {exc}") from None
+    value = build(cls, data.get(section, {}), section)
+    value.validate()
+    return value
+
+
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = (), given: set | None = None) -> Config:
     """Defaults <- TOML file <- overrides, validated. Errors name the file or the field. `given`,
     if passed, receives the "section.key" names the file or the overrides set (what the user

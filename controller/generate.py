@@ -221,8 +221,9 @@ def with_prompt(text: str, base: Checkpoint, base_config):
 def apply_layout(args) -> None:
     """Fill --devices, --model-parallel and --batch-size the user did not give from --layout's
     [generate] section, or from the defaults. ConfigError naming the file or the field."""
-    from multipod.controller.config import GenerateConfig, load_config
-    layout = load_config(args.layout).generate if args.layout else GenerateConfig()
+    from multipod.controller.config import GenerateConfig, read_section
+    # Only [generate]: the rest of the file (a corpus path, say) need not exist here.
+    layout = read_section(args.layout, "generate", GenerateConfig) if args.layout else GenerateConfig()
     for flag, value in (("devices", layout.devices), ("model_parallel", layout.model_parallel),
                         ("batch_size", layout.batch_size)):
         if getattr(args, flag) is None:

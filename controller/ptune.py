@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pathlib
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def derived_overrides(args) -> list[str]:
     from multipod.controller.config import ConfigError
     from multipod.controller.corpus import TOKENIZER_FILES
     from multipod.controller.data import DataError
-    from multipod.controller.generate import find_checkpoint, load_run, newest_step
+    from multipod.controller.generate import GenerateError, find_checkpoint, load_run, newest_step
     from multipod.controller.task_data import HOLD_OUT_EVERY, MIN_FOR_HOLD_OUT, needed_seq_len, read_examples
     if not args.data:
         raise ConfigError("--data", "give the task: a .jsonl of records with an input and an output")
@@ -49,7 +50,14 @@ def derived_overrides(args) -> list[str]:
     base = find_checkpoint(args.checkpoint)
     folder = base.path or newest_step(base.root)
     config, tokenizer = load_run(base.root)
-    model = config.model
+    if config.prompt.enabled:
+        raise GenerateError(f"--checkpoint {args.checkpoint} is a prompt checkpoint (of a multipod ptune run): give "
+                            f"the checkpoint of the base model it was tuned on ({config.prompt.base_checkpoint})")
+    resumed = _resumed_base(args)
+    if resumed is not None:
+        folder = resumed    # --resume: the base the run began on, even if the base run saved newer steps since
+    # Microbatches are a layout of the base's training that prompt tuning does not run (it refuses them).
+    model = dataclasses.replace(config.model, microbatches=1)
     examples = read_examples(args.data, tokenizer, args.input_field, args.output_field)
     room = model.max_seq_len - args.virtual_tokens
     seq_len = needed_seq_len(examples)
@@ -76,3 +84,15 @@ def derived_overrides(args) -> list[str]:
         "prompt.base_checkpoint": str(folder),
     })
     return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
+
+
+def _resumed_base(args):
+    """With --resume: the base step folder the run being continued was tuned on (its config.json
+    in --run-dir), or None."""
+    if not (args.resume and args.run_dir):
+        return None
+    try:
+        saved = json.loads((pathlib.Path(args.run_dir) / "config.json").read_text())
+        return saved["prompt"]["base_checkpoint"] or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

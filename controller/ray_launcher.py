@@ -70,6 +70,7 @@ class RayPods(Launched):
         self._stopping = threading.Event()
         self._down_since: dict[int, float] = {}     # pod -> when the monitor first saw it down
         self._reported: dict[int, str] = {}         # pod -> what was said about it ("late" | "dead")
+        self._stopped: dict[int, dict[int, int]] = {}   # pod -> {host: pid} of the workers check() stopped
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="ray-monitor")
 
     @property
@@ -92,11 +93,12 @@ class RayPods(Launched):
         for pod in range(self.num_pods):
             self.groups.append(placement_group([dict(self.resources)] * self.hosts_per_pod, strategy=self.strategy,
                                                name=f"multipod-{self.run_id}-pod{pod}"))
-        ready, _ = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups),
-                            timeout=self.place_timeout_s)
-        if len(ready) < len(self.groups):
+        # One ready() object per group, kept: each call of ready() makes a new one.
+        waits = [g.ready() for g in self.groups]
+        ready, _ = ray.wait(waits, num_returns=len(waits), timeout=self.place_timeout_s)
+        if len(ready) < len(waits):
             placed = {r.hex() for r in ready}
-            missing = [p for p, g in enumerate(self.groups) if g.ready().hex() not in placed]
+            missing = [p for p, w in enumerate(waits) if w.hex() not in placed]
             raise LaunchError(f"Ray could not place pod(s) {missing} within {self.place_timeout_s:g}s "
                               f"({self.hosts_per_pod} host(s) of {fmt(self.resources)} each, {self.strategy}); "
                               f"free now: {fmt(ray.available_resources())}. Free resources, add nodes, or ask for "
@@ -211,35 +213,53 @@ class RayPods(Launched):
             if host is None or h == host:
                 actor.kill_worker.remote(pid)
 
-    def _state(self, pod: int, host: int) -> tuple[str, str]:
-        """("up" | "down" | "moved" | "dead", why) of one host's actor."""
+    def _state(self, pod: int, host: int) -> tuple[str, str, int | None]:
+        """("up" | "down" | "moved" | "dead", why, its worker's pid if it answered) of one host's actor."""
         actor = self.actors[pod][host]
         ray = self.ray
         try:
-            node, self.pids[pod][host] = ray.get(actor.ping.remote(), timeout=PING_S)
+            node, pid = ray.get(actor.ping.remote(), timeout=PING_S)
             if not node:
-                return "down", "its worker exited"
+                return "down", "its worker exited", pid
             if node != self.nodes[pod][host]:
                 # Its bundle was placed again on another node: the worker listens there, but the
                 # controller and the peers know only its old address.
                 return "moved", (f"Ray placed it again on node {node}, not {self.nodes[pod][host]}: a pod must "
-                                 f"come back at its old address to rejoin")
-            return "up", ""
+                                 f"come back at its old address to rejoin"), pid
+            return "up", "", pid
         except ray.exceptions.ActorDiedError as exc:
-            return "dead", str(exc).splitlines()[0]
+            return "dead", str(exc).splitlines()[0], None
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-            return "down", "Ray is restarting its actor"
+            return "down", "Ray is restarting its actor", None
         except ray.exceptions.RayError as exc:
-            return "down", str(exc).splitlines()[0]
+            return "down", str(exc).splitlines()[0], None
 
     def _watch(self) -> None:
         """The monitor thread: check every pod's actors every MONITOR_S."""
         while not self._stopping.wait(MONITOR_S):
             for pod, actors in enumerate(self.actors):
-                states = [self._state(pod, host) for host in range(len(actors))]
+                looks = [self._state(pod, host) for host in range(len(actors))]
                 if self._stopping.is_set():
                     return
-                self.check(pod, states, time.monotonic())
+                self.look(pod, looks, time.monotonic())
+
+    def look(self, pod: int, looks: list[tuple[str, str, int | None]], now: float) -> None:
+        """One look at a pod's hosts, (state, why, pid) each: a host up with another worker pid
+        than the last look's restarted in between, unseen (down for this look), unless it is
+        one check() stopped. Then check(), with the last look's pids; then remember these."""
+        states = []
+        for host, (state, why, pid) in enumerate(looks):
+            before = self.pids[pod][host]
+            if state == "up" and pid and before and pid != before:
+                if self._stopped.get(pod, {}).get(host) == before:
+                    del self._stopped[pod][host]         # the restart check() asked for
+                else:
+                    state, why = "down", "its worker was restarted"
+            states.append((state, why))
+        self.check(pod, states, now)
+        for host, (_, _, pid) in enumerate(looks):
+            if pid:
+                self.pids[pod][host] = pid
 
     def check(self, pod: int, states: list[tuple[str, str]], now: float) -> None:
         """One look at a pod's hosts (each ("up" | "down" | "dead", why)): say when the pod is
@@ -249,6 +269,8 @@ class RayPods(Launched):
         carries the run meanwhile."""
         down_since, reported = self._down_since, self._reported
         if all(s == "up" for s, _ in states):
+            if self._stopped.get(pod):
+                return      # a host it stopped has not restarted yet: the pod is not back as a whole
             if pod in reported:
                 out(f"pod {pod}: Ray has placed it again")
             down_since.pop(pod, None)
@@ -259,6 +281,7 @@ class RayPods(Launched):
             if self.multi_host:
                 for host, (state, _) in enumerate(states):
                     if state == "up":
+                        self._stopped.setdefault(pod, {})[host] = self.pids[pod][host]
                         self.kill(pod, host, self.pids[pod][host])
         dead = [(h, why) for h, (s, why) in enumerate(states) if s in ("dead", "moved")]
         if dead and reported.get(pod) != "dead":

@@ -6,8 +6,10 @@ exchange (a few kilobytes per step), the per-step checksum, the checkpoints and 
 to a rejoining pod all carry them and nothing else, through the very code of full training. The
 base model is read from prompt.base_checkpoint onto the pod's mesh, laid out by the rules table,
 and is an input of the programs, never an output: nothing can change it. Its fingerprint (BLAKE2b
-of its parameters) is reported at configure and recorded in every prompt checkpoint, computed
-afresh at each save; a prompt checkpoint is restored only onto a pod holding the same base.
+of its parameters, taken once at load) is reported at configure and recorded in every prompt
+checkpoint, with the on-device checksum of the base taken at load and again at that save (cheap:
+no host copy of the base), so each checkpoint shows the base unchanged; a prompt checkpoint is
+restored only onto a pod holding the same base.
 
 Batches carry a loss mask [rows, seq_len]: the loss counts a task's output tokens only.
 """
@@ -28,6 +30,7 @@ from multipod.model.prompt import init_prompt as init_prompt_params, prompt_embe
 from multipod.pod_worker import checkpoint, programs
 from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.generation import Generator
+from multipod.pod_worker.hosts import host_value
 from multipod.pod_worker.trainer import PodTrainer, fingerprint, make_optimizer
 
 
@@ -109,6 +112,9 @@ class PromptTrainer(PodTrainer):
 
     def _compile(self) -> None:
         super()._compile()      # the update, checksum and widening programs are the same
+        self._base_checksum = jax.jit(programs.state_checksum, in_shardings=(self.base_sharding,),
+                                      out_shardings=self.scalar_sharding)
+        self.base_checksum_loaded = self.base_checksum()
         model, prompt = self.config.model, self.config.prompt
         p, base, b, s = self.param_sharding, self.base_sharding, self.batch_sharding, self.scalar_sharding
         grad_step = programs.make_prompt_grad_step(model, prompt.kind, prompt.hidden)
@@ -173,9 +179,16 @@ class PromptTrainer(PodTrainer):
         with activate_rules(self.mesh):
             return self.base, self._prefix(self.params)
 
+    def base_checksum(self) -> str:
+        """programs.state_checksum of the base, computed on the devices."""
+        return programs.checksum_hex(host_value(self._base_checksum(self.base)))
+
     def save_metadata(self) -> dict:
-        # Hashed at every save, so each prompt checkpoint shows the base as it was then.
-        return {"base_fingerprint": fingerprint(self.base), "base_checkpoint": str(self.config.prompt.base_checkpoint)}
+        # The base's checksum again at every save, beside the one taken at load: each prompt
+        # checkpoint shows the base as it was then.
+        return {"base_fingerprint": self.base_fingerprint, "base_checksum": self.base_checksum(),
+                "base_checksum_loaded": self.base_checksum_loaded,
+                "base_checkpoint": str(self.config.prompt.base_checkpoint)}
 
     def check_restorable(self, path: str, metadata: dict) -> None:
         saved = metadata.get("base_fingerprint")

@@ -12,15 +12,15 @@ def _run(tmp_path, pods: int, *settings: str):
     return train_identical_pods(tmp_path, pods, STEPS, settings=settings)
 
 
-def test_three_pods_on_a_slow_encrypted_link_stay_identical(tmp_path):
+def test_three_pods_on_a_slow_encrypted_bf16_link_stay_identical(tmp_path):
     # dcn.encrypt: `multipod local` starts the workers with --dcn-encrypt (CURVE, keys from the token).
     records = _run(tmp_path, 3, "data.global_batch=6", "dcn.link_gbps=1.0", "dcn.link_latency_ms=1.0",
-                   "dcn.encrypt=true")
+                   "dcn.encrypt=true", "dcn.compression=\"bf16\"")
     assert "data plane on curve://127.0.0.1:" in (tmp_path / "worker-0.log").read_text()
     params = run_param_count(tmp_path)
     for r in records:
-        # Reduce-scatter + all-gather: each pod sends 2 (N - 1) / N of its float32 gradient.
-        assert r["dcn_bytes_sent"] == 2 * 2 * params * 4
+        # Reduce-scatter + all-gather: each pod sends 2 (N - 1) / N of its gradient, 2 bytes a value.
+        assert r["dcn_bytes_sent"] == 2 * 2 * params * 2
         for pod in r["pods"]:
             assert pod["idle_s"] >= 0.0
             assert pod["dcn_bytes_sent"] > 0

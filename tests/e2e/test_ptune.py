@@ -71,10 +71,12 @@ def test_the_base_stays_frozen_and_only_the_prompt_travels_and_is_saved(files, t
     summary = json.loads((two / "summary.json").read_text())
     at_configure = summary["base_fingerprint"]
     assert at_configure and summary["last_checkpoint"].endswith(f"/{STEPS}")
-    # Every prompt checkpoint hashes the pods' base anew when it is written: the first (step 0)
-    # and the last show the same base as the pods loaded.
+    # Every prompt checkpoint checksums the pods' base anew when it is written: the first (step 0)
+    # and the last show the base as the pods loaded it.
     for step in (0, STEPS):
-        assert checkpoint.read_metadata(str(two / "checkpoints" / str(step)))["base_fingerprint"] == at_configure
+        saved = checkpoint.read_metadata(str(two / "checkpoints" / str(step)))
+        assert saved["base_fingerprint"] == at_configure
+        assert saved["base_checksum"] == saved["base_checksum_loaded"]
     import jax
 
     from multipod.model.prompt import init_prompt
@@ -102,12 +104,14 @@ def test_generation_uses_the_prompt_checkpoint_and_refuses_another_base(files, t
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "line without the output", "example beyond the context",
-                                  "a corpus, not a task"])
-def test_bad_input_is_refused_before_a_worker_starts(files, tmp_path, case):
+                                  "a corpus, not a task", "a prompt checkpoint as the base"])
+def test_bad_input_is_refused_before_a_worker_starts(files, two_pods, tmp_path, case):
     folder, checkpoints, task = files
     data, message = str(task), ""
     if case == "missing checkpoint":
         checkpoints, message = tmp_path / "nothing", "does not exist"
+    elif case == "a prompt checkpoint as the base":
+        checkpoints, message = two_pods[0] / "checkpoints", "is a prompt checkpoint (of a multipod ptune run)"
     elif case == "line without the output":
         (tmp_path / "t.jsonl").write_text('{"input": ">", "output": "ab"}\n{"input": ">", "answer": "b"}\n')
         data, message = str(tmp_path / "t.jsonl"), "t.jsonl:2: no 'output' field"

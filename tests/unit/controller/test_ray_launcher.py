@@ -128,3 +128,22 @@ def test_when_one_host_of_a_pod_goes_down_its_other_hosts_are_stopped_once(monke
     # restarted since, and the new worker must live).
     assert [a.killed for a in pods.actors[0]] == [[], [1]]
     assert [a.killed for a in pods.actors[1]] == [[], []]
+
+
+def test_a_restart_between_two_looks_stops_the_pod_s_other_hosts_and_their_restarts_are_expected(monkeypatch):
+    pods = _pods(2, [], monkeypatch)
+    pods.pids[0] = [10, 11]
+    # Host 1's worker (pid 11) restarted between two looks (now pid 17): never seen down.
+    pods.look(0, [("up", "", 10), ("up", "", 17)], now=0.0)
+    assert [a.killed for a in pods.actors[0]] == [[10], []]      # host 0 stopped, by its pid of that look
+    # Host 0 is still up with its old worker (the stop is on its way): the pod is not back yet, and
+    # nothing more is stopped.
+    pods.look(0, [("up", "", 10), ("up", "", 17)], now=1.0)
+    assert 0 in pods._down_since and [a.killed for a in pods.actors[0]] == [[10], []]
+    # Host 0 comes back with a new worker: the restart asked for, not a new failure; the pod is whole.
+    pods.look(0, [("up", "", 18), ("up", "", 17)], now=2.0)
+    assert 0 not in pods._down_since and [a.killed for a in pods.actors[0]] == [[10], []]
+    assert pods.pids[0] == [18, 17]
+    # A later restart of host 0 that nobody asked for stops host 1 again.
+    pods.look(0, [("up", "", 19), ("up", "", 17)], now=3.0)
+    assert [a.killed for a in pods.actors[0]] == [[10], [17]]

@@ -80,6 +80,12 @@ def test_generate_takes_the_written_layout_and_its_own_flags_win(tmp_path):
     args = argparse.Namespace(layout=None, devices=None, model_parallel=None, batch_size=None)
     apply_layout(args)
     assert (args.devices, args.model_parallel, args.batch_size) == (1, 1, 64)
+    # Only [generate] is read: a corpus that does not exist here is no error.
+    path.write_text(path.read_text().replace('path = ""', 'path = "/nowhere/corpus.jsonl"'))
+    assert 'path = "/nowhere/corpus.jsonl"' in path.read_text()
+    args = argparse.Namespace(layout=str(path), devices=None, model_parallel=None, batch_size=None)
+    apply_layout(args)
+    assert args.batch_size == 4
     path.write_text("[generate]\ndevices = 3\nmodel_parallel = 2\n")
     with pytest.raises(ConfigError, match="generate.model_parallel"):
         apply_layout(argparse.Namespace(layout=str(path), devices=None, model_parallel=None, batch_size=None))

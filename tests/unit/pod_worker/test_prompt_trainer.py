@@ -55,7 +55,9 @@ def test_only_the_prompt_trains_and_the_base_stays_as_loaded(base_checkpoint):
     assert outcome.tokens == 24 and trainer.step == 4
     assert trainer.fingerprint() != before and losses[-1] < losses[0]
     assert fingerprint(trainer.base) == base_params_fingerprint
-    assert trainer.save_metadata()["base_fingerprint"] == base_params_fingerprint
+    saved = trainer.save_metadata()
+    assert saved["base_fingerprint"] == base_params_fingerprint
+    assert saved["base_checksum"] == saved["base_checksum_loaded"] == trainer.base_checksum_loaded
     assert trainer.evaluate(tokens, mask)[1] == 24 and trainer.evaluate(tokens)[1] == 4 * 12
 
 
