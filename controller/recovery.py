@@ -57,7 +57,7 @@ class Recovery:
             raise RunError(f"recovery from ({failure}) failed: {exc}; the last good checkpoint is {last}") from None
         out(f"recovered: every pod restored to step {step}; continuing")
         self.events.write("recovered", step=step, restarts=self.restarts)
-        self.spike.clear()
+        self.spike.restart_at(step)
         return step
 
     def rewind(self, spike: Spike) -> int:
@@ -78,5 +78,5 @@ class Recovery:
             f"(step {step} now trains on batch {step + offset})")
         self.events.write("rewind", spike_step=spike.step, loss=spike.loss, mean=spike.mean, to_step=step,
                           data_offset=offset)
-        self.spike.clear()
+        self.spike.restart_at(step)
         return step

@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from multipod.controller.config import RunConfig
 
 
+# Judged steps remembered for restart_at (a few hundred KB): more than a checkpoint interval.
+HISTORY = 10_000
+
+
 class Spike(Exception):
     """A loss spike at `step`: `loss` against the recent mean `mean`."""
 
@@ -27,6 +31,9 @@ class SpikePolicy:
         self.enabled = run.on_spike == "rewind"
         self.threshold = run.spike_threshold
         self.losses: collections.deque[float] = collections.deque(maxlen=run.spike_window)
+        # (step, loss) of the judged steps of this timeline, newest last: after a restore to step s
+        # the window is rebuilt from the steps before s, as the uninterrupted run holds it there.
+        self._history: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
         # The test hook is read once, here (controller/faults.py).
         self._test_spike_batch = faults.spike_batch()
 
@@ -44,8 +51,15 @@ class SpikePolicy:
             if loss > self.threshold * mean:
                 return Spike(record["step"], loss, mean)
         self.losses.append(loss)
+        self._history.append((record["step"], loss))
         return None
 
-    def clear(self) -> None:
-        """Forget the window (after a rewind or recovery: the losses before it are another timeline)."""
+    def restart_at(self, step: int) -> None:
+        """The run goes on from `step` (a checkpoint restored after a pod failure or a spike): the
+        window becomes the losses of the steps before it, those of the abandoned steps are
+        forgotten. So a restored run judges each step as the uninterrupted run does (a restore
+        more than HISTORY judged steps back starts with a partial window)."""
+        while self._history and self._history[-1][0] >= step:
+            self._history.pop()
         self.losses.clear()
+        self.losses.extend(loss for _, loss in list(self._history)[-self.losses.maxlen:])

@@ -44,12 +44,19 @@ def test_skipped_and_non_finite_steps_are_ignored():
     assert list(policy.losses) == [2.0, 2.0, 2.0]
 
 
-def test_clear_empties_the_window_after_a_rewind():
+def test_a_restore_rebuilds_the_window_the_uninterrupted_run_has_at_that_step():
     policy = _policy()
-    for step in range(3):
-        policy.check(_record(step, 2.0))
-    policy.clear()
-    assert policy.check(_record(3, 100.0)) is None        # a fresh window judges nothing yet
+    for step, loss in enumerate([1.0, 2.0, 2.0, 2.0, 9.0]):
+        policy.check(_record(step, loss))
+    # Restored to step 3 (after a pod failure): steps 3 and 4 are abandoned, and the window is the
+    # losses of steps 0-2, as the uninterrupted run had it before its step 3.
+    policy.restart_at(3)
+    assert list(policy.losses) == [1.0, 2.0, 2.0]
+    spike = policy.check(_record(3, 100.0))
+    assert isinstance(spike, Spike) and math.isclose(spike.mean, 5.0 / 3)
+    # Back to the start: nothing before it, nothing judged until the window fills again.
+    policy.restart_at(0)
+    assert list(policy.losses) == [] and policy.check(_record(0, 100.0)) is None
 
 
 def test_without_rewind_no_spike_is_reported():
