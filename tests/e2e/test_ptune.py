@@ -32,11 +32,11 @@ def files(tmp_path_factory):
     return folder, base / "checkpoints", task
 
 
-def _ptune(files, name: str, pods: int, steps: int = STEPS):
+def _ptune(files, name: str, pods: int, steps: int = STEPS, kind: str = "mlp"):
     folder, checkpoints, task = files
     run_dir = folder / name
     # The schedule is fixed (decay_steps), so a shorter run follows the longer one's first steps.
-    result = run_cli("ptune", "--checkpoint", str(checkpoints), "--data", str(task), "--kind", "mlp",
+    result = run_cli("ptune", "--checkpoint", str(checkpoints), "--data", str(task), "--kind", kind,
                      "--virtual-tokens", "4", "--pods", str(pods), "--devices-per-pod", "1", "--steps", str(steps),
                      "--eval-every", str(PARITY_STEPS), "--set", f"optimizer.decay_steps={STEPS}", "--no-peak",
                      "--run-dir", str(run_dir))
@@ -63,6 +63,13 @@ def test_the_task_loss_falls_and_two_pods_train_as_one(files, two_pods):
     # Clearly lower: the learned prompt picks the mode the task's outputs are in.
     assert evals_two[-1]["eval_loss"] < steps_two[0]["loss"] - 0.3
     assert "frozen base" in result.stdout
+
+
+def test_prompt_tuning_itself_lowers_the_task_loss_as_clearly(files):
+    # --kind prompt: the virtual tokens' embeddings are the parameters (no encoder).
+    run_dir, _ = _ptune(files, "prompt", 1, kind="prompt")
+    steps, evals = read_metrics(run_dir), read_evals(run_dir)
+    assert len(steps) == STEPS and evals[-1]["eval_loss"] < steps[0]["loss"] - 0.3
 
 
 def test_the_base_stays_frozen_and_only_the_prompt_travels_and_is_saved(files, two_pods):
