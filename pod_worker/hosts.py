@@ -161,3 +161,18 @@ class Assembler:
                                                        (self.rows_per_host * self.layout.hosts_per_pod,))
         leaves, every_host = self._program(flats, flags)
         return (leaves, True) if bool(host_value(every_host)) else (None, False)
+
+
+def check_multi_host(config, mesh_shape: tuple[int, int], local_devices: int, layout: HostLayout) -> None:
+    """ConfigError naming the field if a pod of several hosts cannot run this config: the model
+    axis must stay inside one host (every host then holds whole parameters), the data axis must
+    split over the hosts, and the overlapped step is single-host only."""
+    from multipod.model.config import ConfigError
+    data, model = mesh_shape
+    if local_devices % model:
+        raise ConfigError("mesh.model", f"{model} does not fit inside one host's {local_devices} device(s): with "
+                          f"{layout.hosts_per_pod} hosts per pod the model axis must stay inside a host")
+    if data % layout.hosts_per_pod:
+        raise ConfigError("mesh.data", f"{data} does not split over {layout.hosts_per_pod} hosts")
+    if config.dcn.overlap:
+        raise ConfigError("dcn.overlap", "the overlapped step runs on single-host pods only")

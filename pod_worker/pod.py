@@ -34,9 +34,10 @@ from multipod.pod_worker.errors import (
 )
 from multipod.pod_worker.hosts import HostLayout, meet
 from multipod.pod_worker.membership import PodMembership
+from multipod.pod_worker.outcome import StepOutcome
 from multipod.pod_worker.prompt_trainer import PromptTrainer
 from multipod.pod_worker.sequencer import Sequencer
-from multipod.pod_worker.trainer import PodTrainer, StepOutcome, fingerprint
+from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb
 
 

@@ -31,7 +31,8 @@ from multipod.pod_worker import checkpoint, programs
 from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import host_value
-from multipod.pod_worker.trainer import PodTrainer, fingerprint, make_optimizer
+from multipod.pod_worker.optimizer import make_optimizer, opt_shardings
+from multipod.pod_worker.trainer import PodTrainer, fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +61,10 @@ def check_base_model(path: pathlib.Path, base: ModelConfig, model: ModelConfig) 
                               f"run has {getattr(model, f.name)!r}: a prompt is tuned on the base model as trained")
 
 
-def load_base(path: str, model: ModelConfig, shardings, opt_shardings) -> tuple[dict, str]:
+def load_base(path: str, model: ModelConfig, shardings, scalar_sharding) -> tuple[dict, str]:
     """The base checkpoint's parameters on the devices (laid out by `shardings`) and their
-    fingerprint. The whole saved state is read (its optimizer state laid out by
-    opt_shardings(abstract optimizer state), as this mesh can hold it whatever mesh saved it) and
+    fingerprint. The whole saved state is read (its optimizer state laid out over the same
+    mesh, which can hold it whatever mesh saved it) and
     checked against the fingerprint saved with it (a corrupt base is refused), then the
     optimizer state is dropped."""
     folder = base_step_folder(path)
@@ -76,7 +77,8 @@ def load_base(path: str, model: ModelConfig, shardings, opt_shardings) -> tuple[
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           jax.eval_shape(lambda: _unboxed(model)), shardings)
     opt = jax.eval_shape(make_optimizer(saved.optimizer, saved.schedule_steps).init, params)
-    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, opt_shardings(opt))
+    opt_layout = opt_shardings(opt, shardings, scalar_sharding)
+    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, opt_layout)
     state, meta = checkpoint.restore(str(folder), {"params": params, "opt_state": opt, "step": 0})
     if fingerprint(state["params"], state["opt_state"]) != meta.get("fingerprint"):
         raise checkpoint.CheckpointError(f"base checkpoint {folder} is corrupt: its state does not match the "
@@ -102,7 +104,7 @@ class PromptTrainer(PodTrainer):
         model, prompt = self.config.model, self.config.prompt
         self.base_sharding = param_shardings(abstract_params(model), self.mesh)
         self.base, self.base_fingerprint = load_base(prompt.base_checkpoint, model, self.base_sharding,
-                                                     lambda opt: self._opt_shardings(opt, self.base_sharding))
+                                                     self.scalar_sharding)
         seed = self.config.train.seed
         params = init_prompt_params(prompt.kind, prompt.virtual_tokens, model.d_model, prompt.hidden, seed)
         if prompt.kind == "prompt":

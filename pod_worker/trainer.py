@@ -13,42 +13,22 @@ import functools
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
 from multipod.pod_worker import overlap, programs
-from multipod.pod_worker.config import OptimizerConfig, WorkerConfig
+from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
 from multipod.pod_worker.generation import Generator
-from multipod.pod_worker.hosts import Assembler, HostLayout, host_value
+from multipod.pod_worker.hosts import Assembler, HostLayout, check_multi_host, host_value
+from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
+from multipod.pod_worker.outcome import StepOutcome, StepResult
 
 log = logging.getLogger(__name__)
-
-
-def make_schedule(opt: OptimizerConfig, schedule_steps: int):
-    """Linear warmup to the peak learning rate, then cosine decay over schedule_steps to
-    min_lr_ratio of it."""
-    decay = schedule_steps
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=opt.learning_rate, warmup_steps=opt.warmup_steps,
-        decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.learning_rate * opt.min_lr_ratio)
-
-
-def make_optimizer(opt: OptimizerConfig, schedule_steps: int) -> optax.GradientTransformation:
-    """AdamW (no weight decay on 1-d params such as norm scales), after global-norm clipping."""
-    parts = []
-    if opt.clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(opt.clip_norm))
-    parts.append(optax.adamw(make_schedule(opt, schedule_steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay,
-                             mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
-    return optax.chain(*parts)
 
 
 def fingerprint(*trees) -> str:
@@ -58,34 +38,6 @@ def fingerprint(*trees) -> str:
         for leaf in jax.tree.leaves(tree):
             digest.update(memoryview(np.ascontiguousarray(host_value(leaf)).reshape(-1).view(np.uint8)))
     return digest.hexdigest()
-
-
-@dataclass
-class StepResult:
-    grad_norm: float
-    skipped: bool
-    learning_rate: float
-
-
-@dataclass
-class StepOutcome:
-    """What one training step did on this pod, and how long each part took."""
-    loss_sum: float           # cross-entropy + z-loss, summed over this pod's target tokens
-    z_loss_sum: float
-    tokens: int               # target tokens in this pod's shard
-    grad_norm: float          # global norm of the summed (all-pod) gradient
-    learning_rate: float
-    skipped: bool             # the update was skipped (non-finite summed gradient)
-    fingerprint: str
-    compute_s: float
-    exchange_s: float
-    update_s: float
-    fingerprint_s: float
-    link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
-    exposed_exchange_s: float = 0.0  # end of this pod's backward pass -> every summed leaf on its devices
-    full_fingerprint: str = ""       # BLAKE2b of a host copy of the state, when the step was asked for it
-    # Degraded mode: every shard computed, own first (None for own), as (slot, loss_sum, z_loss_sum, tokens).
-    shards: list = field(default_factory=list)
 
 
 class PodTrainer:
@@ -103,7 +55,7 @@ class PodTrainer:
         self.mesh = make_mesh(*self.mesh_shape, devices=devices)
         self.num_devices = len(devices)
         if layout.multi:
-            _check_multi_host(config, self.mesh_shape, jax.local_device_count(), layout)
+            check_multi_host(config, self.mesh_shape, jax.local_device_count(), layout)
         self.tx = make_optimizer(config.optimizer, config.schedule_steps)
         self.schedule = make_schedule(config.optimizer, config.schedule_steps)
         self.step = 0
@@ -114,7 +66,7 @@ class PodTrainer:
         opt_abstract = jax.eval_shape(self.tx.init, self.params)
         # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
         # need an explicit replicated sharding or jit's in_shardings refuses them.
-        self.opt_sharding = self._opt_shardings(opt_abstract, self.param_sharding)
+        self.opt_sharding = opt_shardings(opt_abstract, self.param_sharding, self.scalar_sharding)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
         self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(self.params)]
         self._treedef = jax.tree.structure(self.params)
@@ -148,22 +100,6 @@ class PodTrainer:
             a, b = self.assembler.block(index)
             out.append(host_value(leaf).reshape(-1)[a:b])
         return out
-
-    def _opt_shardings(self, opt_abstract, param_sharding):
-        """The shardings of an optimizer state shaped `opt_abstract` over parameters laid out by
-        `param_sharding`."""
-        by_path = {}
-        for path, sharding in jax.tree_util.tree_flatten_with_path(param_sharding)[0]:
-            by_path[path] = sharding
-
-        def pick(path, leaf):
-            # optax keeps per-parameter state (mu, nu) in trees with the params' structure, so the
-            # suffix of the path names the parameter.
-            for n in range(len(path)):
-                if path[n:] in by_path and by_path[path[n:]] is not None:
-                    return by_path[path[n:]]
-            return self.scalar_sharding
-        return jax.tree_util.tree_map_with_path(pick, opt_abstract)
 
     # -- compiled programs ---------------------------------------------------------------------
     def _compile(self) -> None:
@@ -467,19 +403,3 @@ class PodTrainer:
         self.opt_state = jax.device_put(opt_state, self.opt_sharding)
         self.step = int(step)
         self._count = None      # read from the restored optimizer state at the next update
-
-
-def _check_multi_host(config: WorkerConfig, mesh_shape: tuple[int, int], local_devices: int,
-                      layout: HostLayout) -> None:
-    """ConfigError naming the field if a pod of several hosts cannot run this config: the model
-    axis must stay inside one host (every host then holds whole parameters), the data axis must
-    split over the hosts, and the overlapped step is single-host only."""
-    from multipod.model.config import ConfigError
-    data, model = mesh_shape
-    if local_devices % model:
-        raise ConfigError("mesh.model", f"{model} does not fit inside one host's {local_devices} device(s): with "
-                          f"{layout.hosts_per_pod} hosts per pod the model axis must stay inside a host")
-    if data % layout.hosts_per_pod:
-        raise ConfigError("mesh.data", f"{data} does not split over {layout.hosts_per_pod} hosts")
-    if config.dcn.overlap:
-        raise ConfigError("dcn.overlap", "the overlapped step runs on single-host pods only")

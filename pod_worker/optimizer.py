@@ -1,0 +1,46 @@
+"""The update's maths: AdamW after global-norm clipping on a warmup + cosine schedule, and how its
+state is laid out over a pod's mesh. Every pod builds the same optimizer from the same config."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from multipod.pod_worker.config import OptimizerConfig
+
+
+def make_schedule(opt: OptimizerConfig, schedule_steps: int):
+    """Linear warmup to the peak learning rate, then cosine decay over schedule_steps to
+    min_lr_ratio of it."""
+    decay = schedule_steps
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt.learning_rate, warmup_steps=opt.warmup_steps,
+        decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.learning_rate * opt.min_lr_ratio)
+
+
+def make_optimizer(opt: OptimizerConfig, schedule_steps: int) -> optax.GradientTransformation:
+    """AdamW (no weight decay on 1-d params such as norm scales), after global-norm clipping."""
+    parts = []
+    if opt.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(opt.clip_norm))
+    parts.append(optax.adamw(make_schedule(opt, schedule_steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                             weight_decay=opt.weight_decay,
+                             mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
+    return optax.chain(*parts)
+
+
+def opt_shardings(opt_abstract, param_sharding, scalar_sharding):
+    """The shardings of an optimizer state shaped `opt_abstract` over parameters laid out by
+    `param_sharding`: a per-parameter leaf takes its parameter's, the rest (e.g. AdamW's count)
+    `scalar_sharding` (jit's in_shardings refuses a leaf without one)."""
+    by_path = {}
+    for path, sharding in jax.tree_util.tree_flatten_with_path(param_sharding)[0]:
+        by_path[path] = sharding
+
+    def pick(path, leaf):
+        # optax keeps per-parameter state (mu, nu) in trees with the params' structure, so the
+        # suffix of the path names the parameter.
+        for n in range(len(path)):
+            if path[n:] in by_path and by_path[path[n:]] is not None:
+                return by_path[path[n:]]
+        return scalar_sharding
+    return jax.tree_util.tree_map_with_path(pick, opt_abstract)

@@ -1,0 +1,32 @@
+"""What one training step on a pod reports (PodTrainer.train_step), and the update's part of it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool
+    learning_rate: float
+
+
+@dataclass
+class StepOutcome:
+    """What one training step did on this pod, and how long each part took."""
+    loss_sum: float           # cross-entropy + z-loss, summed over this pod's target tokens
+    z_loss_sum: float
+    tokens: int               # target tokens in this pod's shard
+    grad_norm: float          # global norm of the summed (all-pod) gradient
+    learning_rate: float
+    skipped: bool             # the update was skipped (non-finite summed gradient)
+    fingerprint: str
+    compute_s: float
+    exchange_s: float
+    update_s: float
+    fingerprint_s: float
+    link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
+    exposed_exchange_s: float = 0.0  # end of this pod's backward pass -> every summed leaf on its devices
+    full_fingerprint: str = ""       # BLAKE2b of a host copy of the state, when the step was asked for it
+    # Degraded mode: every shard computed, own first (None for own), as (slot, loss_sum, z_loss_sum, tokens).
+    shards: list = field(default_factory=list)
