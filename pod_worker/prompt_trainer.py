@@ -128,19 +128,12 @@ class PromptTrainer(PodTrainer):
                                       hidden=prompt.hidden)
             self._prefix = jax.jit(embed, in_shardings=(p,), out_shardings=s)
 
-    def compile_for(self, batch_shape: tuple[int, int]) -> dict:
-        import time
-        start = time.perf_counter()
-        rows, cols = batch_shape
-        tokens = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=self.batch_sharding)
-        mask = jax.ShapeDtypeStruct((rows, cols - 1), np.uint8, sharding=self.batch_sharding)
-        norm = jax.ShapeDtypeStruct((), np.float32, sharding=self.scalar_sharding)
-        with activate_rules(self.mesh):
-            self._grad_compiled = self._grad_step.lower(self.params, self.base, tokens, mask, norm).compile()
-            self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
-            self._checksum_compiled = self._checksum.lower(self.params, self.opt_state).compile()
-        self._compiled_shape = tuple(batch_shape)
-        return {"compile_s": time.perf_counter() - start}
+    def abstract_batch(self, tokens: jax.ShapeDtypeStruct) -> MaskedBatch:
+        rows, cols = tokens.shape
+        return MaskedBatch(tokens, jax.ShapeDtypeStruct((rows, cols - 1), np.uint8, sharding=self.batch_sharding), 0)
+
+    def _grad_inputs(self, batch: MaskedBatch, norm) -> tuple:
+        return self.params, self.base, batch.tokens, batch.loss_mask, norm
 
     def put_batch(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> MaskedBatch:
         """Tokens and their loss mask (None: every target counts) onto the devices."""
@@ -152,17 +145,6 @@ class PromptTrainer(PodTrainer):
 
     def target_count(self, batch: MaskedBatch) -> int:
         return batch.count
-
-    def gradients(self, batch: MaskedBatch, global_tokens: int, to_host: bool = True):
-        norm = self._normalizer(global_tokens)
-        with activate_rules(self.mesh):
-            program = self._grad_compiled if getattr(self, "_compiled_shape", None) == batch.shape else self._grad_step
-            grads, ce, z = program(self.params, self.base, batch.tokens, batch.loss_mask, norm)
-        leaves = jax.tree.leaves(grads)
-        if to_host:
-            for leaf in leaves:
-                leaf.copy_to_host_async()
-        return leaves, float(ce), float(z)
 
     def evaluate(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> tuple[float, int]:
         batch = self.put_batch(tokens, loss_mask)

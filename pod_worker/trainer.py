@@ -124,10 +124,10 @@ class PodTrainer:
     def compile_for(self, batch_shape: tuple[int, int]) -> dict:
         """Compile the step programs ahead of time for a shard shape; return compile timings."""
         start = time.perf_counter()
-        tokens = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
+        batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.scalar_sharding)
         with activate_rules(self.mesh):
-            self._grad_compiled = self._grad_step.lower(self.params, tokens, norm).compile()
+            self._grad_compiled = self._grad_step.lower(*self._grad_inputs(self.abstract_batch(batch), norm)).compile()
             self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
             self._checksum_compiled = self._checksum.lower(self.params, self.opt_state).compile()
         self._compiled_shape = tuple(batch_shape)
@@ -178,17 +178,25 @@ class PodTrainer:
         """Forward/backward on this pod's shard; returns the gradient leaves (still on the device;
         with to_host, every device->host copy already started, so the exchange can take them one
         by one while later ones are still copying) and the loss sums."""
-        norm = self._normalizer(global_tokens)
+        inputs = self._grad_inputs(tokens, self._normalizer(global_tokens))
         if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
-            grads, ce, z = self._grad_compiled(self.params, tokens, norm)
+            grads, ce, z = self._grad_compiled(*inputs)
         else:
             with activate_rules(self.mesh):
-                grads, ce, z = self._grad_step(self.params, tokens, norm)
+                grads, ce, z = self._grad_step(*inputs)
         leaves = jax.tree.leaves(grads)
         if to_host and self.assembler is None:
             for leaf in leaves:     # start every device->host copy before waiting on any of them
                 leaf.copy_to_host_async()
         return leaves, float(ce), float(z)
+
+    def abstract_batch(self, tokens: jax.ShapeDtypeStruct):
+        """What put_batch makes of tokens shaped so, without data (compile_for)."""
+        return tokens
+
+    def _grad_inputs(self, batch, norm) -> tuple:
+        """The gradient program's arguments for a batch put_batch made (or its abstract_batch)."""
+        return self.params, batch, norm
 
     def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None,
                    full_fingerprint: bool = False, extra: dict[int, jax.Array] | None = None) -> StepOutcome:
