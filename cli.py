@@ -12,7 +12,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The `multipod` parser: `worker` from the worker side, every other command from the controller."""
-    from multipod.controller.cli import add_commands
+    from multipod.controller.commands import add_commands
     from multipod.pod_worker.main import add_arguments as add_worker_arguments
 
     parser = argparse.ArgumentParser(prog="multipod", description="Multi-pod language-model training on JAX.")
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         from multipod.pod_worker.main import run
         return run(args)
-    from multipod.controller.cli import run
+    from multipod.controller.commands import run
     return run(args)
 
 

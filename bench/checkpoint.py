@@ -24,14 +24,14 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from multipod import protos  # noqa: E402
-from multipod.controller.config import load_config  # noqa: E402
+from multipod.controller.core.run_config import load_config  # noqa: E402
 from multipod.pod_worker.server import start_server  # noqa: E402
 from multipod.protos import (  # noqa: E402
     codec,
     multipod_pb2 as pb,
     multipod_pb2_grpc as pb_grpc,
 )
-from multipod.protos.transport import Security, open_channel  # noqa: E402
+from multipod.protos.channels import Security, open_channel  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

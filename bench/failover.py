@@ -345,8 +345,8 @@ def transfer_vs_exchange(repeats: int) -> dict:
     import numpy as np
 
     from bench.dcn import MODEL as DCN_MODEL, leaf_shapes
-    from multipod.pod_worker.config import DcnConfig
     from multipod.pod_worker.dcn import Exchange, LeafSpec, Listener, StateReceiver, send_state
+    from multipod.pod_worker.schema import DcnConfig
     from multipod.pod_worker.trainer import fingerprint
 
     dcn = DcnConfig()

@@ -33,8 +33,8 @@ def main() -> None:
     simulate_cpu_devices(args.devices, overwrite=False)
     import numpy as np
 
-    from multipod.controller.config import load_config
-    from multipod.controller.data import token_dtype
+    from multipod.controller.core.run_config import load_config
+    from multipod.controller.data.batches import token_dtype
     from multipod.pod_worker.trainer import PodTrainer
 
     config = load_config(args.config, ["run.sample_tokens=0"])

@@ -48,7 +48,7 @@ def compute(args) -> dict:
     import jax
     import numpy as np
 
-    from multipod.controller.config import load_config
+    from multipod.controller.core.run_config import load_config
     from multipod.pod_worker.trainer import PodTrainer
 
     config = load_config(args.config).worker_config()
@@ -166,7 +166,7 @@ def _summarise(records: list[dict]) -> dict:
 
 
 def link(args) -> dict:
-    from multipod.controller.config import load_config
+    from multipod.controller.core.run_config import load_config
     config = load_config(args.config)
     grad_bytes = config.model.param_count() * 4
     out: dict = {"mode": "link", "config": str(args.config), "devices_per_pod": args.devices_per_pod,

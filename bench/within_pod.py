@@ -73,7 +73,7 @@ import json, sys, time
 spec = json.loads(sys.stdin.read())
 from multipod.pod_worker.devices import simulate_cpu_devices
 simulate_cpu_devices(spec["devices"])
-from multipod.pod_worker.config import WorkerConfig
+from multipod.pod_worker.schema import WorkerConfig
 from multipod.pod_worker.layout_probe import random_tokens
 from multipod.pod_worker.trainer import PodTrainer
 trainers = []
@@ -102,7 +102,7 @@ def interleaved_step_times(config, candidates, devices: int, batch: int, rounds:
     import os
     import subprocess
 
-    from multipod.controller.tune_grid import candidate_worker_json
+    from multipod.controller.tune.grid import candidate_worker_json
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     spec = {"devices": devices, "batch": batch, "rounds": rounds,
@@ -131,12 +131,12 @@ def main() -> int:
                              "shared machine's load changes)")
     args = parser.parse_args()
 
-    from multipod.controller.config import load_config
-    from multipod.controller.metrics import mfu
-    from multipod.controller.peak import measure
-    from multipod.controller.tune_grid import enumerate_candidates
-    from multipod.controller.tune_runner import run_grid
-    from multipod.controller.tune_table import rank
+    from multipod.controller.core.run_config import load_config
+    from multipod.controller.observe.metrics import mfu
+    from multipod.controller.observe.peak import measure
+    from multipod.controller.tune.grid import enumerate_candidates
+    from multipod.controller.tune.runner import run_grid
+    from multipod.controller.tune.table import rank
 
     config = load_config(args.config)
     batch = config.data.global_batch

@@ -4,8 +4,8 @@ Sharding lives in `model.partitioning`; the model itself only names logical axes
 """
 from multipod.model.config import ConfigError, ModelConfig
 from multipod.model.decode import Chunk, Decoder, Sampling
-from multipod.model.generate import generate
 from multipod.model.loss import loss_sums, token_losses
+from multipod.model.sampling import generate
 from multipod.model.transformer import Transformer, abstract_params, init_params
 
 __all__ = [

@@ -2,7 +2,7 @@
 
     python -m multipod.pod_worker.inference_probe < spec.json
 
-`multipod tune --inference` (controller/tune_inference.py) starts this module as a subprocess, as
+`multipod tune --inference` (controller/tune/inference.py) starts this module as a subprocess, as
 `multipod tune` starts the layout probe (pod_worker/layout_probe.py): a candidate that crashes or
 hangs takes down only this process, and the pod's simulated device count is set before jax
 initialises. The controller never imports it: they speak the layout probe's line protocol.
@@ -75,7 +75,7 @@ def probe(candidate: dict, devices: list, prompt_len: int, tokens: int, steps: i
     from multipod.model import Sampling, abstract_params, init_params
     from multipod.model.partitioning import make_mesh, param_shardings
     from multipod.pod_worker import programs
-    from multipod.pod_worker.config import WorkerConfig
+    from multipod.pod_worker.schema import WorkerConfig
 
     config = WorkerConfig.from_json(candidate["worker"])
     model_cfg, batch = config.model, int(candidate["batch"])

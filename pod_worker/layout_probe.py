@@ -2,7 +2,7 @@
 
     python -m multipod.pod_worker.layout_probe < spec.json
 
-`multipod tune` (controller/tune_runner.py) starts this module as a subprocess, so a candidate
+`multipod tune` (controller/tune/runner.py) starts this module as a subprocess, so a candidate
 that crashes or hangs takes down only this process, and the pod's simulated device count can be
 set before jax initialises. The controller never imports it: they speak a line protocol.
 
@@ -49,7 +49,7 @@ def probe(worker_json: str, devices: list, rows: int, steps: int, memory_limit: 
 
     devices: the jax devices of the pod; rows: the pod's batch in sequences."""
     from multipod.pod_worker import programs
-    from multipod.pod_worker.config import WorkerConfig
+    from multipod.pod_worker.schema import WorkerConfig
     from multipod.pod_worker.trainer import PodTrainer
 
     config = WorkerConfig.from_json(worker_json)

@@ -7,7 +7,7 @@ import os
 import signal
 
 from multipod.pod_worker.server import RPC_THREADS, start_server
-from multipod.protos.transport import Security
+from multipod.protos.channels import Security
 
 log = logging.getLogger(__name__)
 

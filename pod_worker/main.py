@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s")
     for chatty in ("absl", "orbax"):    # orbax narrates every save at INFO; its warnings still show
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    from multipod.protos.transport import SecurityError, set_default_security
+    from multipod.protos.channels import SecurityError, set_default_security
     try:
         security = security_from_args(args)
     except SecurityError as exc:
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_exposure(args: argparse.Namespace, security) -> None:
     """Refuse to listen beyond loopback unencrypted, on either plane, unless --insecure."""
-    from multipod.protos.transport import is_loopback
+    from multipod.protos.channels import is_loopback
     if args.dcn_encrypt and not security.token:
         raise SystemExit("error: --dcn-encrypt needs the auth token (the data plane's keys are derived from it)")
     exposed = []

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.errors import CorruptTransfer, InvalidRequest, NotReady
 from multipod.pod_worker.hosts import HostLayout
+from multipod.pod_worker.schema import WorkerConfig
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from multipod.pod_worker.config import OptimizerConfig
+from multipod.pod_worker.schema import OptimizerConfig
 
 
 def make_schedule(opt: OptimizerConfig, schedule_steps: int):

@@ -21,7 +21,6 @@ import numpy as np
 from multipod.model import Chunk, Sampling
 from multipod.pod_worker import checkpoint, faults
 from multipod.pod_worker.checkpoint import CheckpointError
-from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.errors import (
     Busy,
@@ -36,6 +35,7 @@ from multipod.pod_worker.hosts import HostLayout, meet
 from multipod.pod_worker.membership import PodMembership
 from multipod.pod_worker.outcome import StepOutcome
 from multipod.pod_worker.prompt_trainer import PromptTrainer
+from multipod.pod_worker.schema import WorkerConfig
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb

@@ -28,10 +28,10 @@ from multipod.model.config import LAYOUT_FIELDS, ConfigError
 from multipod.model.partitioning import activate_rules, param_shardings
 from multipod.model.prompt import init_prompt as init_prompt_params, prompt_embeddings, sampled_vocab_init
 from multipod.pod_worker import checkpoint, programs
-from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import host_value
 from multipod.pod_worker.optimizer import make_optimizer, opt_shardings
+from multipod.pod_worker.schema import WorkerConfig
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 
 

@@ -24,14 +24,14 @@ from multipod import protos
 from multipod.model import ConfigError, Sampling
 from multipod.pod_worker import errors
 from multipod.pod_worker.checkpoint import CheckpointError
-from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import ExchangeError, Listener
 from multipod.pod_worker.dcn.transfer import TransferError
 from multipod.pod_worker.generation import MAX_NEW_TOKENS, MAX_PROMPTS, collect
 from multipod.pod_worker.hosts import HostLayout
 from multipod.pod_worker.pod import Pod, Setup
+from multipod.pod_worker.schema import WorkerConfig
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from multipod.protos.transport import MalformedMessage, Security, add_port, default_security, server_interceptors
+from multipod.protos.channels import MalformedMessage, Security, add_port, default_security, server_interceptors
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import numpy as np
 from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
 from multipod.pod_worker import overlap, programs
-from multipod.pod_worker.config import WorkerConfig
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostLayout, check_multi_host, host_value
 from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
 from multipod.pod_worker.outcome import StepOutcome, StepResult
+from multipod.pod_worker.schema import WorkerConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,5 +18,5 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
 
 def security_from_args(args: argparse.Namespace):
     """The transport.Security of this process from the flags (and $MULTIPOD_AUTH_TOKEN)."""
-    from multipod.protos.transport import Security
+    from multipod.protos.channels import Security
     return Security.from_args(args.auth_token, args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)

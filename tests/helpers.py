@@ -78,7 +78,7 @@ def tiny_worker_config():
     """The worker's part of configs/tiny.toml, built without the controller (tests/unit/controller
     checks that it equals the controller's projection of that file)."""
     from multipod.model import ModelConfig
-    from multipod.pod_worker.config import OptimizerConfig, TrainShape, WorkerConfig
+    from multipod.pod_worker.schema import OptimizerConfig, TrainShape, WorkerConfig
     return WorkerConfig(
         model=ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8, mlp_dim=64, max_seq_len=32),
         optimizer=OptimizerConfig(learning_rate=3e-2, warmup_steps=2),

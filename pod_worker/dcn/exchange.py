@@ -72,7 +72,7 @@ class Exchange:
         if secret is None and listener is not None:
             secret = listener.secret        # the worker's own token proves it to the peers too
         if secret is None:
-            from multipod.protos.transport import default_security
+            from multipod.protos.channels import default_security
             secret = default_security().token
         tune_malloc()
         self.run_id, self.pod_index, self.timeout_s = run_id, pod_index, timeout_s

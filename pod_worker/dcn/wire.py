@@ -16,7 +16,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from multipod.pod_worker.config import COMPRESSIONS
+from multipod.pod_worker.schema import COMPRESSIONS
 
 BLOCK = 256                       # int8: values per scale
 _SCALE = np.dtype("<f4")

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from multipod import protos
-from multipod.controller.launcher import LocalPods
+from multipod.controller.launch.local import LocalPods
 from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from tests.helpers import TINY, run_cli
 

@@ -2,7 +2,7 @@
 slow-link and encrypted transport, tiny model. The pods must stay bitwise identical every step."""
 import pytest
 
-from multipod.controller.config import load_config
+from multipod.controller.core.run_config import load_config
 from tests.helpers import TINY, run_param_count, train_identical_pods
 
 STEPS = 4
@@ -41,6 +41,6 @@ def test_four_pods_with_int8_transport_stay_identical(tmp_path):
     ("dcn.link_gbps=-1", "dcn.link_gbps"),
 ])
 def test_bad_dcn_settings_are_refused_by_name(setting, message):
-    from multipod.controller.config import ConfigError
+    from multipod.controller.core.run_config import ConfigError
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [setting])

@@ -125,8 +125,8 @@ def test_pod_0_killed_during_a_checkpoint_save_and_a_hung_pod(reference3, tmp_pa
 @pytest.fixture(scope="module")
 def remote_pods(tmp_path_factory, env):
     """Two workers the tests own (nobody restarts them), the token, and a 2-pod reference run."""
-    from multipod.controller.launcher import LocalPods
-    from multipod.protos.transport import Security
+    from multipod.controller.launch.local import LocalPods
+    from multipod.protos.channels import Security
     token = "token-for-the-failover-test-0123456789"
     env = dict(env, MULTIPOD_AUTH_TOKEN=token)
     reference = tmp_path_factory.mktemp("reference2")

@@ -47,7 +47,7 @@ def test_the_wheel_exposes_only_the_multipod_namespace(tmp_path):
     for name in ("model", "controller", "protos", "pod_worker"):
         result = _run(python, "-c", f"import {name}", cwd=neutral)
         assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, (name, result.stderr)
-    found = _run(python, "-c", "import multipod.model, multipod.controller.training as t; print(t.__file__)",
+    found = _run(python, "-c", "import multipod.model, multipod.controller.run.training as t; print(t.__file__)",
                  cwd=neutral)
     assert found.returncode == 0 and found.stdout.startswith(str(venv)), found.stdout + found.stderr
     helped = _run(venv / "bin" / "multipod", "--help", cwd=neutral)

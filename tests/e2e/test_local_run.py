@@ -61,7 +61,7 @@ def test_metrics_and_run_directory(two_pods):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["fingerprint"] == read_metrics(run_dir)[-1]["fingerprints"][0]
     assert "sample:" in result.stdout and "done: 20 steps" in result.stdout
-    # The run ends with its report (controller/report.py; tests/unit/controller/test_report.py checks the panels).
+    # The run ends with its report (controller/observe/report.py; its unit test checks the panels).
     assert f"report: {run_dir / 'report.png'}" in result.stdout
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

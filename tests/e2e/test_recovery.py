@@ -25,9 +25,9 @@ import time
 
 import pytest
 
-from multipod.controller.launcher import LocalPods
+from multipod.controller.launch.local import LocalPods
 from multipod.pod_worker import checkpoint
-from multipod.protos.transport import Security
+from multipod.protos.channels import Security
 from tests.helpers import ROOT, TINY, pid_alive, read_metrics
 
 STEPS = 10
@@ -43,7 +43,7 @@ COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", 
 @pytest.fixture(scope="module")
 def env(cached_env):
     """The CLI's environment with the session's compilation cache (conftest.py) and the test
-    hooks (pod_worker/faults.py, controller/faults.py): pod 0's gradient is NaN at step 2, and
+    hooks (pod_worker/faults.py, controller/core/fault_hooks.py): pod 0's gradient is NaN at step 2, and
     the step that trains on batch 7 records a loss spike."""
     return dict(cached_env, MULTIPOD_TEST_NAN_GRADIENT="0:2", MULTIPOD_TEST_SPIKE_BATCH="7")
 

@@ -1,6 +1,6 @@
 """`multipod tokenizer train`: a byte-level BPE from a directory of text, and a clear error for a
 source that does not exist."""
-from multipod.controller.tokenizer import load_tokenizer
+from multipod.controller.data.tokenizer import load_tokenizer
 from tests.helpers import run_cli
 
 

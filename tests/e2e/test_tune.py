@@ -1,11 +1,11 @@
 """`multipod tune` end to end: the ranked table with errors, the memory limit, deadlines, and a
 written config that trains. (The grid, the runner's protocol and the table's maths are unit-tested
-in tests/unit/controller/test_tune_*.py.)"""
+in tests/unit/controller/tune/.)"""
 import json
 
 import pytest
 
-from multipod.controller.config import load_config
+from multipod.controller.core.run_config import load_config
 from tests.helpers import TINY, read_metrics, run_cli
 
 

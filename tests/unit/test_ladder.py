@@ -2,7 +2,7 @@
 
 model and protos import nothing of ours (protos only itself); pod_worker imports model and protos;
 the controller imports model, protos and, of pod_worker, only the schema it publishes
-(pod_worker/config.py). The root cli.py is the one entry module that knows both sides.
+(pod_worker/schema.py). The root cli.py is the one entry module that knows both sides.
 """
 import ast
 import pathlib
@@ -15,7 +15,7 @@ ALLOWED = {
     "model": {"model"},
     "protos": {"protos"},
     "pod_worker": {"model", "protos", "pod_worker"},
-    "controller": {"model", "protos", "controller", "pod_worker.config"},
+    "controller": {"model", "protos", "controller", "pod_worker.schema"},
 }
 
 
@@ -40,7 +40,7 @@ def _our_imports(path: pathlib.Path) -> set[str]:
 
 
 def _allowed(name: str, rules: set[str]) -> bool:
-    # "pod_worker.config.WorkerConfig" is allowed by "pod_worker.config"; "protos.codec" by "protos".
+    # "pod_worker.schema.WorkerConfig" is allowed by "pod_worker.schema"; "protos.codec" by "protos".
     return any(name == rule or name.startswith(rule + ".") for rule in rules)
 
 
@@ -61,7 +61,35 @@ def test_the_checker_catches_a_violation(tmp_path):
     names = _our_imports(bad)
     assert names == {"pod_worker.server.start_server"}
     assert not _allowed("pod_worker.server.start_server", ALLOWED["controller"])
-    assert _allowed("pod_worker.config.WorkerConfig", ALLOWED["controller"])
+    assert _allowed("pod_worker.schema.WorkerConfig", ALLOWED["controller"])
     (tmp_path / "bare.py").write_text("import controller\n")
     with pytest.raises(AssertionError, match="without the multipod namespace"):
         _our_imports(tmp_path / "bare.py")
+
+
+# The controller's subpackages, lowest first: each imports only itself and those before it.
+CONTROLLER_LADDER = ("core", "observe", "data", "cluster", "components", "run", "launch", "tune", "commands")
+
+
+def test_the_controller_is_subpackages_only_each_with_a_map():
+    root = ROOT / "controller"
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
+    found = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert found == sorted(CONTROLLER_LADDER)
+    for package in CONTROLLER_LADDER:
+        doc = ast.get_docstring(ast.parse((root / package / "__init__.py").read_text())) or ""
+        modules = sorted(p.stem for p in (root / package).glob("*.py") if p.name != "__init__.py")
+        missing = [m for m in modules if m not in doc]
+        assert not missing, f"controller/{package}/__init__.py does not name {missing} in its map"
+
+
+@pytest.mark.parametrize("package", CONTROLLER_LADDER)
+def test_each_controller_subpackage_imports_only_those_below_it(package):
+    allowed = set(CONTROLLER_LADDER[:CONTROLLER_LADDER.index(package) + 1])
+    violations = []
+    for path in sorted((ROOT / "controller" / package).rglob("*.py")):
+        for name in _our_imports(path):
+            parts = name.split(".")
+            if parts[0] == "controller" and len(parts) > 1 and parts[1] not in allowed:
+                violations.append(f"{path.relative_to(ROOT)} imports multipod.{name}")
+    assert not violations, "\n".join(violations)

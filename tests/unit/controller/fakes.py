@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 
 from multipod import protos
-from multipod.controller.client import Probe, Verdict, WorkerError
-from multipod.controller.config import Config, DataConfig, ModelConfig, RunConfig
+from multipod.controller.cluster.client import Probe, Verdict, WorkerError
+from multipod.controller.core.run_config import Config, DataConfig, ModelConfig, RunConfig
 from multipod.protos import codec, multipod_pb2 as pb
 
 SERVING = Probe(Verdict.SERVING)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from multipod.model import Transformer, generate
-from multipod.model.generate import _step_fn
+from multipod.model.sampling import _step_fn
 
 
 @pytest.fixture(scope="module")

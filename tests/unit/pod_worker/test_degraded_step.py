@@ -20,10 +20,10 @@ import time
 import numpy as np
 import pytest
 
-from multipod.pod_worker.config import DcnConfig
 from multipod.pod_worker.dcn import Listener
 from multipod.pod_worker.errors import InvalidRequest
 from multipod.pod_worker.pod import Pod
+from multipod.pod_worker.schema import DcnConfig
 from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import multipod_pb2 as pb
 from tests.helpers import tiny_worker_config

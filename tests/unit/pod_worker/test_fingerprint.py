@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from multipod.pod_worker import programs
-from multipod.pod_worker.config import MeshConfig
+from multipod.pod_worker.schema import MeshConfig
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from tests.helpers import tiny_worker_config
 

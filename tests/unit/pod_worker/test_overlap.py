@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from multipod.model import ConfigError
-from multipod.pod_worker.config import DcnConfig, MeshConfig
+from multipod.pod_worker.schema import DcnConfig, MeshConfig
 from multipod.pod_worker.trainer import PodTrainer
 from tests.helpers import tiny_worker_config
 

@@ -11,8 +11,8 @@ import pytest
 from multipod.model import ModelConfig
 from multipod.model.config import ConfigError
 from multipod.pod_worker import checkpoint
-from multipod.pod_worker.config import PromptConfig, TrainShape, WorkerConfig
 from multipod.pod_worker.prompt_trainer import PromptTrainer
+from multipod.pod_worker.schema import PromptConfig, TrainShape, WorkerConfig
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, head_dim=8, mlp_dim=64, max_seq_len=24)

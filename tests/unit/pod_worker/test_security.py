@@ -21,7 +21,7 @@ from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.dcn.transport import DATA, HEADER, MAX_FRAME_BYTES, Connection
 from multipod.pod_worker.server import MAX_PODS, start_server
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from multipod.protos.transport import TOKEN_HEADER, Security, SecurityError, open_channel
+from multipod.protos.channels import TOKEN_HEADER, Security, SecurityError, open_channel
 from tests.helpers import cli_env, tiny_worker_config
 
 TOKEN = "correct-horse-battery-staple-42"

@@ -7,7 +7,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from multipod.pod_worker.server import start_server
-from multipod.protos.transport import Security
+from multipod.protos.channels import Security
 
 
 def test_a_second_worker_on_the_same_port_stops_with_a_clear_error():

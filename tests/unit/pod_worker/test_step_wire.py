@@ -11,7 +11,7 @@ import pytest
 from multipod import protos
 from multipod.pod_worker.server import start_server
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
-from multipod.protos.transport import Security, open_channel
+from multipod.protos.channels import Security, open_channel
 from tests.helpers import tiny_worker_config
 
 CONFIG = tiny_worker_config()

@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from multipod import protos
-from multipod.protos import transport
-from multipod.protos.transport import Security, add_port, open_channel
+from multipod.protos import channels as transport
+from multipod.protos.channels import Security, add_port, open_channel
 
 
 def _server(options) -> tuple[grpc.Server, int]:

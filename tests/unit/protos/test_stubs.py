@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from multipod.protos import generate
+from multipod.protos import regenerate_stubs as generate
 
 
 def test_regenerating_stubs_changes_nothing(tmp_path: pathlib.Path):
@@ -12,7 +12,7 @@ def test_regenerating_stubs_changes_nothing(tmp_path: pathlib.Path):
     for name in generate.STUBS:
         committed = (generate.PROTO_DIR / name).read_text()
         fresh = (tmp_path / name).read_text()
-        assert fresh == committed, (f"{name} is stale: run `python -m multipod.protos.generate` "
+        assert fresh == committed, (f"{name} is stale: run `python -m multipod.protos.regenerate_stubs` "
                                     f"(with the grpcio-tools version pinned in pyproject.toml)")
 
 

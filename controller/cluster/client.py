@@ -1,0 +1,177 @@
+"""The controller's handle on one pod worker: a channel, deadlines on every call, and errors that
+name the pod and its address."""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
+from multipod.protos.channels import open_channel
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be reached or refused a request; the message names the pod."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class Verdict(enum.Enum):
+    """What one health check found. HUNG and DEAD are told apart by the gRPC status, never by text:
+    a hung worker (alive, silent) lets the check's deadline expire; a dead or restarting one
+    refuses the connection at once."""
+    SERVING = "serving"
+    HUNG = "hung"                 # the check's deadline expired
+    DEAD = "dead"                 # refused, unavailable or otherwise failed: dead or restarting
+    NOT_SERVING = "not serving"   # answered, but not SERVING
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One health check's verdict, and a human-readable detail for messages."""
+    verdict: Verdict
+    detail: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.verdict is Verdict.SERVING
+
+
+class WorkerClient:
+    """RPCs to one pod's worker (or, with host_index, to one host of a pod of several hosts:
+    controller/cluster/pod_client.py's PodClient holds one per host), each with a deadline."""
+
+    def __init__(self, pod_index: int, address: str, host_index: int | None = None):
+        self.pod_index = pod_index
+        self.host_index = host_index
+        self.address = address
+        self.name = (f"pod {pod_index} ({address})" if host_index is None
+                     else f"pod {pod_index} host {host_index} ({address})")
+        self.channel = open_channel(address)
+        self.stub = pb_grpc.PodWorkerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    CLOSE_TIMEOUT_S = 5.0
+
+    def close(self) -> None:
+        """Close the channel, waiting at most CLOSE_TIMEOUT_S: a Ctrl-C that landed inside grpc's
+        call bookkeeping can leave close() waiting for good (seen in tests)."""
+        closer = threading.Thread(target=self.channel.close, daemon=True, name=f"close-{self.name}")
+        closer.start()
+        closer.join(self.CLOSE_TIMEOUT_S)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the worker answers its health check; WorkerError naming it if it does not."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            host = "" if self.host_index is None else f" --host-index {self.host_index}"
+            raise WorkerError(f"{self.name} is unreachable: no connection within {timeout_s:g}s "
+                              f"(is `multipod worker --pod-index {self.pod_index}{host} --listen {self.address}` "
+                              f"running?)",
+                              grpc.StatusCode.UNAVAILABLE) from None
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service="multipod.PodWorker"),
+                                      timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error("health check", exc) from None
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise WorkerError(f"{self.name} is not serving (health status {reply.status})")
+
+    def wait_serving(self, timeout_s: float, probe_s: float = 5.0) -> None:
+        """Wait until the worker answers SERVING, retrying through refused connections and
+        restarts (a worker being replaced); WorkerError naming it at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        why = "never answered"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"{self.name} did not serve again within {timeout_s:g}s (last: {why})",
+                                  grpc.StatusCode.UNAVAILABLE)
+            probe = self.probe(min(probe_s, left))
+            if probe.serving:
+                return
+            why = probe.detail
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _error(self, what: str, exc: grpc.RpcError) -> WorkerError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # Workers answer their own internal waits with ABORTED or FAILED_PRECONDITION, so this
+            # code always means that this call's own deadline passed.
+            details = f"no answer within the call's deadline ({details})"
+        return WorkerError(f"{self.name}: {what} failed: {code.name if code else '?'}: {details}", code)
+
+    def call(self, method: str, request, timeout_s: float):
+        """A unary call with a deadline; WorkerError on failure."""
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error(method, exc) from None
+
+    def call_stream(self, method: str, request, timeout_s: float):
+        """A server-streaming call with a deadline: its replies as they come; WorkerError on failure."""
+        try:
+            yield from getattr(self.stub, method)(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error(method, exc) from None
+
+    def call_async(self, method: str, request, timeout_s: float) -> PendingCall:
+        """Start a unary call with a deadline; the PendingCall's result() raises WorkerError."""
+        return PendingCall(self, method, getattr(self.stub, method).future(request, timeout=timeout_s))
+
+    def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
+        """The worker's Status reply (configured?, step, state)."""
+        return self.call("Status", pb.StatusRequest(), timeout_s)
+
+    def probe(self, timeout_s: float) -> Probe:
+        """One health check with a deadline. HUNG if the deadline expires (alive but silent),
+        DEAD if the check is refused or fails, NOT_SERVING if the worker says so."""
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service="multipod.PodWorker"),
+                                      timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return Probe(Verdict.HUNG, f"no answer to its health check within {timeout_s:g}s (hung or overloaded)")
+            return Probe(Verdict.DEAD, f"health check failed: {exc.code().name} (dead or restarting)")
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return Probe(Verdict.NOT_SERVING,
+                         f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+        return Probe(Verdict.SERVING)
+
+
+class PendingCall:
+    """An RPC in flight; result() raises WorkerError naming the pod."""
+
+    def __init__(self, client: WorkerClient, method: str, future):
+        self.client, self.method, self.future = client, method, future
+
+    def result(self):
+        # The RPC carries its own deadline, so this wait is bounded by it.
+        try:
+            return self.future.result()
+        except grpc.RpcError as exc:
+            raise self.client._error(self.method, exc) from None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the call to finish; True if it has (successfully or not)."""
+        try:
+            self.future.exception(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
+        except grpc.FutureCancelledError:
+            return True
+        return True
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def cancel(self) -> None:
+        self.future.cancel()

@@ -1,0 +1,325 @@
+"""Pods of several hosts, as the controller sees them.
+
+A pod of K hosts runs one worker per host; together they form one jax.distributed cluster and run
+the pod's step as one SPMD program. So every RPC that runs a computation goes to all K hosts at
+once. PodClient wraps the K hosts' WorkerClients behind the WorkerClient interface the rest of
+the controller uses (Cluster, the step loop, failover, the checkpointer), and keeps the hosts'
+differences in one place:
+
+  * Step: host h gets row block h of the pod's shard (and of every extra shard);
+  * Configure: host h gets host_index=h, hosts_per_pod=K and host h's data-plane address of
+    every pod (hosts exchange host to host);
+  * SendState: host h streams to host h of the receiving pod;
+  * Status: the hosts must agree on the pod's layout; the pod's dcn_address lists its hosts'
+    data-plane addresses joined with "|" (one string per pod, as for a single-host pod);
+  * probe: the worst host's verdict, naming that host.
+
+Every other request goes to every host unchanged. A call succeeds only if every host's does, and
+answers with host 0's reply. parse_workers reads `--workers` (";" between pods, "," between a
+pod's hosts, or @FILE with one pod per line).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import pathlib
+import time
+
+import grpc
+
+from multipod.controller.cluster.client import Probe, Verdict, WorkerClient, WorkerError
+from multipod.controller.core.errors import RunError
+from multipod.model.config import ConfigError
+from multipod.protos import codec, multipod_pb2 as pb
+
+DCN_SEPARATOR = "|"     # between the hosts' data-plane addresses in a pod's StatusReply.dcn_address
+POLL_S = 0.05           # how often a combined call looks at its other hosts while it waits on one
+
+# Worst first: a hung host gets its pod killed and restarted (a dead one is restarted by its
+# supervisor anyway); a pod with any host not serving is not serving.
+_SEVERITY = {Verdict.HUNG: 3, Verdict.DEAD: 2, Verdict.NOT_SERVING: 1, Verdict.SERVING: 0}
+
+
+def parse_workers(spec: str) -> list[list[str]]:
+    """The pods' host addresses from `--workers`: `p0h0:port,p0h1:port;p1h0:port,p1h1:port`
+    (";" between pods, "," between the hosts of a pod); without ";", "," separates pods of one
+    host each; `@FILE` reads one pod per line (hosts separated by commas or spaces, "#" starts a
+    comment). ConfigError("--workers", ...) naming the pod if the pods list different numbers of
+    hosts, a pod lists none, or an address appears twice."""
+    spec = spec.strip()
+    if spec.startswith("@"):
+        path = pathlib.Path(spec[1:]).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError("--workers", f"cannot read the hosts file {path}: {exc.strerror or exc}") from None
+        pods = [line.split("#", 1)[0].replace(",", " ").split() for line in text.splitlines()]
+        pods = [hosts for hosts in pods if hosts]
+        where = f" in {path}"
+    elif ";" in spec:
+        segments = spec.split(";")
+        if segments and not segments[-1].strip():
+            segments.pop()      # a trailing ";"
+        pods = [[a.strip() for a in segment.split(",") if a.strip()] for segment in segments]
+        empty = [p for p, hosts in enumerate(pods) if not hosts]
+        if empty:
+            raise ConfigError("--workers", f"pod {empty[0]} lists no hosts (\";\" separates pods, \",\" the "
+                              f"hosts of one pod): {spec!r}")
+        where = ""
+    else:
+        pods = [[a.strip()] for a in spec.split(",") if a.strip()]
+        where = ""
+    if not pods:
+        raise ConfigError("--workers", f"no worker addresses given{where}")
+    counts = [len(hosts) for hosts in pods]
+    for p, hosts in enumerate(pods):
+        if len(hosts) != counts[0]:
+            raise ConfigError("--workers", f"pod {p} lists {len(hosts)} host(s) ({', '.join(hosts)}) but pod 0 "
+                              f"lists {counts[0]} ({', '.join(pods[0])}){where}: every pod must have the same "
+                              f"number of hosts")
+    seen: dict[str, tuple[int, int]] = {}
+    for p, hosts in enumerate(pods):
+        for h, address in enumerate(hosts):
+            if address in seen:
+                first = seen[address]
+                raise ConfigError("--workers", f"{address} is listed twice{where}: as pod {first[0]} host {first[1]} "
+                                  f"and as pod {p} host {h}")
+            seen[address] = (p, h)
+    return pods
+
+
+def pod_hosts(entry) -> list[str]:
+    """One pod's host addresses from a connect() entry: a list of them, or one string with the
+    hosts separated by "," (a single-host pod's address is just that address)."""
+    hosts = [a.strip() for a in entry.split(",")] if isinstance(entry, str) else [str(a).strip() for a in entry]
+    return [a for a in hosts if a]
+
+
+def make_pod_client(pod_index: int, addresses: list[str]):
+    """A plain WorkerClient for a one-host pod (exactly as before multi-host pods), a PodClient
+    over one WorkerClient per host otherwise."""
+    if len(addresses) == 1:
+        return WorkerClient(pod_index, addresses[0])
+    return PodClient(pod_index, [WorkerClient(pod_index, a, host_index=h) for h, a in enumerate(addresses)])
+
+
+def _split_rows(payload: bytes, hosts: int, what: str) -> list[bytes]:
+    tokens = codec.decode(payload)
+    if tokens.ndim < 1 or tokens.shape[0] % hosts:
+        raise ConfigError("data.global_batch", f"{what} has {tokens.shape[0] if tokens.ndim else 0} rows, which do "
+                          f"not split into {hosts} equal blocks, one per host: the rows per pod "
+                          f"(data.global_batch / pods) must be a multiple of the hosts per pod ({hosts})")
+    block = tokens.shape[0] // hosts
+    return [codec.encode(tokens[h * block:(h + 1) * block]) for h in range(hosts)]
+
+
+def _host_part(address: str, host: int, hosts: int, what: str) -> str:
+    parts = address.split(DCN_SEPARATOR)
+    if len(parts) != hosts:
+        raise RunError(f"{what} {address!r} lists {len(parts)} host(s), but the pod has {hosts}: every pod must "
+                       f"have the same number of hosts")
+    return parts[host]
+
+
+def _copies(request, k: int) -> list:
+    """k copies of a request message, one per host, each to be changed on its own."""
+    out = []
+    for _ in range(k):
+        copy = type(request)()
+        copy.CopyFrom(request)
+        out.append(copy)
+    return out
+
+
+class PodCall:
+    """The K hosts' calls of one RPC, as one PendingCall: done once every host's call finished or
+    one failed; result() is host 0's reply, or the first failure seen (a WorkerError naming the
+    host). A failed host does not cancel the others (they end by their own deadline, or when the
+    pod is reset); cancel() cancels them all."""
+
+    def __init__(self, pod: PodClient, method: str, calls: list):
+        self.pod, self.method, self.calls = pod, method, calls
+        self._failures: list[tuple[int, Exception]] = []    # in the order they were seen
+
+    def _scan(self) -> None:
+        known = {h for h, _ in self._failures}
+        for h, call in enumerate(self.calls):
+            if h in known or not call.done():
+                continue
+            try:
+                call.result()
+            except WorkerError as exc:
+                self._failures.append((h, exc))
+            except Exception as exc:    # e.g. the call was cancelled
+                self._failures.append((h, WorkerError(f"{self.pod.hosts[h].name}: {self.method} failed: {exc!r}")))
+
+    def done(self) -> bool:
+        self._scan()
+        return bool(self._failures) or all(call.done() for call in self.calls)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for every host to finish, or one to fail; True if so."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.done():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            pending = next(call for call in self.calls if not call.done())
+            pending.wait(min(POLL_S, left))
+
+    def result(self):
+        self._scan()
+        if self._failures:
+            raise self._failures[0][1]
+        replies = [call.result() for call in self.calls]
+        return replies[0]
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+
+class PodClient:
+    """One pod of several hosts behind the WorkerClient interface (pod_index, address, name, close,
+    wait_ready, wait_serving, call, call_async, status, probe). `hosts`: one client per host, in
+    host order, each with that interface and a name that says which host it is."""
+
+    def __init__(self, pod_index: int, hosts: list):
+        if len(hosts) < 2:
+            raise ValueError("a PodClient needs at least two hosts (use a WorkerClient for one)")
+        self.pod_index = pod_index
+        self.hosts = list(hosts)
+        self.address = ",".join(h.address for h in self.hosts)
+        self.name = f"pod {pod_index} ({self.address})"
+
+    @property
+    def hosts_per_pod(self) -> int:
+        return len(self.hosts)
+
+    def _each(self, fn) -> list:
+        """fn(host) on every host in parallel; the results in host order. The first error (in
+        host order) is raised once every host has answered: each call has its own deadline."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.hosts)) as pool:
+            futures = [pool.submit(fn, host) for host in self.hosts]
+            concurrent.futures.wait(futures)
+        for future in futures:
+            if future.exception() is not None:
+                raise future.exception()
+        return [future.result() for future in futures]
+
+    def close(self) -> None:
+        for host in self.hosts:
+            host.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self._each(lambda host: host.wait_ready(timeout_s))
+
+    def wait_serving(self, timeout_s: float, probe_s: float = 5.0) -> None:
+        self._each(lambda host: host.wait_serving(timeout_s, probe_s))
+
+    def requests(self, method: str, request) -> list:
+        """The request each host gets, in host order (see the module's docstring)."""
+        k = len(self.hosts)
+        if method == "Step":
+            own = _split_rows(request.tokens, k, f"{self.name}'s shard")
+            extra = [_split_rows(s.tokens, k, f"the shard of slot {s.slot} (computed by {self.name})")
+                     for s in request.extra_shards]
+            out = _copies(request, k)
+            for h, copy in enumerate(out):
+                copy.tokens = own[h]
+                for shard, blocks in zip(copy.extra_shards, extra):
+                    shard.tokens = blocks[h]
+            return out
+        if method == "Configure":
+            out = _copies(request, k)
+            for h, copy in enumerate(out):
+                copy.host_index, copy.hosts_per_pod = h, k
+                del copy.dcn_addresses[:]
+                copy.dcn_addresses.extend(_host_part(a, h, k, f"pod {p}'s data-plane address")
+                                          for p, a in enumerate(request.dcn_addresses))
+            return out
+        if method == "SendState":
+            out = _copies(request, k)
+            for h, copy in enumerate(out):
+                copy.to_address = _host_part(request.to_address, h, k, f"pod {request.to_pod}'s data-plane address")
+            return out
+        return [request] * k
+
+    def call_async(self, method: str, request, timeout_s: float) -> PodCall:
+        """Start the call on every host; the PodCall's result() raises WorkerError naming a host."""
+        requests = self.requests(method, request)
+        calls = []
+        try:
+            for host, host_request in zip(self.hosts, requests):
+                calls.append(host.call_async(method, host_request, timeout_s))
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
+        return PodCall(self, method, calls)
+
+    def call(self, method: str, request, timeout_s: float):
+        """The call on every host at once, each with the deadline; host 0's reply if every host
+        succeeds, else the first failure (WorkerError naming the host)."""
+        pending = self.call_async(method, request, timeout_s)
+        # Each host's call carries the deadline; the margin only covers the callbacks' latency.
+        if not pending.wait(timeout_s + 5.0):
+            pending.cancel()
+            late = [self.hosts[h].name for h, call in enumerate(pending.calls) if not call.done()]
+            raise WorkerError(f"{', '.join(late)}: {method} failed: no answer within the call's deadline",
+                              grpc.StatusCode.DEADLINE_EXCEEDED)
+        return pending.result()
+
+    def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
+        """Host 0's Status, with the pod's data-plane addresses (every host's, joined with "|") and
+        configured only if every host is. RunError naming the host if the hosts disagree on the
+        pod's layout (host count, host index, pod, coordinator, device count)."""
+        replies = self._each(lambda host: host.status(timeout_s))
+        self.check_layout(replies)
+        reply = pb.StatusReply()
+        reply.CopyFrom(replies[0])
+        reply.dcn_address = DCN_SEPARATOR.join(r.dcn_address for r in replies)
+        reply.configured = all(r.configured for r in replies)
+        return reply
+
+    def check_layout(self, replies: list[pb.StatusReply]) -> None:
+        """RunError naming the host whose Status does not fit the pod as --workers lists it."""
+        k, hosts = len(self.hosts), self.hosts
+        for host, r in zip(hosts, replies):
+            if r.hosts_per_pod != k:
+                raise RunError(f"{host.name} runs with --hosts-per-pod {r.hosts_per_pod or 1}, but --workers lists "
+                               f"{k} hosts for pod {self.pod_index}: start every host of the pod with "
+                               f"--hosts-per-pod {k}")
+            if r.pod_index != self.pod_index:
+                raise RunError(f"{host.name} serves pod {r.pod_index} (--pod-index {r.pod_index}), but --workers "
+                               f"lists it in pod {self.pod_index}")
+        for h, (host, r) in enumerate(zip(hosts, replies)):
+            if r.host_index >= k:
+                raise RunError(f"{host.name} runs with --host-index {r.host_index}, out of range for the pod's "
+                               f"{k} hosts (0..{k - 1})")
+            twin = next((o for o in range(h) if replies[o].host_index == r.host_index), None)
+            if twin is not None:
+                raise RunError(f"{hosts[twin].name} and {host.name} both claim host index {r.host_index} of "
+                               f"pod {self.pod_index}: give each host of a pod its own --host-index")
+        for h, (host, r) in enumerate(zip(hosts, replies)):
+            if r.host_index != h:
+                raise RunError(f"{host.name} runs with --host-index {r.host_index}, but --workers lists it as "
+                               f"host {h} of pod {self.pod_index}: list a pod's hosts in host-index order")
+        for what, get in (("the pod's coordinator (--pod-coordinator)", lambda r: r.pod_coordinator),
+                          ("the device count per host", lambda r: r.local_devices)):
+            for host, r in zip(hosts[1:], replies[1:]):
+                if get(r) != get(replies[0]):
+                    raise RunError(f"the hosts of pod {self.pod_index} disagree on {what}: {host.name} has "
+                                   f"{get(r)!r}, {hosts[0].name} has {get(replies[0])!r}")
+
+    def probe(self, timeout_s: float) -> Probe:
+        """Every host's health check at once; the worst verdict (hung, then dead, then not
+        serving), its detail naming the host(s)."""
+        probes = self._each(lambda host: host.probe(timeout_s))
+        worst = max(probes, key=lambda p: _SEVERITY[p.verdict])
+        if worst.serving:
+            return worst
+        detail = "; ".join(f"{host.name}: {p.detail}" for host, p in zip(self.hosts, probes)
+                           if p.verdict is worst.verdict)
+        return Probe(worst.verdict, detail)

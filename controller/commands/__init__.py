@@ -1,0 +1,162 @@
+"""The controller's commands of `multipod`, one module each where a command has code of its own:
+
+  options     the options every training run shares, and the config they resolve to
+  train       a training run: train (--workers), local, ray and ptune all run one
+  ptune       ptune's config, derived from the base checkpoint
+  generate    generate: text from a checkpoint on one local pod
+  tune        tune: search one pod's layout (the search itself is controller/tune/)
+
+report, tokenizer and peak-flops call straight into their concern's module (observe/report.py,
+data/tokenizer.py, observe/peak.py). The entry module, multipod.cli, adds `worker` from the worker
+side.
+
+Kept free of jax imports at module level: `multipod --help` needs only the standard library.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from multipod.controller.commands.options import add_local_options, add_train_options
+
+
+def add_commands(sub) -> None:
+    """Add the controller's commands to the `multipod` subparsers."""
+    train = sub.add_parser("train", help="run the controller against running pod workers")
+    train.add_argument("--workers", required=True, metavar="ADDRESSES",
+                       help="the pod workers' HOST:PORT in pod order: comma-separated for pods of one host; "
+                            "for pods of several hosts, pods separated by ';' and a pod's hosts by ',' in host "
+                            "order (e.g. 'a:1,b:1;c:1,d:1': 2 pods x 2 hosts); or @FILE with one pod per line "
+                            "(hosts separated by commas or spaces, '#' comments)")
+    add_train_options(train)
+
+    local = sub.add_parser("local", help="simulate pods on this machine and train")
+    add_local_options(local)
+    add_train_options(local)
+
+    ray = sub.add_parser("ray", help="launch the pods on a Ray cluster (one placement group per pod, one actor per "
+                         "host) and train; needs pip install 'multipod[ray]'")
+    ray.add_argument("--address", default="auto",
+                     help="the Ray cluster: HOST:PORT of its head (GCS), or auto for the one running on this machine "
+                          "(default auto)")
+    ray.add_argument("--pods", type=int, default=2, help="number of pods (default 2)")
+    ray.add_argument("--hosts-per-pod", type=int, default=1,
+                     help="hosts per pod: one Ray actor each, gang-scheduled in the pod's placement group; a pod's "
+                          "hosts form one jax.distributed cluster (default 1)")
+    ray.add_argument("--resources-per-host", default='{"CPU": 1}', metavar="JSON",
+                     help='what each host asks Ray for, e.g. \'{"TPU": 4}\' or \'{"GPU": 8, "CPU": 8}\' '
+                          '(default \'{"CPU": 1}\')')
+    ray.add_argument("--devices-per-host", type=int, default=0,
+                     help="simulated CPU devices per host (default 0: the devices jax finds on the node)")
+    ray.add_argument("--placement-strategy", default="STRICT_SPREAD",
+                     choices=("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
+                     help="how a pod's hosts are spread over nodes (default STRICT_SPREAD: a node each; "
+                          "PACK lets them share one, e.g. to try it on one machine)")
+    ray.add_argument("--place-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="deadline to place the pods, at the start and again after a failure (default 60)")
+    ray.add_argument("--insecure", action="store_true",
+                     help="let workers on other nodes than the controller listen unencrypted (gRPC without TLS, "
+                          "data plane without dcn.encrypt): only on a network you trust")
+    add_train_options(ray)
+
+    peak = sub.add_parser("peak-flops", help="measure per-device matmul FLOP/s and remember it for MFU")
+    peak.add_argument("--devices", type=int, default=1, help="simulated devices sharing this machine (default 1)")
+    peak.add_argument("--size", type=int, default=1024, help="matmul size")
+
+    from multipod.controller.commands.tune import add_arguments as add_tune_arguments
+    tune = sub.add_parser("tune", help="search one pod's layout for training (mesh, sequence parallelism, "
+                          "microbatches, remat), or with --inference for generation (mesh, batch)")
+    add_tune_arguments(tune)
+
+    tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    bpe = tokenizer_sub.add_parser("train", help="train a byte-level BPE tokenizer (Hugging Face tokenizer.json)")
+    bpe.add_argument("--data", default="", help="text file, directory, .jsonl or .parquet (default: Python's stdlib)")
+    bpe.add_argument("--text-field", default="text", help="the text field of .jsonl and .parquet records")
+    bpe.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, special tokens included")
+    bpe.add_argument("--out", required=True, metavar="PATH", help="where tokenizer.json goes")
+
+    from multipod.controller.commands.ptune import add_arguments as add_ptune_arguments
+    ptune = sub.add_parser("ptune", help="prompt tuning or p-tuning of a checkpoint on a task of input/output pairs: "
+                           "the base stays frozen; across simulated pods, or --workers")
+    add_ptune_arguments(ptune)
+    add_local_options(ptune)
+    add_train_options(ptune)
+
+    from multipod.controller.commands.generate import add_arguments as add_generate_arguments
+    generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, one local pod)")
+    add_generate_arguments(generate)
+
+    report = sub.add_parser("report", help="draw a run's metrics and events as one picture (report.png)")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
+    report.add_argument("--out", metavar="PATH", help="where the PNG goes (default: RUN_DIR/report.png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one controller command; returns the exit code (errors are printed, not raised)."""
+    from multipod.controller.cluster.client import WorkerError
+    from multipod.controller.commands.train import Fixed, Local, train_run
+    from multipod.controller.core.errors import RunError
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.data.batches import DataError
+    from multipod.controller.launch.local import LaunchError
+    try:
+        if args.command == "train":
+            from multipod.controller.cluster.pod_client import parse_workers
+            addresses = parse_workers(args.workers)     # [pod][host]; before anything else is done
+            return train_run(args, lambda run_dir, config: Fixed(addresses))
+        if args.command == "local":
+            return train_run(args, lambda run_dir, config: Local(args, run_dir, config))
+        if args.command == "ptune":
+            from multipod.controller.commands.ptune import derived_overrides
+            args.overrides = derived_overrides(args) + args.overrides     # the user's --set come last
+            if args.workers:
+                from multipod.controller.cluster.pod_client import parse_workers
+                addresses = parse_workers(args.workers)
+                return train_run(args, lambda run_dir, config: Fixed(addresses))
+            return train_run(args, lambda run_dir, config: Local(args, run_dir, config))
+        if args.command == "ray":
+            from multipod.controller.launch.ray_cluster import check_request, import_ray, parse_resources
+            from multipod.controller.launch.ray_pods import RayContext
+            # Everything that can be checked without a cluster, before the data is prepared.
+            import_ray()
+            parse_resources(args.resources_per_host)
+            check_request(args.pods, args.hosts_per_pod, args.placement_strategy, args.devices_per_host)
+            return train_run(args, lambda run_dir, config: RayContext(args, run_dir, config))
+        if args.command == "report":
+            from multipod.controller.observe.report import write_report
+            print(write_report(pathlib.Path(args.run_dir), args.out and pathlib.Path(args.out)))
+            return 0
+        if args.command == "generate":
+            from multipod.controller.commands.generate import main as generate_main
+            return generate_main(args)
+        if args.command == "tokenizer":
+            from multipod.controller.data.tokenizer import train_main
+            return train_main(args)
+        if args.command == "tune":
+            from multipod.controller.commands.tune import main as tune_main
+            return tune_main(args)
+        if args.command == "peak-flops":
+            from multipod.controller.observe.metrics import store_measured_peak
+            from multipod.controller.observe.peak import measure
+            result = measure(args.devices, args.size)
+            path = store_measured_peak(result["device_kind"], result["devices"], result["per_device_flops"])
+            print(json.dumps(result))
+            print(f"stored in {path}: {result['per_device_flops'] / 1e9:.1f} GFLOP/s per device "
+                  f"({result['device_kind']}, {result['devices']} device(s))", file=sys.stderr)
+            return 0
+    except ConfigError as exc:
+        print(f"error: config: {exc}", file=sys.stderr)
+        return 2
+    except (WorkerError, RunError, LaunchError, DataError, ValueError) as exc:   # incl. SecurityError
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: workers stopped", file=sys.stderr)
+        return 130
+    print(f"error: unknown command {args.command}", file=sys.stderr)
+    return 2
+
+

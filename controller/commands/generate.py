@@ -1,0 +1,429 @@
+"""`multipod generate`: text from a checkpoint, generated with a KV cache on one local pod.
+
+Everything that can be wrong is found before a worker starts: the checkpoint (a checkpoint
+directory, or one of its step folders), the run's resolved config and tokenizer kept beside it
+(corpus.py: RUN_CONFIG, TOKENIZER_FILES), the prompts (a jsonl line without the field, a prompt
+longer than the model's context) and the mesh. Then one pod worker starts (LocalPods) with
+--devices simulated devices, is configured with the run's worker config on the mesh
+data = devices / model-parallel x model = model-parallel, restores the checkpoint (resharded onto
+that mesh) and streams the tokens (GenerateStream): to the terminal as they come for --prompt,
+as a jsonl for --prompts. Throughput goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import secrets
+import sys
+import tempfile
+import time
+
+from multipod.controller.core.errors import RunError
+
+# Prompts sent in one GenerateStream request at most (a worker takes at most 256; the default is
+# the config's generate.batch_size).
+MAX_BATCH = 256
+DEFAULT_MAX_TOKENS = 100
+
+
+class GenerateError(RunError):
+    """A checkpoint, config, tokenizer or prompt file that cannot be used; the message names it."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run's checkpoint directory (RUN_DIR/checkpoints, or RUN_DIR itself: its newest "
+                             "checkpoint) or one step folder in it (RUN_DIR/checkpoints/300)")
+    parser.add_argument("--prompt-checkpoint", metavar="DIR",
+                        help="generate after the virtual tokens a `multipod ptune` run learned on this --checkpoint "
+                             "(its checkpoint directory or a step folder); refused for another base model")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="one prompt: the text is printed as it is generated")
+    what.add_argument("--prompts", metavar="FILE.jsonl",
+                      help="one prompt per line (a JSON object, the text in --prompt-field); a jsonl comes out")
+    parser.add_argument("--prompt-field", default="prompt", help="the field of a --prompts line holding the text")
+    parser.add_argument("--out", metavar="FILE.jsonl", help="where the jsonl of --prompts goes (default: stdout)")
+    parser.add_argument("--max-tokens", type=int,
+                        help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS}, or what fits the model's context)")
+    parser.add_argument("--temperature", type=float, help="0: greedy (default: the run's run.sample_temperature)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="then among the most likely tokens holding this much probability, (0, 1] (1: all)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="go on after the end-of-text token (by default a completion ends with it)")
+    parser.add_argument("--shift-context", action="store_true",
+                        help="allow prompt + --max-tokens beyond the model's context: when it is full, go on from "
+                             "its last half")
+    parser.add_argument("--layout", metavar="FILE.toml",
+                        help="take --devices, --model-parallel and --batch-size from this config's [generate] "
+                             "section (what `multipod tune --inference` writes); the flags win over it")
+    parser.add_argument("--devices", type=int, help="simulated devices of the pod (default 1)")
+    parser.add_argument("--model-parallel", type=int,
+                        help="the mesh's model axis: heads, MLP units and vocabulary split over this many devices "
+                             "(default 1); the data axis takes the rest and splits the prompts")
+    parser.add_argument("--batch-size", type=int,
+                        help=f"prompts generated together, at most {MAX_BATCH} (default: --layout's, else 64)")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """What --checkpoint names: the directory holding the run's files, and the step folder to
+    restore (None: the newest)."""
+    root: pathlib.Path
+    path: pathlib.Path | None
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str
+    ids: list[int]
+    where: str          # how errors name it: "--prompt" or "FILE:LINE"
+
+
+def _step_folders(directory: pathlib.Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def newest_step(root: pathlib.Path) -> pathlib.Path:
+    """The newest step folder of a checkpoint directory (find_checkpoint made sure there is one)."""
+    return root / str(_step_folders(root)[-1])
+
+
+def find_checkpoint(text: str) -> Checkpoint:
+    """The checkpoint --checkpoint names; GenerateError saying what is missing."""
+    from multipod.controller.data.corpus import RUN_CONFIG
+    path = pathlib.Path(text).expanduser().absolute()
+    if not path.exists():
+        raise GenerateError(f"checkpoint {text} does not exist")
+    if not path.is_dir():
+        raise GenerateError(f"checkpoint {text} is not a directory: give a run's checkpoint directory "
+                            f"(RUN_DIR/checkpoints) or one of its step folders")
+    if (path / RUN_CONFIG).is_file():
+        if not _step_folders(path):
+            raise GenerateError(f"checkpoint directory {text} holds no checkpoint yet (no step folder beside "
+                                f"its {RUN_CONFIG})")
+        return Checkpoint(path, None)
+    if path.name.isdigit() and (path.parent / RUN_CONFIG).is_file():
+        return Checkpoint(path.parent, path)
+    if (path / "checkpoints" / RUN_CONFIG).is_file():     # a run directory with its default checkpoint folder
+        return find_checkpoint(str(path / "checkpoints"))
+    if path.name.isdigit() or _step_folders(path):
+        where = path.parent if path.name.isdigit() else path
+        raise GenerateError(f"checkpoint {text}: no {RUN_CONFIG} in {where}: the run's config is written beside "
+                            f"its checkpoints (by runs of this version), and generation needs it")
+    raise GenerateError(f"{text} is not a checkpoint: it holds neither step folders nor {RUN_CONFIG}")
+
+
+def load_run(root: pathlib.Path):
+    """The run's resolved Config (its data section is not checked: the corpus need not exist
+    here) and its tokenizer, from beside the checkpoints."""
+    from multipod.controller.core.run_config import Config, ConfigError
+    from multipod.controller.data.corpus import RUN_CONFIG, TOKENIZER_FILES
+    from multipod.controller.data.tokenizer import ByteTokenizer, load_tokenizer
+    file = root / RUN_CONFIG
+    try:
+        raw = json.loads(file.read_text())
+        data = raw.get("data", {}) if isinstance(raw, dict) else None
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object with a data section")
+        spec = data.get("tokenizer", "bytes")
+        raw["data"] = {**data, "path": "", "tokenizer": "bytes", "cache_dir": ""}
+        config = Config.from_dict(raw)
+    except (OSError, ValueError) as exc:    # ConfigError and JSONDecodeError are ValueErrors
+        detail = f"config: {exc}" if isinstance(exc, ConfigError) else str(exc)
+        raise GenerateError(f"{file}: {detail}") from None
+    if spec == "bytes":
+        tokenizer = ByteTokenizer()
+    else:
+        found = [root / name for name in TOKENIZER_FILES.values() if (root / name).is_file()]
+        if not found:
+            raise GenerateError(f"{root} has no tokenizer file ({' or '.join(TOKENIZER_FILES.values())}) beside its "
+                                f"checkpoints; the run used data.tokenizer = {spec!r}")
+        tokenizer = load_tokenizer(str(found[0]))
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise GenerateError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size:,} tokens, more than the model's "
+                            f"{config.model.vocab_size:,} (model.vocab_size in {file})")
+    return config, tokenizer
+
+
+def read_prompts(args, tokenizer) -> list[Prompt]:
+    """The prompts of --prompt or --prompts, encoded. An empty one starts a new document: the
+    tokenizer's end-of-text token. GenerateError (no such file) or DataError (sources.jsonl_texts) naming
+    the file and line of a bad one."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text).tolist() or [tokenizer.eos_id]
+    if args.prompt is not None:
+        return [Prompt(args.prompt, encode(args.prompt), "--prompt")]
+    from multipod.controller.data.sources import jsonl_texts
+    path = pathlib.Path(args.prompts)
+    if not path.is_file():
+        raise GenerateError(f"--prompts {path}: no such file")
+    try:
+        return [Prompt(text, encode(text), where)
+                for where, text in jsonl_texts(path, args.prompt_field, "--prompt-field names the field")]
+    except OSError as exc:
+        raise GenerateError(f"--prompts {path}: cannot be read: {exc}") from None
+
+
+def plan(args, config, prompts: list[Prompt]) -> int:
+    """The number of new tokens per prompt; GenerateError if a prompt or prompt + --max-tokens does
+    not fit the model's context, ConfigError naming a bad flag."""
+    from multipod.controller.core.run_config import ConfigError
+    context = config.model.max_seq_len - (config.prompt.virtual_tokens if config.prompt.enabled else 0)
+    for prompt in prompts:
+        if len(prompt.ids) > context:
+            raise GenerateError(f"{prompt.where}: the prompt has {len(prompt.ids)} tokens, more than the model's "
+                                f"context of {context} tokens (model.max_seq_len)")
+    longest = max(prompts, key=lambda p: len(p.ids))
+    room = context - len(longest.ids)
+    if args.max_tokens is None:
+        wanted = DEFAULT_MAX_TOKENS if args.shift_context else min(DEFAULT_MAX_TOKENS, room)
+        if wanted < 1:
+            raise GenerateError(f"{longest.where}: the prompt fills the model's context of {context} tokens "
+                                f"(model.max_seq_len): no room for a new token (--shift-context makes room)")
+        return wanted
+    if args.max_tokens < 1:
+        raise ConfigError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
+    if args.max_tokens > 4096:
+        raise ConfigError("--max-tokens", f"at most 4096, got {args.max_tokens}")
+    if args.max_tokens > room and not args.shift_context:
+        raise GenerateError(f"{longest.where}: the prompt ({len(longest.ids)} tokens) + --max-tokens "
+                            f"{args.max_tokens} exceed the model's context of {context} tokens (model.max_seq_len): "
+                            f"ask for at most {room}, or pass --shift-context")
+    return args.max_tokens
+
+
+def with_prompt(text: str, base: Checkpoint, base_config):
+    """(the config of a pod generating after a prompt checkpoint's virtual tokens, the prompt
+    checkpoint): the tuned run's config with --checkpoint as its base. GenerateError if `text`
+    is not a prompt checkpoint or was tuned on a model of another shape; one tuned on another base
+    of the same shape is refused by the pod when it restores it (the checkpoint holds the base's
+    fingerprint)."""
+    from multipod.model.config import LAYOUT_FIELDS
+    prompt = find_checkpoint(text)
+    tuned, _ = load_run(prompt.root)
+    if not tuned.prompt.enabled:
+        raise GenerateError(f"--prompt-checkpoint {text} is not a prompt checkpoint: its run trained the whole model "
+                            f"(give the checkpoint directory of a multipod ptune run)")
+    for field in dataclasses.fields(base_config.model):
+        have, want = getattr(tuned.model, field.name), getattr(base_config.model, field.name)
+        if field.name not in LAYOUT_FIELDS and have != want:
+            raise GenerateError(f"--prompt-checkpoint {text} was tuned on another base model: its "
+                                f"model.{field.name} is {have!r}, --checkpoint {base.path or base.root} has {want!r}")
+    folder = base.path or newest_step(base.root)
+    return dataclasses.replace(tuned, prompt=dataclasses.replace(tuned.prompt, base_checkpoint=str(folder))), prompt
+
+
+def apply_layout(args) -> None:
+    """Fill --devices, --model-parallel and --batch-size the user did not give from --layout's
+    [generate] section, or from the defaults. ConfigError naming the file or the field."""
+    from multipod.controller.core.run_config import GenerateConfig, read_section
+    # Only [generate]: the rest of the file (a corpus path, say) need not exist here.
+    layout = read_section(args.layout, "generate", GenerateConfig) if args.layout else GenerateConfig()
+    for flag, value in (("devices", layout.devices), ("model_parallel", layout.model_parallel),
+                        ("batch_size", layout.batch_size)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+
+
+def check_flags(args, config) -> None:
+    """ConfigError naming the first flag that cannot work with this checkpoint."""
+    from multipod.controller.core.run_config import ConfigError
+    if args.out and args.prompts is None:
+        raise ConfigError("--out", "goes with --prompts (--prompt prints to the terminal)")
+    if args.out:    # checked before a worker starts, not found out after the generation
+        folder = pathlib.Path(args.out).absolute().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or pathlib.Path(args.out).is_dir():
+            raise ConfigError("--out", f"{args.out} cannot be written (is {folder} a writable directory?)")
+    if args.temperature is not None and not args.temperature >= 0:
+        raise ConfigError("--temperature", f"must be >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise ConfigError("--top-k", f"must be >= 0, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError("--top-p", f"must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 1 << 64:
+        raise ConfigError("--seed", f"must be in [0, 2**64), got {args.seed}")
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise ConfigError("--batch-size", f"must be in [1, {MAX_BATCH}], got {args.batch_size}")
+    if args.devices < 1:
+        raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
+    parallel = args.model_parallel
+    if parallel < 1 or args.devices % parallel:
+        raise ConfigError("--model-parallel", f"must be >= 1 and divide --devices {args.devices}, got {parallel}")
+    model = config.model
+    for name in ("n_heads", "mlp_dim", "vocab_size"):
+        if getattr(model, name) % parallel:
+            raise ConfigError("--model-parallel", f"{parallel} does not divide the model's {name} "
+                              f"({getattr(model, name)})")
+    data, batch = args.devices // parallel, config.data.global_batch
+    if batch % data:
+        # Configure compiles the run's training step (its batch is part of the checkpoint's identity).
+        raise ConfigError("--devices", f"{args.devices} devices / --model-parallel {parallel} make a data axis of "
+                          f"{data}, which does not divide the run's batch of {batch} sequences (data.global_batch)")
+
+
+def _worker_config(config, model_parallel: int):
+    """The run's config for one pod: its mesh is data x model_parallel on this pod's devices; the
+    data plane is unused (one pod). Nothing the checkpoint's state key covers changes."""
+    from multipod.controller.core.run_config import DcnConfig, MeshConfig
+    return dataclasses.replace(config, mesh=MeshConfig(data=-1, model=model_parallel),
+                               dcn=dataclasses.replace(DcnConfig(), timeout_s=config.dcn.timeout_s))
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class TextStream:
+    """Print a completion as its tokens come: the new text of decode(prompt + tokens) beyond what
+    is printed, holding back a trailing partial character (U+FFFD) until it is whole."""
+
+    def __init__(self, tokenizer, prompt: Prompt, eos_id: int | None, out=sys.stdout):
+        self.tokenizer, self.prompt_ids, self.eos_id, self.out = tokenizer, prompt.ids, eos_id, out
+        self.base = tokenizer.decode(prompt.ids)
+        self.tokens: list[int] = []
+        self.printed = ""
+        out.write(prompt.text)
+        out.flush()
+
+    def text(self) -> str:
+        tokens = self.tokens[:-1] if self.tokens and self.tokens[-1] == self.eos_id else self.tokens
+        whole = self.tokenizer.decode(self.prompt_ids + tokens)
+        return whole[len(self.base):] if whole.startswith(self.base) else self.tokenizer.decode(tokens)
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.text().rstrip("\ufffd")
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+    def close(self) -> None:
+        text = self.text()
+        self.out.write((text[len(self.printed):] if text.startswith(self.printed) else "") + "\n")
+        self.out.flush()
+
+
+def main(args) -> int:
+    """Run `multipod generate`; returns the exit code (errors are raised for cli.run to print)."""
+    apply_layout(args)
+    checkpoint = find_checkpoint(args.checkpoint)
+    config, tokenizer = load_run(checkpoint.root)
+    restore = checkpoint
+    if args.prompt_checkpoint:
+        config, restore = with_prompt(args.prompt_checkpoint, checkpoint, config)
+    check_flags(args, config)
+    prompts = read_prompts(args, tokenizer)
+    num_tokens = plan(args, config, prompts)
+    config = _worker_config(config, args.model_parallel)
+    temperature = config.run.sample_temperature if args.temperature is None else args.temperature
+    eos_id = None if args.ignore_eos else tokenizer.eos_id
+    _say(f"checkpoint {checkpoint.path or checkpoint.root} ({'newest step' if checkpoint.path is None else 'this step'}"
+         f"): {config.model.param_count():,} parameters, context {config.model.max_seq_len} tokens, tokenizer "
+         f"{tokenizer.describe()}")
+    if config.prompt.enabled:
+        where = restore.path or restore.root
+        _say(f"after the {config.prompt.virtual_tokens} virtual tokens of prompt checkpoint {where} "
+             f"({config.prompt.kind}; {'newest step' if restore.path is None else 'this step'})")
+
+    from multipod.controller.cluster.pods import connect
+    from multipod.controller.launch.local import LocalPods
+    from multipod.protos import multipod_pb2 as pb
+    from multipod.protos.channels import Security, set_default_security
+    set_default_security(Security(token=secrets.token_urlsafe(32)))   # the local worker's secret
+    data_axis = args.devices // args.model_parallel
+    with tempfile.TemporaryDirectory(prefix="multipod-generate-") as logs:
+        _say(f"starting a pod worker with {args.devices} simulated device(s), mesh data={data_axis} "
+             f"model={args.model_parallel}")
+        with LocalPods(1, args.devices, pathlib.Path(logs)) as pods:
+            cluster = connect(pods.host_addresses, config)
+            try:
+                started = time.perf_counter()
+                cluster.configure()
+                client = cluster.clients[0]
+                # A prompt checkpoint is the state of a prompt-tuning pod, whose base --checkpoint is.
+                target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.root)})
+                restored = client.call("Restore", pb.RestoreRequest(run_id=cluster.next_generation(), **target),
+                                       config.run.step_timeout_s + 60.0)
+                _say(f"restored {restored.path} (step {restored.step}) in {time.perf_counter() - started:.1f} s")
+                request = dict(num_tokens=num_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+                               seed=args.seed, shift_context=args.shift_context)
+                if eos_id is not None:
+                    request["eos_id"] = eos_id
+                timeout = config.run.step_timeout_s + 1.0 * num_tokens
+                if args.prompt is not None:
+                    return _one(client, prompts[0], request, timeout, tokenizer, eos_id)
+                return _many(client, prompts, request, timeout, tokenizer, eos_id, args)
+            finally:
+                cluster.close()
+
+
+def _report(tokens: int, elapsed: float, first: float | None) -> None:
+    """Throughput on stderr: over the whole request, and after the first token (whose wait
+    includes compiling the programs and the prefill)."""
+    line = f"{tokens} token(s) in {elapsed:.2f} s: {tokens / elapsed if elapsed > 0 else 0.0:.1f} tokens/s"
+    if first is not None:
+        line += f" (first token after {first:.2f} s"
+        if tokens > 1 and elapsed > first:
+            line += f", then {(tokens - 1) / (elapsed - first):.1f} tokens/s"
+        line += ")"
+    _say(line)
+
+
+def _one(client, prompt: Prompt, request: dict, timeout: float, tokenizer, eos_id) -> int:
+    from multipod.protos import codec, multipod_pb2 as pb
+    text = TextStream(tokenizer, prompt, eos_id)
+    started, first, count = time.perf_counter(), None, 0
+    message = pb.GenerateRequest(prompts=[codec.encode(_narrow(prompt.ids))], **request)
+    for chunk in client.call_stream("GenerateStream", message, timeout):
+        for token in codec.decode(chunk.tokens).tolist():
+            first = time.perf_counter() - started if first is None else first
+            count += 1
+            text.add(token)
+    text.close()
+    _report(count, time.perf_counter() - started, first)
+    return 0
+
+
+def _many(client, prompts: list[Prompt], request: dict, timeout: float, tokenizer, eos_id, args) -> int:
+    from multipod.protos import codec, multipod_pb2 as pb
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout   # noqa: SIM115 - closed below
+    started, first, count = time.perf_counter(), None, 0
+    try:
+        for at in range(0, len(prompts), args.batch_size):
+            batch = prompts[at:at + args.batch_size]
+            completions: list[list[int]] = [[] for _ in batch]
+            message = pb.GenerateRequest(prompts=[codec.encode(_narrow(p.ids)) for p in batch], **request)
+            for chunk in client.call_stream("GenerateStream", message, timeout):
+                first = time.perf_counter() - started if first is None else first
+                for row, token in zip(chunk.rows, codec.decode(chunk.tokens).tolist()):
+                    completions[row].append(token)
+                    count += 1
+            for prompt, tokens in zip(batch, completions):
+                ended = bool(tokens) and eos_id is not None and tokens[-1] == eos_id
+                kept = tokens[:-1] if ended else tokens     # the end-of-text token is not text
+                text, base = tokenizer.decode(prompt.ids + kept), tokenizer.decode(prompt.ids)
+                completion = text[len(base):] if text.startswith(base) else tokenizer.decode(kept)
+                out.write(json.dumps({"prompt": prompt.text, "completion": completion, "tokens": len(tokens),
+                                      "finish": "eos" if ended else "length"}) + "\n")
+            out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    _report(count, time.perf_counter() - started, first)
+    if args.out:
+        _say(f"{len(prompts)} completion(s) in {args.out}")
+    return 0
+
+
+def _narrow(ids: list[int]):
+    """Token ids in the narrowest dtype the wire carries."""
+    import numpy as np
+
+    from multipod.controller.data.batches import narrow
+    return narrow(np.asarray(ids, dtype=np.int32))

@@ -1,0 +1,132 @@
+"""A training run started by a command: `train` (the user's workers), `local` (simulated pods),
+`ray` (pods on a Ray cluster) and `ptune` (a training run of a prompt): the run directory, the
+run's secret, the data prepared before any worker starts, the run itself, and report.png at the
+end of a run whose workers we started.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import pathlib
+import secrets
+import sys
+
+from multipod.controller.commands.options import local_devices, resolve_config
+from multipod.protos.cli_flags import security_from_args
+
+
+def _run_dir(args: argparse.Namespace) -> pathlib.Path:
+    if args.run_dir:
+        return pathlib.Path(args.run_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return pathlib.Path("runs") / f"{stamp}-{secrets.token_hex(2)}"
+
+
+def train_run(args, addresses_fn) -> int:
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.data.corpus import prepare
+    from multipod.controller.observe.metrics import out
+    from multipod.controller.run.summary import print_summary
+    from multipod.controller.run.training import run_training
+    from multipod.protos.channels import set_default_security
+    given: set = set()
+    config = resolve_config(args, given)
+    mode = _mode(args)
+    if mode == "train" and not config.run.checkpoint_dir:
+        # Pod 0 writes the checkpoints: the default, under the controller's run directory, would
+        # land on pod 0's own disk, where the other pods cannot read it when they restore.
+        raise ConfigError("run.checkpoint_dir", "multipod train with --workers needs a checkpoint directory "
+                          "that every pod can read (shared storage): pass --checkpoint-dir DIR or "
+                          "--set run.checkpoint_dir=DIR")
+    if args.resume and not (args.run_dir or config.run.checkpoint_dir):
+        raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
+    security = security_from_args(args)
+    launched = mode in LAUNCHERS     # we start the workers (local, ray), not the user
+    if launched and not security.token:
+        # Workers we start still authenticate: a fresh secret per run, handed over in their
+        # environment (local) or as an actor's constructor argument (ray), never on a command line.
+        security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
+    set_default_security(security)
+    run_dir = _run_dir(args)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out(f"run directory: {run_dir}")
+    # The data first: a bad corpus or tokenizer is reported before any worker starts, and the
+    # model's vocabulary (which follows the tokenizer) is known when the pods configure.
+    data = prepare(config, vocab_given="model.vocab_size" in given)
+    try:
+        context = addresses_fn(run_dir, config)
+        with context as addresses:
+            summary = run_training(data.config, addresses, run_dir, resume=args.resume,
+                                   supervisor=getattr(context, "pods", None), data=data,
+                                   local=mode == "local")
+        print_summary(summary)
+    finally:
+        if launched:     # after the workers stopped, whether the run succeeded or not
+            write_report_quietly(run_dir)
+    return 0
+
+
+# The commands that start their own workers: a fresh auth token, and report.png at the end.
+LAUNCHERS = ("local", "ray")
+
+
+def _mode(args: argparse.Namespace) -> str:
+    """Where the workers come from: "train" (the user's, --workers) or one of LAUNCHERS."""
+    if args.command == "ptune":
+        return "train" if args.workers else "local"
+    return args.command
+
+
+def write_report_quietly(run_dir: pathlib.Path) -> None:
+    """The end of `multipod local` and `multipod ray`: draw RUN_DIR/report.png if the run wrote metrics, and print its
+    path; a report that cannot be drawn is a warning, never the run's failure."""
+    from multipod.controller.observe.metrics import out
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        if not metrics.is_file() or metrics.stat().st_size == 0:
+            return
+        from multipod.controller.observe.report import write_report
+        out(f"report: {write_report(run_dir)}")
+    except Exception as exc:    # drawing is a convenience; metrics.jsonl is the record
+        print(f"warning: no report drawn: {exc}", file=sys.stderr, flush=True)
+
+
+class Fixed:
+    """Workers the user started: their addresses, as a context like the launchers'."""
+    def __init__(self, addresses):
+        self.addresses = addresses
+
+    def __enter__(self):
+        return self.addresses
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Local:
+    """`multipod local`'s pods: started on enter, stopped on exit."""
+    def __init__(self, args, run_dir, config):
+        from multipod.controller.launch.local import LocalPods
+        # Supervised: a worker that dies is started again on its port (run.max_restarts in all);
+        # a pod of several hosts is restarted as a whole.
+        self.pods = LocalPods(args.pods, local_devices(args), run_dir, supervise=True,
+                              max_restarts=config.run.max_restarts, dcn_encrypt=config.dcn.encrypt,
+                              hosts_per_pod=args.hosts_per_pod)
+
+    def __enter__(self):
+        from multipod.controller.observe.metrics import out
+        self.pods.__enter__()
+        pods = self.pods
+        if pods.multi_host:
+            what = (f"{pods.num_pods} pod(s) of {pods.hosts_per_pod} worker(s) with "
+                    f"{pods.host_devices[0][0]} simulated device(s) each: {pods.workers}")
+        else:
+            what = (f"{pods.num_pods} pod worker(s) with {pods.device_counts[0]} simulated device(s) each: "
+                    + ", ".join(pods.addresses))
+        out(f"started {what} (logs in {pods.log_dir})")
+        return pods.host_addresses     # [pod][host]: controller/cluster/pods.py connect() takes them
+
+    def __exit__(self, *exc):
+        self.pods.__exit__(*exc)
+        return False

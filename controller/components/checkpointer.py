@@ -1,0 +1,174 @@
+"""Checkpoint bookkeeping: when to save, the saves in flight, the last good checkpoint, and
+restoring every pod from one.
+
+Pod 0 writes each checkpoint (every pod's state is identical) in the background: the `Save` RPC
+returns once the state is on the host, and a separate `WaitSave` RPC reports the write's outcome.
+A failed save is reported at once and never replaces the last good checkpoint."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from multipod.controller.cluster.client import WorkerError
+from multipod.controller.cluster.pods import Cluster, parallel
+from multipod.controller.core.errors import RunError
+from multipod.controller.observe.metrics import out
+from multipod.protos import multipod_pb2 as pb
+
+if TYPE_CHECKING:
+    from multipod.controller.observe.events import EventLog
+
+CHECKPOINT_TIMEOUT_S = 3600.0   # deadline of the wait for one background checkpoint write
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint known to be complete: the state after `step` steps, at `path`."""
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A checkpoint being written: `call` is the WaitSave RPC in flight."""
+    step: int
+    path: str
+    call: object
+
+
+class Checkpointer:
+    """Saves every run.checkpoint_every steps, a baseline at the first step boundary and one at
+    the end (run.steps); keeps the last good checkpoint; restores the pods from it."""
+
+    def __init__(self, cluster: Cluster, directory: str, events: EventLog):
+        self.cluster = cluster
+        self.config = cluster.config
+        self.directory = directory
+        self.events = events
+        self.last_good: Saved | None = None
+        self.pending: list[PendingSave] = []
+        self.failed = 0
+        self.data_offset = 0          # batches skipped by rewinds: saved with, and resumed from, a checkpoint
+        self._baseline_taken = False
+
+    # -- when to save -----------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether the boundary before `step` wants a checkpoint (saved or not yet)."""
+        every = self.config.run.checkpoint_every
+        return (not self._baseline_taken or step == self.config.run.steps
+                or bool(every and step % every == 0))
+
+    def covers(self, step: int) -> bool:
+        """Whether the state after `step` steps is already saved or being saved."""
+        return (self.last_good is not None and self.last_good.step == step) or \
+            any(p.step == step for p in self.pending)
+
+    def on_step(self, step: int, drain: Callable[[], None]) -> bool:
+        """Called at the boundary before step `step` (and at the end, with run.steps): collect the
+        finished saves, and save the state after `step` steps if due. `drain` finishes the steps
+        in flight first, so the checkpoint holds exactly that state. True if a save started."""
+        self.collect(block=False)
+        due = self.due(step) and not self.covers(step)
+        self._baseline_taken = True
+        if due:
+            drain()
+            self.save(step)
+        return due
+
+    # -- saving -----------------------------------------------------------------------------
+    def describe_last_good(self, none: str = "none") -> str:
+        return f"{self.last_good.path} (step {self.last_good.step})" if self.last_good else none
+
+    def save(self, step: int) -> None:
+        """Start a background checkpoint of the state after `step` steps on the first live pod
+        (pod 0 unless it failed). A pod that does not answer is a PodFailure; a refused save is
+        reported and the run goes on."""
+        run = self.config.run
+        meta = {"data_offset": self.data_offset, "data_position": step + self.data_offset,
+                "data_path": self.config.data.path, "seed": run.seed, "run_id": self.cluster.base_run_id,
+                "num_pods": self.cluster.size, "saved_at": time.time()}
+        request = pb.SaveRequest(step=step, directory=self.directory, metadata_json=json.dumps(meta),
+                                 background=True, keep=run.keep_checkpoints)
+        writer = self.cluster.live_clients[0]
+        try:
+            reply = writer.call("Save", request, run.step_timeout_s)
+        except WorkerError as exc:
+            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise self.cluster.diagnose(f"checkpoint of step {step}: {exc}") from None
+            self._failed(step, str(exc))
+            return
+        wait = writer.call_async("WaitSave", pb.WaitSaveRequest(step=step, directory=self.directory),
+                                 CHECKPOINT_TIMEOUT_S)
+        self.pending.append(PendingSave(step, reply.path, wait))
+        self.events.write("checkpoint_started", step=step, path=reply.path)
+
+    def _failed(self, step: int, why: str) -> None:
+        self.failed += 1
+        out(f"ERROR: checkpoint of step {step} FAILED: {why}. "
+            f"The last good checkpoint is still {self.describe_last_good('none yet')}.")
+        self.events.write("checkpoint_failed", step=step, error=why)
+
+    def collect(self, block: bool) -> None:
+        """Collect finished background saves (every one if block): a success becomes the last
+        good checkpoint unless a newer one already is; a failure is reported at once."""
+        still = []
+        for save in self.pending:
+            if not block and not save.call.done():
+                still.append(save)
+                continue
+            try:
+                reply = save.call.result()
+            except WorkerError as exc:
+                self._failed(save.step, str(exc))
+                continue
+            path = reply.path or save.path
+            if self.last_good is None or save.step >= self.last_good.step:
+                self.last_good = Saved(save.step, path)
+            self.events.write("checkpoint_saved", step=save.step, path=path)
+        self.pending = still
+
+    # -- restoring --------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Restore every pod to the last good checkpoint; returns its step."""
+        if self.last_good is None:
+            raise RunError("no checkpoint to restore")
+        return self._restore(path=self.last_good.path)
+
+    def resume(self) -> int:
+        """Restore every pod to the newest checkpoint in the directory, refusing one trained on
+        other data; the data offset continues from it. Returns its step."""
+        return self._restore(directory=self.directory)
+
+    def _restore(self, path: str = "", directory: str = "") -> int:
+        from multipod.controller.core.run_config import ConfigError  # here: importing config imports jax
+        clients = self.cluster.live_clients       # in degraded mode the failed pods rejoin later
+        run_id = self.cluster.next_generation()    # the pods' DCN links start afresh
+        timeout = self.config.run.step_timeout_s + self.config.dcn.timeout_s + 60.0
+        first = []
+        if directory:   # pod 0 finds the newest checkpoint; the others restore that one
+            first = [clients[0].call("Restore", pb.RestoreRequest(directory=directory, run_id=run_id), timeout)]
+            path = first[0].path
+        rest = clients[len(first):]
+        replies = first + parallel(
+            lambda c: c.call("Restore", pb.RestoreRequest(path=path, run_id=run_id), timeout), rest)
+        if len({r.fingerprint for r in replies}) > 1:
+            raise RunError(f"pods restored {path} to different states: " +
+                           ", ".join(f"{c.name}: {r.fingerprint}" for c, r in zip(clients, replies)))
+        meta = json.loads(replies[0].metadata_json)
+        step = int(replies[0].step)
+        if directory:
+            data_path = self.config.data.path
+            if meta.get("data_path", "") != data_path:
+                raise ConfigError("data.path", f"checkpoint {path} was trained on "
+                                  f"{meta.get('data_path') or 'the default corpus'!r}, "
+                                  f"this run reads {data_path or 'the default corpus'!r}")
+            self.data_offset = int(meta.get("data_offset", 0))
+        self.last_good = Saved(step, path)
+        self.events.write("restored", step=step, path=path, data_offset=self.data_offset,
+                          fingerprint=replies[0].fingerprint)
+        return step

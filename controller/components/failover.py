@@ -1,0 +1,237 @@
+"""Degraded mode (run.on_pod_failure = "degrade", the default): a failed pod's shard goes to the
+survivors and the run goes on, bitwise as if nothing had happened; the pod rejoins from a live
+peer when it serves again.
+
+  failure   Failover.degrade: the failed pods leave `Cluster.hosts`, each of their slots goes to
+            the live pod computing the fewest shards; every survivor gets the new membership
+            (a step stuck waiting on a dead pod fails at once, its state untouched) and the run
+            continues from the step every survivor has reached. A survivor left a step behind
+            (its peers finished the step it failed) takes a peer's state first.
+  rejoin    a watcher thread per failed pod waits until it serves, configures it if it was
+            restarted, and marks it ready; at the next step boundary (on_step) the pipeline is
+            drained, a live pod streams it the state over the data plane (verified by
+            fingerprint), and it takes its own shard back.
+
+No shared storage is involved; checkpoints remain for crashes of the whole run."""
+from __future__ import annotations
+
+import threading
+import time
+
+from multipod.controller.cluster.client import WorkerError
+from multipod.controller.cluster.pods import Cluster
+from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.observe.events import EventLog
+from multipod.controller.observe.metrics import out
+
+REJOIN_ATTEMPTS = 3         # state transfers tried per failed pod before it is left out for the run
+REJOIN_POLL_S = 1.0         # how often a watcher checks a failed pod
+
+
+def reassign(hosts: list[int], failed: set[int]) -> list[int]:
+    """hosts[slot] after `failed` pods leave: each of their slots goes to the live pod computing
+    the fewest shards (ties: the lowest index). RunError if no pod is left."""
+    live = sorted(set(hosts) - failed)
+    if not live:
+        raise RunError(f"every pod has failed (pods {sorted(failed)}): nothing left to train on")
+    new = list(hosts)
+    load = {p: sum(1 for h in hosts if h == p) for p in live}
+    for slot, host in enumerate(hosts):
+        if host in failed:
+            target = min(live, key=lambda p: (load[p], p))
+            new[slot] = target
+            load[target] += 1
+    return new
+
+
+class _Rejoin:
+    """One failed pod on its way back: a thread that waits for it to serve and configures it if
+    it was restarted (that compiles: it runs while the survivors train)."""
+
+    def __init__(self, cluster: Cluster, pod: int, timeout_s: float):
+        self.cluster, self.pod = cluster, pod
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self.attempts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True, name=f"rejoin-{pod}")
+        self._thread.start()
+
+    def _run(self, timeout_s: float) -> None:
+        client = self.cluster.clients[self.pod]
+        deadline = time.monotonic() + timeout_s
+        while not self._stop.is_set():
+            try:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.error = f"{client.name} did not serve again within {timeout_s:g}s"
+                    return
+                if not client.probe(self.cluster.config.run.health_timeout_s).serving:
+                    self._stop.wait(REJOIN_POLL_S)
+                    continue
+                if not client.status(self.cluster.config.run.health_timeout_s).configured:
+                    out(f"{client.name} serves again: configuring it")
+                    self.cluster.configure_restarted([self.pod])
+                self.ready.set()
+                return
+            except (WorkerError, RunError) as exc:
+                self.error = str(exc)
+                self._stop.wait(REJOIN_POLL_S)
+                if isinstance(exc, RunError):
+                    return
+
+    @property
+    def gave_up(self) -> bool:
+        """The watcher ended without the pod becoming ready (error says why)."""
+        return not self.ready.is_set() and not self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Failover:
+    """Counts pod failures (within run.max_restarts), runs degraded mode and rejoins. supervisor:
+    an object with kill(pod) that gets a hung pod restarted (LocalPods), or None."""
+
+    def __init__(self, cluster: Cluster, events: EventLog, supervisor=None):
+        self.cluster, self.events, self.supervisor = cluster, events, supervisor
+        self.run_config = cluster.config.run
+        self.failures = 0
+        self.rejoins = 0
+        self.transfer_bytes = 0
+        self.transfer_s = 0.0
+        self.degraded_s = 0.0
+        self._degraded_since: float | None = None
+        self._rejoining: dict[int, _Rejoin] = {}
+
+    @property
+    def timeout_s(self) -> float:
+        run = self.run_config
+        return run.step_timeout_s + self.cluster.config.dcn.timeout_s
+
+    # -- a failure -------------------------------------------------------------------------------
+    def degrade(self, failure: PodFailure) -> int:
+        """Take the failed pods out, hand their shards to the survivors, and return the step to
+        continue from (no step is lost or run twice). RunError once run.max_restarts failures
+        have been handled, or if no pod is left."""
+        run, cluster = self.run_config, self.cluster
+        out(f"pod failure: {failure}")
+        self.events.write("pod_failure", error=str(failure), pods=list(failure.pods), mode="degrade")
+        if self.failures >= run.max_restarts:
+            raise RunError(f"{failure}. Giving up after {self.failures} pod failure(s) (--max-restarts "
+                           f"{run.max_restarts})")
+        self.failures += 1
+        failed = set(failure.pods)
+        if self.supervisor is not None:
+            for pod in failure.hung:     # killed so that the supervisor restarts it
+                self.supervisor.kill(pod)
+        for _attempt in range(cluster.size):
+            cluster.hosts = reassign(cluster.hosts, failed)
+            live = cluster.live
+            try:
+                replies = cluster.set_membership(live, self.timeout_s)
+                break
+            except (WorkerError, RunError) as exc:
+                # A survivor that cannot take the membership has failed too: leave it out as well.
+                probes = cluster.probe_all()
+                more = {p for p, probe in zip(live, probes) if not probe.serving}
+                more |= set(cluster.restarted([p for p in live if p not in more]))
+                if not more:
+                    raise RunError(f"degraded mode after ({failure}) failed: {exc}") from None
+                failed |= more
+        else:
+            raise RunError(f"degraded mode after ({failure}) failed: pods kept failing")
+        step = self._align(live, replies)
+        if self._degraded_since is None:
+            self._degraded_since = time.monotonic()
+        for pod in sorted(set(range(cluster.size)) - set(live)):
+            self._watch(pod)
+        shards = ", ".join(f"slot {s} -> pod {h}" for s, h in enumerate(cluster.hosts) if s != h)
+        out(f"degraded: {len(live)}/{cluster.size} pods from step {step} ({shards})")
+        self.events.write("degraded", step=step, live_pods=live, hosts=list(cluster.hosts), failed=sorted(failed))
+        return step
+
+    def _align(self, live: list[int], replies) -> int:
+        """The step to continue from: the furthest any survivor got. Survivors there must hold the
+        same state; one left behind (it failed a step its peers finished) takes a peer's state."""
+        steps = {p: int(r.step) for p, r in zip(live, replies)}
+        top = max(steps.values())
+        ahead = [p for p in live if steps[p] == top]
+        prints = {replies[live.index(p)].full_fingerprint for p in ahead}
+        if len(prints) > 1:
+            raise RunError(f"the surviving pods diverged at step {top}: their state hashes differ")
+        for pod in (p for p in live if steps[p] != top):
+            self._transfer(ahead[0], pod, why=f"it was left at step {steps[pod]}")
+        return top
+
+    def _watch(self, pod: int) -> None:
+        if pod not in self._rejoining:
+            self._rejoining[pod] = _Rejoin(self.cluster, pod, self.run_config.restart_timeout_s)
+
+    def _transfer(self, donor: int, receiver: int, why: str) -> None:
+        start = time.monotonic()
+        sent, got = self.cluster.transfer_state(donor, receiver, self.timeout_s)
+        seconds = time.monotonic() - start
+        self.transfer_bytes += int(got.bytes)
+        self.transfer_s += seconds
+        rate = got.bytes / seconds / 1e6 if seconds > 0 else 0.0
+        out(f"state transfer: pod {donor} -> pod {receiver} ({why}): {got.bytes / 2**20:.1f} MiB in "
+            f"{seconds:.2f}s ({rate:.0f} MB/s), step {got.step}, verified")
+        self.events.write("state_transfer", donor=donor, receiver=receiver, step=int(got.step), bytes=int(got.bytes),
+                          seconds=seconds, worker_seconds=float(got.seconds), fingerprint=got.full_fingerprint)
+
+    # -- the step boundary: rejoins ---------------------------------------------------------------
+    def on_step(self, step: int, drain) -> bool:
+        """At a step boundary: bring back every failed pod that is ready (drain the steps in
+        flight, transfer a live pod's state, give every pod the new membership). Returns whether
+        the membership changed (the next steps go to the new hosts)."""
+        ready = [p for p, r in self._rejoining.items() if r.ready.is_set()]
+        for pod, watcher in list(self._rejoining.items()):
+            if watcher.gave_up:
+                out(f"pod {pod} stays out: {watcher.error or 'it did not come back'}")
+                self.events.write("rejoin_failed", pod=pod, error=watcher.error or "it did not come back")
+                del self._rejoining[pod]
+        if not ready:
+            return False
+        drain()
+        cluster = self.cluster
+        joined = []
+        for pod in ready:
+            watcher = self._rejoining[pod]
+            try:
+                self._transfer(cluster.live[0], pod, why="rejoining")
+                joined.append(pod)
+                del self._rejoining[pod]
+            except (WorkerError, RunError) as exc:
+                watcher.attempts += 1
+                out(f"pod {pod} could not rejoin (attempt {watcher.attempts}/{REJOIN_ATTEMPTS}): {exc}")
+                self.events.write("rejoin_failed", pod=pod, error=str(exc), attempt=watcher.attempts)
+                if watcher.attempts >= REJOIN_ATTEMPTS:
+                    del self._rejoining[pod]
+                else:   # its state is untouched: try again, from serving and configured
+                    self._rejoining[pod] = _Rejoin(cluster, pod, self.run_config.restart_timeout_s)
+                    self._rejoining[pod].attempts = watcher.attempts
+        if not joined:
+            return False
+        hosts = list(cluster.hosts)
+        for pod in joined:
+            hosts[pod] = pod
+        cluster.hosts = hosts
+        replies = cluster.set_membership(cluster.live, self.timeout_s)
+        if len({(r.step, r.full_fingerprint) for r in replies}) > 1:
+            raise RunError(f"after pod(s) {joined} rejoined at step {step}, the pods' states differ")
+        if not cluster.degraded and self._degraded_since is not None:
+            self.degraded_s += time.monotonic() - self._degraded_since
+            self._degraded_since = None
+        self.rejoins += len(joined)
+        out(f"pod(s) {joined} rejoined at step {step}: {len(cluster.live)}/{cluster.size} pods")
+        self.events.write("rejoin", step=step, pods=joined, live_pods=cluster.live, hosts=list(cluster.hosts))
+        return True
+
+    def close(self) -> None:
+        """Stop the watchers; the time spent degraded until now is counted."""
+        for watcher in self._rejoining.values():
+            watcher.stop()
+        if self._degraded_since is not None:
+            self.degraded_s += time.monotonic() - self._degraded_since
+            self._degraded_since = None

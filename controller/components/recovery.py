@@ -1,0 +1,82 @@
+"""Recovery: after a pod failure, bring every pod back to the last good checkpoint (within
+run.max_restarts); after a loss spike, rewind to the checkpoint before it and skip batches."""
+from __future__ import annotations
+
+from multipod.controller.cluster.client import WorkerError
+from multipod.controller.cluster.pods import Cluster
+from multipod.controller.components.checkpointer import Checkpointer
+from multipod.controller.components.spike import Spike, SpikePolicy
+from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.observe.events import EventLog
+from multipod.controller.observe.metrics import out
+
+
+class Recovery:
+    """Counts recoveries and rewinds and performs them. supervisor: an object with kill(pod) that
+    gets a hung pod restarted (LocalPods); without one, the user's supervisor must restart it."""
+
+    def __init__(self, cluster: Cluster, checkpointer: Checkpointer, spike: SpikePolicy, events: EventLog,
+                 supervisor=None):
+        self.cluster, self.checkpointer, self.spike, self.events = cluster, checkpointer, spike, events
+        self.run_config = cluster.config.run
+        self.supervisor = supervisor
+        self.restarts = 0
+        self.rewinds = 0
+
+    def recover(self, failure: PodFailure) -> int:
+        """Wait for every pod to serve, configure the restarted ones (refusing any that differ
+        from the pods that stayed up), restore the last good checkpoint; returns the step to
+        continue from. RunError once run.max_restarts recoveries have been used."""
+        run = self.run_config
+        out(f"pod failure: {failure}")
+        self.events.write("pod_failure", error=str(failure), pods=list(failure.pods))
+        self.checkpointer.collect(block=False)
+        last = self.checkpointer.describe_last_good()
+        if self.restarts >= run.max_restarts:
+            raise RunError(f"{failure}. Giving up after {self.restarts} restart(s) (--max-restarts "
+                           f"{run.max_restarts}); the last good checkpoint is {last}: continue with --resume")
+        self.restarts += 1
+        if self.supervisor is not None:
+            # A hung worker is killed so that the supervisor restarts it; a dead one is already
+            # being restarted (killing it now could hit its new incarnation).
+            for pod in failure.hung:
+                self.supervisor.kill(pod)
+        out(f"recovery {self.restarts}/{run.max_restarts}: waiting up to {run.restart_timeout_s:g}s "
+            f"for every pod to serve, then restoring {last}")
+        try:
+            self.cluster.wait_serving(run.restart_timeout_s)
+            fresh = self.cluster.unconfigured()
+            if fresh:
+                out(f"configuring restarted pod(s) {fresh}")
+                self.cluster.configure_restarted(fresh)
+            self.checkpointer.collect(block=True)
+            if self.checkpointer.last_good is None:
+                raise RunError(f"{failure}; no checkpoint to recover from")
+            step = self.checkpointer.restore()
+        except (WorkerError, RunError) as exc:
+            raise RunError(f"recovery from ({failure}) failed: {exc}; the last good checkpoint is {last}") from None
+        out(f"recovered: every pod restored to step {step}; continuing")
+        self.events.write("recovered", step=step, restarts=self.restarts)
+        self.spike.restart_at(step)
+        return step
+
+    def rewind(self, spike: Spike) -> int:
+        """Restore the checkpoint from before the spike and skip the next run.skip_batches
+        batches; returns the step to continue from."""
+        run = self.run_config
+        self.checkpointer.collect(block=True)
+        last_good = self.checkpointer.last_good
+        if self.rewinds >= max(1, run.max_restarts):
+            raise RunError(f"{spike}; loss spikes persist after {self.rewinds} rewind(s)")
+        if last_good is None or last_good.step > spike.step:
+            raise RunError(f"{spike}; no checkpoint from before it to rewind to")
+        self.rewinds += 1
+        self.checkpointer.data_offset += run.skip_batches
+        step = self.checkpointer.restore()
+        offset = self.checkpointer.data_offset
+        out(f"loss spike at {spike}: rewound to step {step}, skipping {run.skip_batches} batch(es) "
+            f"(step {step} now trains on batch {step + offset})")
+        self.events.write("rewind", spike_step=spike.step, loss=spike.loss, mean=spike.mean, to_step=step,
+                          data_offset=offset)
+        self.spike.restart_at(step)
+        return step

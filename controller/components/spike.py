@@ -1,0 +1,65 @@
+"""The loss-spike policy: a step whose loss exceeds run.spike_threshold times the mean of the
+last run.spike_window losses is a spike (with run.on_spike = "rewind"; recovery.py rewinds)."""
+from __future__ import annotations
+
+import collections
+import math
+from typing import TYPE_CHECKING
+
+from multipod.controller.core import fault_hooks as faults
+
+if TYPE_CHECKING:
+    from multipod.controller.core.run_config import RunConfig
+
+
+# Judged steps remembered for restart_at (a few hundred KB): more than a checkpoint interval.
+HISTORY = 10_000
+
+
+class Spike(Exception):
+    """A loss spike at `step`: `loss` against the recent mean `mean`."""
+
+    def __init__(self, step: int, loss: float, mean: float):
+        super().__init__(f"step {step}: loss {loss:.4f} is a spike (recent mean {mean:.4f})")
+        self.step, self.loss, self.mean = step, loss, mean
+
+
+class SpikePolicy:
+    """Judges each step's record against a window of recent finite, unskipped losses."""
+
+    def __init__(self, run: RunConfig):
+        self.enabled = run.on_spike == "rewind"
+        self.threshold = run.spike_threshold
+        self.losses: collections.deque[float] = collections.deque(maxlen=run.spike_window)
+        # (step, loss) of the judged steps of this timeline, newest last: after a restore to step s
+        # the window is rebuilt from the steps before s, as the uninterrupted run holds it there.
+        self._history: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
+        # The test hook is read once, here (controller/core/fault_hooks.py).
+        self._test_spike_batch = faults.spike_batch()
+
+    def check(self, record: dict) -> Spike | None:
+        """The Spike this record is (the caller raises it once the record is logged), or None.
+        The test hook inflates the record's loss in place when it trains on the hook's batch.
+        Skipped and non-finite steps are ignored; nothing is judged until the window is full."""
+        if self._test_spike_batch is not None and record.get("data_index") == self._test_spike_batch:
+            record["loss"] *= faults.SPIKE_FACTOR
+        loss = record["loss"]
+        if record["skipped"] or not math.isfinite(loss):
+            return None
+        if self.enabled and len(self.losses) == self.losses.maxlen:
+            mean = sum(self.losses) / len(self.losses)
+            if loss > self.threshold * mean:
+                return Spike(record["step"], loss, mean)
+        self.losses.append(loss)
+        self._history.append((record["step"], loss))
+        return None
+
+    def restart_at(self, step: int) -> None:
+        """The run goes on from `step` (a checkpoint restored after a pod failure or a spike): the
+        window becomes the losses of the steps before it, those of the abandoned steps are
+        forgotten. So a restored run judges each step as the uninterrupted run does (a restore
+        more than HISTORY judged steps back starts with a partial window)."""
+        while self._history and self._history[-1][0] >= step:
+            self._history.pop()
+        self.losses.clear()
+        self.losses.extend(loss for _, loss in list(self._history)[-self.losses.maxlen:])

@@ -1,0 +1,7 @@
+"""Where the workers come from when the controller starts them.
+
+  local        `multipod local`: simulated pods as supervised subprocesses on this machine
+  ray_cluster  `multipod ray`'s request to a Ray cluster: checks, resources, connecting
+  ray_pods     `multipod ray`: one placement group per pod, one actor per host, the monitor
+  ray_worker   one host of one pod under Ray: the actor that runs `multipod worker`
+"""

@@ -1,0 +1,370 @@
+"""`multipod ray`: the pods of a run on a Ray cluster.
+
+Each pod is one placement group of `hosts_per_pod` bundles (one per host, each with the resources
+a host asks for, e.g. {"TPU": 4}), gang-scheduled with STRICT_SPREAD by default (each host on a
+node of its own). Each host's worker runs under a Ray actor (controller/launch/ray_worker.py
+`WorkerHost`) pinned to its bundle. The launcher:
+  - picks each host's ports once, on its node (a task in its bundle), so every incarnation of
+    its actor listens on the same addresses and a restarted pod rejoins like a restarted local one;
+  - hands the auth token to the actors as a constructor argument (never a command line);
+  - learns the workers' addresses from the actors and gives them to the controller;
+  - watches the actors: Ray restarts a dead one (max_restarts); a pod that Ray cannot bring back
+    within the deadline, or will not restart any more, is reported, and the run goes on with the
+    surviving pods (degraded mode);
+  - removes every actor and placement group it made when the run ends, fails or is interrupted.
+    If the controller is killed outright, Ray itself removes them: they belong to its job.
+
+The request's checks and the connection are controller/launch/ray_cluster.py's."""
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+import threading
+import time
+
+from multipod.controller.launch.local import Launched, LaunchError
+from multipod.controller.launch.ray_cluster import (
+    NAMESPACE,
+    actor_options,
+    check_capacity,
+    check_request,
+    connect,
+    fmt,
+    parse_resources,
+)
+from multipod.controller.launch.ray_worker import HostSpec, WorkerHost, free_ports
+from multipod.controller.observe.metrics import out
+from multipod.protos.channels import TOKEN_ENV, Security, default_security
+
+MONITOR_S = 1.0              # how often the actors are checked
+PING_S = 5.0                 # an actor that does not answer a ping within this is counted as down
+
+
+class RayPods(Launched):
+    """The pods of one run as Ray placement groups and actors; the controller's supervisor
+    (kill(pod), like LocalPods). Use start() then stop(), or as a context manager."""
+
+    def __init__(self, ray, num_pods: int, hosts_per_pod: int, resources: dict[str, float], run_dir: pathlib.Path,
+                 strategy: str = "STRICT_SPREAD", devices_per_host: int = 0, max_restarts: int = 3,
+                 place_timeout_s: float = 60.0, start_timeout_s: float = 120.0, security: Security | None = None,
+                 dcn_encrypt: bool = False, insecure: bool = False):
+        """resources: what each host's bundle and actor ask for. max_restarts: Ray restarts of
+        each host's actor. place_timeout_s: the deadline to place the pods, at the start and
+        again after a failure. start_timeout_s: the deadline for the workers to serve.
+        insecure: let workers on other nodes than the controller's listen unencrypted."""
+        check_request(num_pods, hosts_per_pod, strategy, devices_per_host)
+        self.ray = ray
+        self.num_pods, self.hosts_per_pod, self.resources = num_pods, hosts_per_pod, resources
+        self.run_dir, self.strategy, self.devices_per_host = run_dir, strategy, devices_per_host
+        self.max_restarts, self.place_timeout_s, self.start_timeout_s = max_restarts, place_timeout_s, start_timeout_s
+        self.security = security or default_security()
+        self.dcn_encrypt, self.insecure = dcn_encrypt, insecure
+        self.run_id = secrets.token_hex(4)
+        self.groups: list = []                      # [pod]: placement groups
+        self.actors: list[list] = []                # [pod][host]
+        self.host_addresses: list[list[str]] = []   # [pod][host]: gRPC HOST:PORT
+        self.nodes: list[list[str]] = []            # [pod][host]: the node's IP
+        self.pids: list[list[int]] = []             # [pod][host]: the worker's pid, as last seen
+        self.on_this_machine = True                 # every host runs on the controller's node
+        self._stopping = threading.Event()
+        self._down_since: dict[int, float] = {}     # pod -> when the monitor first saw it down
+        self._reported: dict[int, str] = {}         # pod -> what was said about it ("late" | "dead")
+        self._stopped: dict[int, dict[int, int]] = {}   # pod -> {host: pid} of the workers check() stopped
+        self._monitor = threading.Thread(target=self._watch, daemon=True, name="ray-monitor")
+
+    @property
+    def multi_host(self) -> bool:
+        return self.hosts_per_pod > 1
+
+    def log_path(self, pod: int, host: int = 0) -> pathlib.Path:
+        name = f"worker-{pod}.log" if not self.multi_host else f"worker-{pod}-host-{host}.log"
+        return (self.run_dir / name).absolute()
+
+    # -- start -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Place the pods, start their workers, wait until every one serves (LaunchError naming
+        what failed, within the deadlines)."""
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        check_capacity(self.num_pods, self.hosts_per_pod, self.strategy, self.resources, ray.cluster_resources(),
+                       nodes)
+        for pod in range(self.num_pods):
+            self.groups.append(placement_group([dict(self.resources)] * self.hosts_per_pod, strategy=self.strategy,
+                                               name=f"multipod-{self.run_id}-pod{pod}"))
+        # One ready() object per group, kept: each call of ready() makes a new one.
+        waits = [g.ready() for g in self.groups]
+        ready, _ = ray.wait(waits, num_returns=len(waits), timeout=self.place_timeout_s)
+        if len(ready) < len(waits):
+            placed = {r.hex() for r in ready}
+            missing = [p for p, w in enumerate(waits) if w.hex() not in placed]
+            raise LaunchError(f"Ray could not place pod(s) {missing} within {self.place_timeout_s:g}s "
+                              f"({self.hosts_per_pod} host(s) of {fmt(self.resources)} each, {self.strategy}); "
+                              f"free now: {fmt(ray.available_resources())}. Free resources, add nodes, or ask for "
+                              f"fewer pods (--place-timeout sets the deadline)")
+        specs = self._host_specs()
+        self._check_exposure()
+        Host = ray.remote(WorkerHost)
+        for pod in range(self.num_pods):
+            self.actors.append([
+                Host.options(name=f"multipod-{self.run_id}-pod{pod}-host{host}", namespace=NAMESPACE,
+                             max_restarts=self.max_restarts, max_task_retries=0, max_concurrency=4,
+                             scheduling_strategy=self._bundle(pod, host), **actor_options(self.resources))
+                .remote(specs[pod][host], self.security.token)
+                for host in range(self.hosts_per_pod)])
+        infos = self._get([a.ready.remote(self.start_timeout_s) for hosts in self.actors for a in hosts],
+                          self.start_timeout_s + 30, "start")
+        for pod in range(self.num_pods):
+            mine = infos[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
+            self.host_addresses.append([info["address"] for info in mine])
+            self.nodes.append([info["node"] for info in mine])
+            self.pids.append([info["pid"] for info in mine])
+        self._monitor.start()
+
+    def _bundle(self, pod: int, host: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return PlacementGroupSchedulingStrategy(placement_group=self.groups[pod], placement_group_bundle_index=host)
+
+    def _host_specs(self) -> list[list[HostSpec]]:
+        """Each host's ports, picked on its own node (a task in its bundle), and its worker's spec."""
+        probe = self.ray.remote(free_ports)
+        count = 3 if self.multi_host else 2     # gRPC, data plane (and host 0's coordinator)
+        refs = [[probe.options(scheduling_strategy=self._bundle(pod, host), **actor_options(self.resources))
+                 .remote(count) for host in range(self.hosts_per_pod)] for pod in range(self.num_pods)]
+        found = self._get([r for hosts in refs for r in hosts], self.place_timeout_s, "probe ports on")
+        here = self.ray.util.get_node_ip_address()
+        # Loopback when the whole run is on the controller's machine: nothing then leaves it (and
+        # the workers need no encryption); otherwise each worker listens on its node's address.
+        self.on_this_machine = all(ip == here for ip, _ in found)
+        flags = self._worker_flags()
+        env = tuple(sorted((k, v) for k, v in os.environ.items()
+                           if (k.startswith("MULTIPOD_") or k.startswith("JAX_")) and k != TOKEN_ENV))
+        if not any(k == "JAX_COMPILATION_CACHE_DIR" for k, _ in env):
+            # As under `multipod local`: a restarted worker loads its compiled step instead of compiling it.
+            env += (("JAX_COMPILATION_CACHE_DIR", str((self.run_dir / ".jax-cache").absolute())),
+                    ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
+        specs = []
+        for pod in range(self.num_pods):
+            mine = found[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
+            hosts = ["127.0.0.1" if self.on_this_machine else ip for ip, _ in mine]
+            coordinator = f"{hosts[0]}:{mine[0][1][2]}" if self.multi_host else ""
+            specs.append([HostSpec(run_id=self.run_id, pod=pod, host=h, hosts_per_pod=self.hosts_per_pod,
+                                   listen_host=hosts[h], port=ports[0], dcn_port=ports[1], coordinator=coordinator,
+                                   devices=self.devices_per_host, log_path=str(self.log_path(pod, h)),
+                                   flags=flags, env=env)
+                          for h, (_, ports) in enumerate(mine)])
+        return specs
+
+    def _worker_flags(self) -> tuple[str, ...]:
+        flags = []
+        if self.dcn_encrypt:
+            flags.append("--dcn-encrypt")
+        if self.insecure:
+            flags.append("--insecure")
+        if not self.security.token:
+            flags.append("--insecure-no-auth")
+        sec = self.security
+        for flag, value in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key), ("--tls-ca", sec.tls_ca),
+                            ("--tls-server-name", sec.tls_server_name)):
+            if value:   # the same paths on every node
+                flags += [flag, str(pathlib.Path(value).absolute())]
+        return tuple(flags)
+
+    def _check_exposure(self) -> None:
+        """Workers on other nodes listen beyond loopback: refused unencrypted unless --insecure
+        (the worker would refuse too; this says it before any worker starts)."""
+        if self.on_this_machine or self.insecure:
+            return
+        missing = []
+        if not self.security.tls_cert:
+            missing.append("TLS for the control plane (--tls-cert/--tls-key, --tls-ca)")
+        if not self.dcn_encrypt:
+            missing.append("an encrypted data plane (--set dcn.encrypt=true)")
+        if missing:
+            raise LaunchError("the pods run on other nodes than the controller, so their workers listen beyond "
+                              "loopback: that needs " + " and ".join(missing)
+                              + ", or --insecure on a network you trust")
+
+    def _get(self, refs: list, timeout_s: float, what: str) -> list:
+        """ray.get with a deadline; a failure is a LaunchError saying which host and why."""
+        ray = self.ray
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = {r.hex() for r in ready}
+        results = []
+        for index, ref in enumerate(refs):
+            pod, host = divmod(index, self.hosts_per_pod)
+            name = f"pod {pod}" + (f" host {host}" if self.multi_host else "")
+            if ref.hex() not in done:
+                raise LaunchError(f"could not {what} {name} within {timeout_s:g}s (see {self.log_path(pod, host)})")
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as exc:
+                raise LaunchError(f"could not {what} {name}: {exc.cause}") from None
+            except ray.exceptions.RayError as exc:
+                raise LaunchError(f"could not {what} {name}: {exc}") from None
+        return results
+
+    # -- while the run goes on -------------------------------------------------------------------
+    def kill(self, pod: int, host: int | None = None, pid: int | None = None) -> None:
+        """Kill a pod's workers (e.g. one that hangs), or one host's (only if its worker is still
+        `pid`): their actors exit and Ray restarts them."""
+        for h, actor in enumerate(self.actors[pod]):
+            if host is None or h == host:
+                actor.kill_worker.remote(pid)
+
+    def _state(self, pod: int, host: int) -> tuple[str, str, int | None]:
+        """("up" | "down" | "moved" | "dead", why, its worker's pid if it answered) of one host's actor."""
+        actor = self.actors[pod][host]
+        ray = self.ray
+        try:
+            node, pid = ray.get(actor.ping.remote(), timeout=PING_S)
+            if not node:
+                return "down", "its worker exited", pid
+            if node != self.nodes[pod][host]:
+                # Its bundle was placed again on another node: the worker listens there, but the
+                # controller and the peers know only its old address.
+                return "moved", (f"Ray placed it again on node {node}, not {self.nodes[pod][host]}: a pod must "
+                                 f"come back at its old address to rejoin"), pid
+            return "up", "", pid
+        except ray.exceptions.ActorDiedError as exc:
+            return "dead", str(exc).splitlines()[0], None
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return "down", "Ray is restarting its actor", None
+        except ray.exceptions.RayError as exc:
+            return "down", str(exc).splitlines()[0], None
+
+    def _watch(self) -> None:
+        """The monitor thread: check every pod's actors every MONITOR_S."""
+        while not self._stopping.wait(MONITOR_S):
+            for pod, actors in enumerate(self.actors):
+                looks = [self._state(pod, host) for host in range(len(actors))]
+                if self._stopping.is_set():
+                    return
+                self.look(pod, looks, time.monotonic())
+
+    def look(self, pod: int, looks: list[tuple[str, str, int | None]], now: float) -> None:
+        """One look at a pod's hosts, (state, why, pid) each: a host up with another worker pid
+        than the last look's restarted in between, unseen (down for this look), unless it is
+        one check() stopped. Then check(), with the last look's pids; then remember these."""
+        states = []
+        for host, (state, why, pid) in enumerate(looks):
+            before = self.pids[pod][host]
+            if state == "up" and pid and before and pid != before:
+                if self._stopped.get(pod, {}).get(host) == before:
+                    del self._stopped[pod][host]         # the restart check() asked for
+                else:
+                    state, why = "down", "its worker was restarted"
+            states.append((state, why))
+        self.check(pod, states, now)
+        for host, (_, _, pid) in enumerate(looks):
+            if pid:
+                self.pids[pod][host] = pid
+
+    def check(self, pod: int, states: list[tuple[str, str]], now: float) -> None:
+        """One look at a pod's hosts (each ("up" | "down" | "dead", why)): say when the pod is
+        down longer than the placement deadline, or for good, and when it is back; stop the other
+        hosts of a pod one of whose hosts went down, so that the pod restarts as a whole (a
+        jax.distributed cluster cannot take a lost host back). The controller's degraded mode
+        carries the run meanwhile."""
+        down_since, reported = self._down_since, self._reported
+        if all(s == "up" for s, _ in states):
+            if self._stopped.get(pod):
+                return      # a host it stopped has not restarted yet: the pod is not back as a whole
+            if pod in reported:
+                out(f"pod {pod}: Ray has placed it again")
+            down_since.pop(pod, None)
+            reported.pop(pod, None)
+            return
+        if pod not in down_since:
+            down_since[pod] = now
+            if self.multi_host:
+                for host, (state, _) in enumerate(states):
+                    if state == "up":
+                        self._stopped.setdefault(pod, {})[host] = self.pids[pod][host]
+                        self.kill(pod, host, self.pids[pod][host])
+        dead = [(h, why) for h, (s, why) in enumerate(states) if s in ("dead", "moved")]
+        if dead and reported.get(pod) != "dead":
+            reported[pod] = "dead"
+            host, why = dead[0]
+            gone = (f"{why}" if states[host][0] == "moved" else
+                    f"host {host}'s actor is gone: {why}; --max-restarts {self.max_restarts} per host")
+            out(f"pod {pod}: it cannot rejoin ({gone}); the run goes on with the surviving pods")
+        elif not dead and pod not in reported and now - down_since[pod] > self.place_timeout_s:
+            reported[pod] = "late"
+            why = "; ".join(f"host {h}: {w}" for h, (s, w) in enumerate(states) if s != "up")
+            out(f"pod {pod}: Ray could not place it again within {self.place_timeout_s:g}s ({why}); "
+                f"the run goes on with the surviving pods")
+
+    # -- the end ---------------------------------------------------------------------------------
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every worker, then remove every actor and placement group of the run (each step
+        bounded; what fails to answer is killed)."""
+        ray = self.ray
+        self._stopping.set()
+        if self._monitor.is_alive():
+            self._monitor.join(timeout=PING_S * self.hosts_per_pod * 2 + 5)
+        actors = [a for hosts in self.actors for a in hosts]
+        if actors:
+            try:
+                ray.wait([a.stop.remote(grace_s) for a in actors], num_returns=len(actors), timeout=grace_s + 10)
+            except Exception:   # dead or restarting actors: ray.kill below covers them
+                pass
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        from ray.util.placement_group import remove_placement_group
+        for group in self.groups:
+            try:
+                remove_placement_group(group)
+            except Exception:
+                pass
+        self.actors, self.groups = [], []
+
+
+class RayContext:
+    """`multipod ray`'s launcher for controller/commands/train.py `_train`: connect to the cluster, start the
+    pods (entering gives their addresses, [pod][host]); leaving stops them and disconnects."""
+
+    def __init__(self, args, run_dir: pathlib.Path, config):
+        self.args, self.run_dir, self.config = args, run_dir, config
+        self.pods: RayPods | None = None
+        self._ray = None
+
+    def __enter__(self) -> list[list[str]]:
+        args, config = self.args, self.config
+        resources = parse_resources(args.resources_per_host)
+        check_request(args.pods, args.hosts_per_pod, args.placement_strategy, args.devices_per_host)
+        self._ray = connect(args.address)
+        try:
+            self.pods = RayPods(self._ray, args.pods, args.hosts_per_pod, resources, self.run_dir,
+                                strategy=args.placement_strategy, devices_per_host=args.devices_per_host,
+                                max_restarts=config.run.max_restarts, place_timeout_s=args.place_timeout,
+                                dcn_encrypt=config.dcn.encrypt, insecure=args.insecure)
+            out(f"placing {args.pods} pod(s) x {args.hosts_per_pod} host(s) of {fmt(resources)} on the Ray cluster "
+                f"({args.placement_strategy})")
+            self.pods.__enter__()
+            if not self.pods.on_this_machine and not config.run.checkpoint_dir:
+                from multipod.controller.core.run_config import ConfigError
+                raise ConfigError("run.checkpoint_dir", "the pods run on other nodes than the controller: pass "
+                                  "--checkpoint-dir DIR on storage every node mounts at the same path")
+        except BaseException:
+            self.__exit__()
+            raise
+        pods = self.pods
+        where = "; ".join(f"pod {p}: " + ", ".join(f"{a} (node {n})" for a, n in zip(addrs, nodes))
+                          for p, (addrs, nodes) in enumerate(zip(pods.host_addresses, pods.nodes)))
+        out(f"started {args.pods} pod(s) x {args.hosts_per_pod} host(s) on Ray: {where} "
+            f"(logs in {self.run_dir} on each worker's node)")
+        return pods.host_addresses
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            if self.pods is not None:
+                self.pods.stop()
+        finally:
+            if self._ray is not None and self._ray.is_initialized():
+                self._ray.shutdown()
+        return False

@@ -1,0 +1,199 @@
+"""The step loop: it only runs steps. Step RPCs are pipelined `run.dispatch_depth` deep (the
+shards of step s+1 travel while step s computes, so the controller stays off the critical path);
+each finished step is checked (every pod's fingerprint and skip decision must agree), recorded,
+and shown to the components' hooks: the checkpointer and the failover (rejoins) at every step
+boundary, the spike policy after every step. Each step goes to the live pods: in degraded mode
+a pod also gets the shards of the failed pods it hosts (Cluster.hosts). The cluster is an
+argument, so tests drive the loop with fake pods."""
+from __future__ import annotations
+
+import collections
+import time
+
+import grpc
+
+from multipod.controller.cluster.client import WorkerError
+from multipod.controller.cluster.pods import Cluster, Watchdog
+from multipod.controller.components.spike import Spike, SpikePolicy
+from multipod.controller.core.errors import RunError
+from multipod.controller.data.batches import Prefetcher, StepData, token_dtype
+from multipod.controller.observe.metrics import Accounting, Recorder, step_record
+from multipod.protos import multipod_pb2 as pb
+
+POLL_S = 0.2          # how often a wait for a step checks the watchdog and the progress deadline
+DATA_TIMEOUT_S = 60.0  # the data pipeline must deliver a step's shards within this
+
+
+def check_agreement(step: int, clients, replies) -> None:
+    """RunError naming the step and the pods if the pods' fingerprints (the on-device checksums,
+    and the full hashes when the step took them) or skip decisions differ: the pods must stay
+    bitwise identical."""
+    prints = [r.fingerprint for r in replies]
+    if len(set(prints)) > 1:
+        detail = ", ".join(f"{c.name}: {p}" for c, p in zip(clients, prints))
+        raise RunError(f"step {step}: pods diverged, their parameter fingerprints differ ({detail})")
+    full = [r.full_fingerprint for r in replies]
+    if any(full) and len(set(full)) > 1:
+        detail = ", ".join(f"{c.name}: {p or 'missing'}" for c, p in zip(clients, full))
+        raise RunError(f"step {step}: pods diverged, their full state hashes differ ({detail})")
+    if len({r.skipped for r in replies}) > 1:
+        detail = ", ".join(f"{c.name}: {'skipped' if r.skipped else 'applied'}" for c, r in zip(clients, replies))
+        raise RunError(f"step {step}: pods disagree on skipping the update ({detail})")
+
+
+class StepLoop:
+    """Runs the steps of one segment (from a start step to run.steps) on `cluster`.
+
+    checkpointer: anything with on_step(step, drain), called at every step boundary and at the
+    end; evaluator: None or the same (evaluation.Evaluator); failover: None or anything with
+    on_step(step, drain) -> whether the live pods changed; spike: a SpikePolicy; recorder: where
+    finished steps' records go; batches: a dataset.TokenDataset (batch(index), epoch(index))."""
+
+    def __init__(self, cluster: Cluster, batches, checkpointer, spike: SpikePolicy, recorder: Recorder,
+                 accounting: Accounting, failover=None, evaluator=None):
+        self.cluster, self.batches, self.checkpointer, self.failover = cluster, batches, checkpointer, failover
+        self.evaluator = evaluator
+        self.spike, self.recorder, self.accounting = spike, recorder, accounting
+        self.run_config = cluster.config.run
+        # (step, (clients, hosts), calls) in flight, oldest first
+        self._pending: collections.deque = collections.deque()
+        self._watchdog: Watchdog | None = None
+        self._last_done = 0.0        # perf_counter when the previous step finished (step time)
+        self._last_progress = 0.0    # monotonic time of the last finished step (progress deadline)
+        self._data_offset = 0
+        self._restarts = 0
+        self._partial = None         # (step, clients, hosts, replies) of a step some pods finished
+
+    def run(self, start: int, data_offset: int = 0, restarts: int = 0) -> None:
+        """Steps start..run.steps-1, step s training on batch s + data_offset, then the final
+        step boundary. Raises PodFailure (a pod failed, died or hung), Spike (after the steps in
+        flight have finished), or RunError (the pods diverged)."""
+        stop = self.run_config.steps
+        self._data_offset, self._restarts = data_offset, restarts
+        prefetch = Prefetcher(self.batches, self.cluster.size, start, stop, offset=data_offset,
+                              dtype=token_dtype(self.cluster.config.model.vocab_size))
+        self._watchdog = self.cluster.watchdog()
+        self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
+        if self._partial is not None and self._partial[0] == start - 1:
+            self._record_partial(*self._partial)
+        self._partial = None
+        try:
+            try:
+                for step in range(start, stop):
+                    self._boundary(step)
+                    if self.failover is not None and self.failover.on_step(step, self.drain):
+                        self._watchdog.stop()          # a pod rejoined: watch it too
+                        self._watchdog = self.cluster.watchdog()
+                    got, shards = prefetch.next(DATA_TIMEOUT_S)
+                    if got != step:
+                        raise RunError(f"the data pipeline delivered step {got} for step {step}")
+                    self._dispatch(step, shards)
+                    while len(self._pending) >= self.run_config.dispatch_depth or \
+                            (self._pending and step == stop - 1):
+                        self._complete_oldest()
+                self._boundary(stop)
+            except Spike:
+                # The pods are healthy: let the steps in flight finish before the rewind restores
+                # every pod (their results belong to the abandoned timeline).
+                for _, _, calls in self._pending:
+                    for call in calls:
+                        call.wait(self.run_config.step_timeout_s)
+                raise
+        finally:
+            for _, _, calls in self._pending:
+                for call in calls:
+                    call.cancel()
+            self._pending.clear()
+            prefetch.close()
+            self._watchdog.stop()
+
+    def _boundary(self, step: int) -> None:
+        """The components whose work needs every step before `step` done and none in flight."""
+        self.checkpointer.on_step(step, self.drain)
+        if self.evaluator is not None:
+            self.evaluator.data_offset = self._data_offset
+            if self.evaluator.on_step(step, self.drain):
+                # It evaluated: that time is neither the next step's time nor a stall.
+                self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
+
+    def drain(self) -> None:
+        """Finish every step in flight (before a checkpoint: it must hold exactly that state)."""
+        while self._pending:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        # Popped only once complete: a step that fails while being waited for is still in flight,
+        # so the cleanup cancels its calls.
+        self._complete(*self._pending[0])
+        self._pending.popleft()
+
+    def _dispatch(self, step: int, shards: StepData) -> None:
+        """Send step `step` to every live pod: its own shard, and the shards of the failed pods
+        it hosts (each in its slot)."""
+        timeout = self.run_config.step_timeout_s
+        every = self.run_config.full_fingerprint_every
+        full = bool(every) and (step + 1) % every == 0    # the state after a multiple of N steps
+        hosts = list(self.cluster.hosts)
+        clients = self.cluster.live_clients
+        calls = []
+        for client in clients:
+            pod = client.pod_index
+            extra = [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot])
+                     for slot, host in enumerate(hosts) if host == pod and slot != pod]
+            request = pb.StepRequest(step=step, tokens=shards.tokens[pod], loss_mask=shards.masks[pod],
+                                     global_tokens=shards.global_tokens, full_fingerprint=full, extra_shards=extra)
+            calls.append(client.call_async("Step", request, timeout))
+        self._pending.append((step, (clients, hosts), calls))
+
+    def _record_partial(self, step: int, clients, hosts, replies) -> None:
+        """The record of a step the survivors finished while a failed pod did not: its loss
+        counts the shards whose results came back (partial_loss), its state is checked as any."""
+        check_agreement(step, clients, replies)
+        record = step_record(step, replies, 0.0, self.accounting, hosts=hosts)
+        record.update(partial_loss=True, skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
+                      restarts=self._restarts, **self._position(step))
+        self.recorder.write(record)
+
+    def _position(self, step: int) -> dict:
+        """Where in the data step `step` trained: the batch index, and the epochs done after it."""
+        index = step + self._data_offset
+        return {"data_index": index, "epoch": self.batches.epoch(index)}
+
+    def _complete(self, step: int, who: tuple, calls: list) -> None:
+        """Wait for one step's replies (watching the pods meanwhile), check and record it."""
+        clients, hosts = who
+        progress_timeout = self.run_config.progress_timeout_s or self.run_config.step_timeout_s
+        results, errors = [], []
+        for client, call in zip(clients, calls):
+            while not call.wait(POLL_S):
+                if self._watchdog.failure is not None:
+                    raise self._watchdog.failure
+                if time.monotonic() - self._last_progress > progress_timeout:
+                    raise self.cluster.diagnose(f"step {step}: no step finished for {progress_timeout:g}s")
+            try:
+                results.append(call.result())
+            except WorkerError as exc:
+                errors.append((client.pod_index, exc))
+        if errors:
+            if results:
+                # Some pods finished the step before one failed (it died after sending its
+                # gradient): if the survivors carry on from the step after it, it is recorded from
+                # their replies (run() does that), never run again.
+                self._partial = (step, [c for c in clients if c.pod_index in {r.pod_index for r in results}], hosts,
+                                 results)
+            # The root cause first: a pod that failed outright, not its peers aborting or
+            # losing their link to it (or cancelled by it).
+            knock_on = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            errors.sort(key=lambda e: e[1].code in knock_on)
+            suspects = [pod for pod, e in errors if e.code not in knock_on]
+            raise self.cluster.diagnose(f"step {step} failed: " + "; ".join(str(e) for _, e in errors), suspects)
+        check_agreement(step, clients, results)
+        now = time.perf_counter()
+        record = step_record(step, results, now - self._last_done, self.accounting, hosts=hosts)
+        self._last_done, self._last_progress = now, time.monotonic()
+        record.update(skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
+                      restarts=self._restarts, **self._position(step))
+        spike = self.spike.check(record)
+        self.recorder.write(record)     # a spike's record is kept too: it shows what was rewound
+        if spike is not None:
+            raise spike

@@ -1,0 +1,81 @@
+"""The end of a run: a sample from the model, summary.json and the summary printed for the user
+(the final held-out evaluation is the Evaluator's, at the last step boundary)."""
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from dataclasses import dataclass
+
+from multipod.controller.data.batches import narrow
+from multipod.controller.observe.metrics import out
+from multipod.protos import codec, multipod_pb2 as pb
+
+
+@dataclass
+class Summary:
+    """What a finished run reports (also written to summary.json)."""
+    steps: int
+    first_loss: float
+    final_loss: float
+    eval_loss: float | None
+    eval_bits_per_byte: float | None
+    fingerprint: str
+    median_step_time_s: float
+    median_tokens_per_s: float
+    median_mfu: float | None
+    median_hfu: float | None
+    sample: str | None
+    run_dir: str
+
+
+def sample(client, run, tokenizer) -> str | None:
+    """run.sample_tokens tokens the model writes after run.sample_prompt (None if none asked)."""
+    if not run.sample_tokens:
+        return None
+    prompt = tokenizer.encode(run.sample_prompt or " ")
+    if prompt.size == 0:
+        prompt = tokenizer.encode(" ")
+    # shift_context: a sample longer than the model's context goes on from the last half of it.
+    reply = client.call("Generate", pb.GenerateRequest(
+        prompt=codec.encode(narrow(prompt)), num_tokens=run.sample_tokens, temperature=run.sample_temperature,
+        seed=run.seed, shift_context=True),
+        run.step_timeout_s)
+    return tokenizer.decode(list(prompt) + list(codec.decode(reply.tokens)))
+
+
+def finish(run, client, run_dir: pathlib.Path, tokenizer, last_eval: dict | None, records: list[dict],
+           extra: dict | None = None) -> Summary:
+    """Sample on `client` (one pod: every pod holds the same parameters), then summarise the step
+    records and the last evaluation into summary.json; `extra` adds fields to the file."""
+    text = sample(client, run, tokenizer)
+    timed = records[1:] or records   # the first step includes warm-up
+    mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
+    hfus = [r["hfu"] for r in timed if r.get("hfu") is not None]
+    summary = Summary(
+        steps=len(records), first_loss=records[0]["loss"] if records else float("nan"),
+        final_loss=records[-1]["loss"] if records else float("nan"),
+        eval_loss=last_eval["eval_loss"] if last_eval else None,
+        eval_bits_per_byte=last_eval["eval_bits_per_byte"] if last_eval else None,
+        fingerprint=records[-1]["fingerprints"][0] if records else "",
+        median_step_time_s=statistics.median(r["step_time_s"] for r in timed) if timed else 0.0,
+        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed) if timed else 0.0,
+        median_mfu=statistics.median(mfus) if mfus else None,
+        median_hfu=statistics.median(hfus) if hfus else None, sample=text, run_dir=str(run_dir))
+    (run_dir / "summary.json").write_text(json.dumps({**summary.__dict__, **(extra or {})}, indent=2) + "\n")
+    return summary
+
+
+def print_summary(summary: Summary) -> None:
+    """The run's summary (and sample) on stdout."""
+    hfu_text = f", HFU {summary.median_hfu:.1%}" if summary.median_hfu is not None else ""
+    mfu_text = f"{summary.median_mfu:.1%}{hfu_text}" if summary.median_mfu is not None else "n/a (no peak FLOP/s known)"
+    out("")
+    out(f"done: {summary.steps} steps, loss {summary.first_loss:.4f} -> {summary.final_loss:.4f}"
+        + (f", held-out loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
+        + (f" ({summary.eval_bits_per_byte:.3f} bits/byte)" if summary.eval_bits_per_byte is not None else ""))
+    out(f"median step {summary.median_step_time_s:.3f}s, {summary.median_tokens_per_s:,.0f} tokens/s, MFU {mfu_text}")
+    out(f"final parameter fingerprint {summary.fingerprint} (identical on every pod)")
+    out(f"run directory: {summary.run_dir}")
+    if summary.sample is not None:
+        out("sample:\n" + "-" * 60 + "\n" + summary.sample + "\n" + "-" * 60)

@@ -1,0 +1,184 @@
+"""A training run from start to summary: connect and configure the pods, resume or take a
+baseline, then run the step loop, handing pod failures and loss spikes to recovery, until
+run.steps steps are done; then evaluate, sample and summarise.
+
+The pieces each own one job: cluster.py (the pods), loop.py (the steps), checkpointer.py,
+spike.py, recovery.py, metrics.py, events.py, summary.py."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from multipod.controller.cluster.pods import Cluster, connect
+from multipod.controller.components.checkpointer import Checkpointer
+from multipod.controller.components.evaluation import Evaluator
+from multipod.controller.components.failover import Failover
+from multipod.controller.components.recovery import Recovery
+from multipod.controller.components.spike import Spike, SpikePolicy
+from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.core.run_config import Config, ConfigError
+from multipod.controller.data.corpus import RunData, prepare, write_beside_checkpoints
+from multipod.controller.observe.events import EventLog
+from multipod.controller.observe.metrics import Accounting, MetricsLog, ProgressLine, Recorder, out
+from multipod.controller.observe.peak import resolve_peak
+from multipod.controller.run.loop import StepLoop
+from multipod.controller.run.summary import Summary, finish, print_summary
+
+__all__ = ["PodFailure", "RunError", "Summary", "checkpoint_dir", "print_summary", "run_training", "train"]
+
+
+def checkpoint_dir(config: Config, run_dir: pathlib.Path) -> str:
+    """Where the run's checkpoints go (absolute: the workers may run in another directory)."""
+    return str(pathlib.Path(config.run.checkpoint_dir or run_dir / "checkpoints").absolute())
+
+
+def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
+                 progress: ProgressLine | None = None, resume: bool = False, supervisor=None,
+                 data: RunData | None = None, local: bool = False) -> Summary:
+    """Train for config.run.steps steps on the pods at `addresses`; returns the run summary.
+
+    resume: continue from the newest checkpoint in the checkpoint directory. supervisor: an
+    object with kill(pod) that gets a hung pod restarted (LocalPods); without one, the controller
+    waits for the user's supervisor to bring a failed worker back. data: the run's prepared data
+    (corpus.prepare; made here if not given), whose config (vocab resolved) replaces `config`.
+    local: the pods run on this machine (its peak FLOP/s may be measured for MFU)."""
+    if not addresses:
+        raise ConfigError("--workers", "no worker addresses given")
+    num_pods = len(addresses)
+    if config.data.global_batch % num_pods:
+        raise ConfigError("data.global_batch", f"{config.data.global_batch} does not split over {num_pods} pods")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The tokenizer, the token cache and the vocabulary before the pods configure; config.json
+    # holds the resolved config.
+    data = data or prepare(config)
+    config = data.config
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    write_beside_checkpoints(data, checkpoint_dir(config, run_dir))
+    cluster = connect(addresses, config)
+    try:
+        return train(cluster, run_dir, data, progress, resume, supervisor, local)
+    finally:
+        cluster.close()
+
+
+def _accounting(cluster: Cluster, replies, local: bool) -> Accounting:
+    """Configure's replies, reported to the user, as the accounting of every step's record."""
+    config, first = cluster.config, replies[0]
+    num_devices = sum(r.num_devices for r in replies)
+    accounting = Accounting(model_flops_per_token=config.model.flops_per_token(config.data.seq_len),
+                            peak_flops=resolve_peak(config.run, first.device_kind, num_devices, local),
+                            num_devices=num_devices,
+                            hardware_flops_per_step=sum(r.hardware_flops_per_step for r in replies))
+    if first.memory_peak_bytes:
+        out(f"compiled step: {first.memory_peak_bytes / 2**20:.1f} MiB per device (temporaries "
+            f"{first.memory_temp_bytes / 2**20:.1f} MiB); "
+            f"{accounting.hardware_flops_per_step / 1e9:.2f} hardware GFLOP per step")
+    peak = accounting.peak_flops
+    out(f"{cluster.size} pod(s) x {first.num_devices} {first.device_kind} device(s), mesh data={first.mesh_shape[0]} "
+        f"model={first.mesh_shape[1]}; {first.param_count:,} parameters; "
+        f"{accounting.model_flops_per_token / 1e6:.1f} MFLOP/token; peak "
+        + (f"{peak / 1e9:.1f} GFLOP/s per device" if peak else
+           "unknown (MFU not reported; pass --peak-flops, or run `multipod peak-flops` on a worker's machine)"))
+    return accounting
+
+
+def _reattach(cluster: Cluster, run_dir: pathlib.Path):
+    """--resume after the controller itself died: the live workers' replies if every one still
+    holds the same state at the same step (no checkpoint is read), else None. The data position
+    continues from the last step recorded in metrics.jsonl."""
+    replies = cluster.reattach()
+    if replies is None:
+        return None, 0
+    offset = 0
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        # The last step record (evaluation records sit between them and carry no data position).
+        last = next((r for r in map(json.loads, reversed(lines)) if "data_index" in r), {})
+        offset = int(last.get("data_index", last.get("step", 0))) - int(last.get("step", 0))
+    except (OSError, ValueError):
+        pass
+    return replies, offset
+
+
+def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: ProgressLine | None = None,
+          resume: bool = False, supervisor=None, local: bool = False) -> Summary:
+    """Configure `cluster`, then train to run.steps on `data`, evaluating every run.eval_every
+    steps, recovering from pod failures (degraded mode or a checkpoint restore,
+    run.on_pod_failure) and rewinding loss spikes; returns the run summary. With resume,
+    reattach to workers that still hold a consistent state, else restore the newest checkpoint."""
+    config, run = cluster.config, cluster.config.run
+    reattached, offset = _reattach(cluster, run_dir) if resume else (None, 0)
+    if reattached is not None:
+        replies = reattached
+        out(f"reattached to {cluster.size} live pod(s) at step {replies[0].step} (every state hash equal): "
+            f"no checkpoint read")
+    else:
+        out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
+        replies = cluster.configure()
+    accounting = _accounting(cluster, replies, local)
+    base_fingerprint = replies[0].base_fingerprint or None      # prompt tuning: the same on every pod (cluster.py)
+    if base_fingerprint:
+        out(f"tuning a {config.prompt.kind} of {config.prompt.virtual_tokens} virtual tokens on the frozen base "
+            f"{config.prompt.base_checkpoint} (fingerprint {base_fingerprint} on every pod)")
+    events = EventLog(run_dir / "events.jsonl")
+    checkpointer = Checkpointer(cluster, checkpoint_dir(config, run_dir), events)
+    spike = SpikePolicy(run)
+    recovery = Recovery(cluster, checkpointer, spike, events, supervisor)
+    failover = Failover(cluster, events, supervisor)
+    try:
+        if reattached is not None:
+            start = int(replies[0].step)
+            checkpointer.data_offset = offset
+            events.write("reattached", step=start, data_offset=offset, fingerprint=replies[0].fingerprint)
+            if start > run.steps:
+                raise ConfigError("run.steps", f"{run.steps} is behind the pods' step {start}; "
+                                  f"resume with --steps {start} or more")
+        elif resume:
+            start = checkpointer.resume()
+            out(f"resumed from {checkpointer.last_good.path} (step {start}, "
+                f"data position {start + checkpointer.data_offset})")
+            if start > run.steps:
+                raise ConfigError("run.steps", f"{run.steps} is behind the checkpoint's step {start}; "
+                                  f"resume with --steps {start} or more")
+        else:
+            start = int(replies[0].step)   # the checkpointer takes a baseline at this first boundary
+        recorder = Recorder(MetricsLog(run_dir, append=resume), progress or ProgressLine(run.steps, start))
+        evaluator = Evaluator(cluster, data.dataset, recorder.write_eval)
+        loop = StepLoop(cluster, data.dataset, checkpointer, spike, recorder, accounting,
+                        failover if run.on_pod_failure == "degrade" else None, evaluator)
+        first_step = start
+        try:
+            while True:
+                try:
+                    loop.run(start, data_offset=checkpointer.data_offset,
+                             restarts=recovery.restarts + failover.failures)
+                    checkpointer.collect(block=True)
+                    break
+                except PodFailure as failure:
+                    if run.on_pod_failure == "degrade":
+                        start = failover.degrade(failure)
+                    else:
+                        start = recovery.recover(failure)
+                except Spike as spiked:
+                    start = recovery.rewind(spiked)
+        finally:
+            failover.close()
+            recorder.close()
+            checkpointer.collect(block=False)
+    finally:
+        events.close()
+    records = recorder.in_order()
+    # Steps trained more than once: a restore or rewind replays the steps after its checkpoint.
+    lost = max(0, recorder.steps_written - len(records)) if records else 0
+    extra = {"skipped_steps": len(recorder.skipped_steps), "restarts": recovery.restarts,
+             "rewinds": recovery.rewinds, "failed_checkpoints": checkpointer.failed,
+             "last_checkpoint": checkpointer.last_good.path if checkpointer.last_good else None,
+             "on_pod_failure": run.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
+             "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
+             "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
+             "first_step": first_step, "reattached": reattached is not None, "base_fingerprint": base_fingerprint}
+    if extra["pod_failures"]:
+        out(f"pod failures: {extra['pod_failures']} ({run.on_pod_failure} mode); steps trained more than once: "
+            f"{lost}; {failover.degraded_s:.1f}s degraded; {failover.rejoins} rejoin(s), "
+            f"{failover.transfer_bytes / 2**20:.1f} MiB of state transferred")
+    return finish(run, cluster.live_clients[0], run_dir, data.tokenizer, evaluator.last, records, extra=extra)

@@ -1,0 +1,262 @@
+"""The worker's part of the run configuration: the schema a pod worker publishes.
+
+The controller resolves the user's config (controller/core/run_config.py), projects out a WorkerConfig and
+sends it as JSON in Configure; the worker parses and validates only this. The worker never sees
+the data path, evaluation, sampling, recovery or spike policy, so a remote worker does not care
+what exists on the controller's disk. This module is the only part of pod_worker the controller
+imports; it starts nothing (no devices, no server).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+
+from multipod.model.config import ConfigError, ModelConfig
+from multipod.model.prompt import PROMPT_KINDS
+from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+
+# Gradient encodings on the DCN link (pod_worker/dcn/wire.py implements them).
+COMPRESSIONS = ("none", "bf16", "int8")
+# Data-plane connections (ZeroMQ streams) per peer, at most.
+MAX_STREAMS = 8
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay, and global-norm clipping."""
+    learning_rate: float = 2e-2     # the default run's (docs/default_run.md)
+    warmup_steps: int = 20
+    decay_steps: int = 0          # 0: decay over the run's total steps
+    min_lr_ratio: float = 0.1     # the cosine decays to learning_rate * min_lr_ratio
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0        # 0 disables clipping
+
+    def validate(self) -> None:
+        positive("optimizer.learning_rate", self.learning_rate)
+        non_negative("optimizer.warmup_steps", self.warmup_steps)
+        non_negative("optimizer.decay_steps", self.decay_steps)
+        non_negative("optimizer.weight_decay", self.weight_decay)
+        non_negative("optimizer.clip_norm", self.clip_norm)
+        positive("optimizer.eps", self.eps)
+        for name in ("min_lr_ratio", "b1", "b2"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"optimizer.{name}", f"must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """A pod's device mesh (data x model). Every pod must end up with the same shape."""
+    data: int = -1                # -1: every device not used by the model axis
+    model: int = 1
+
+    def validate(self) -> None:
+        positive("mesh.model", self.model)
+        if self.data != -1:
+            positive("mesh.data", self.data)
+
+    def resolve(self, num_devices: int) -> tuple[int, int]:
+        """(data, model) for a pod with num_devices devices; ConfigError if they do not fit."""
+        if num_devices % self.model:
+            raise ConfigError("mesh.model", f"{self.model} does not divide the pod's {num_devices} devices")
+        data = num_devices // self.model if self.data == -1 else self.data
+        if data * self.model != num_devices:
+            raise ConfigError("mesh.data", f"data={data} x model={self.model} != the pod's {num_devices} devices")
+        return data, self.model
+
+
+@dataclass(frozen=True)
+class DcnConfig:
+    """The cross-pod gradient link."""
+    chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
+    timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
+    streams: int = 4              # parallel data-plane connections per peer
+    compression: str = "none"     # one of COMPRESSIONS (int8: one scale per block of <= 256 values)
+    link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
+    link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
+    encrypt: bool = False         # refuse peers whose data plane is not CURVE-encrypted (worker --dcn-encrypt)
+    overlap: bool = False         # per-layer backward programs; each block's gradient leaves when ready
+
+    def validate(self) -> None:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError("dcn.chunk_bytes",
+                              f"must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
+        positive("dcn.timeout_s", self.timeout_s)
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ConfigError("dcn.streams", f"must be in [1, {MAX_STREAMS}], got {self.streams}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError("dcn.compression", f"must be one of {', '.join(COMPRESSIONS)}; got {self.compression!r}")
+        non_negative("dcn.link_gbps", self.link_gbps)
+        non_negative("dcn.link_latency_ms", self.link_latency_ms)
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    """What a pod needs to know about the run as a whole: the seed of its initial parameters, the
+    length of the learning-rate schedule, and the shape of a global batch."""
+    seed: int = 0
+    total_steps: int = 200        # the schedule decays over this many steps (unless decay_steps is set)
+    seq_len: int = 128
+    global_batch: int = 16        # sequences per step, over all pods
+
+    def validate(self) -> None:
+        non_negative("train.seed", self.seed)
+        positive("train.total_steps", self.total_steps)
+        positive("train.seq_len", self.seq_len)
+        positive("train.global_batch", self.global_batch)
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """Prompt tuning / p-tuning (model/prompt.py): with a kind, the pod trains only the prompt
+    parameters; the model is the frozen base read from base_checkpoint, and the optimizer, the
+    DCN exchange, the checksum and the checkpoints carry the prompt parameters alone."""
+    kind: str = ""                # "" (train the whole model) or one of PROMPT_KINDS
+    virtual_tokens: int = 10      # virtual tokens before every sequence (they take context positions)
+    hidden: int = 128             # the prompt encoder's hidden width ("mlp", "lstm")
+    base_checkpoint: str = ""     # a checkpoint step folder of the base model, readable by every pod
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kind)
+
+    def validate(self) -> None:
+        if not self.enabled:
+            return
+        if self.kind not in PROMPT_KINDS:
+            raise ConfigError("prompt.kind", f"must be one of {', '.join(PROMPT_KINDS)} (or empty), got {self.kind!r}")
+        positive("prompt.virtual_tokens", self.virtual_tokens)
+        positive("prompt.hidden", self.hidden)
+        if not self.base_checkpoint:
+            raise ConfigError("prompt.base_checkpoint", "prompt tuning needs the base model's checkpoint")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a pod worker uses: model, optimizer, mesh, DCN link and the run's shape."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+    train: TrainShape = field(default_factory=TrainShape)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+
+    def validate(self) -> WorkerConfig:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        check_fits("train.seq_len", self.train.seq_len, self.model, self.prompt)
+        check_overlap(self.dcn, self.model)
+        check_prompt(self.prompt, self.dcn, self.model)
+        return self
+
+    @property
+    def schedule_steps(self) -> int:
+        """Steps the learning-rate schedule decays over."""
+        return self.optimizer.decay_steps or self.train.total_steps
+
+    def state_key(self) -> dict:
+        """Every value the pod's training state depends on (shapes, the update's maths, the
+        schedule, the initial parameters): a checkpoint resumes bitwise only if they all match."""
+        key = {"model": dataclasses.asdict(self.model), "optimizer": dataclasses.asdict(self.optimizer),
+               "schedule_steps": self.schedule_steps, "seed": self.train.seed,
+               "seq_len": self.train.seq_len, "global_batch": self.train.global_batch}
+        if self.prompt.enabled:
+            # The base is not here: which base a prompt belongs to is checked by its fingerprint
+            # (the prompt checkpoint records it), whatever folder it is read from.
+            key["prompt"] = {"kind": self.prompt.kind, "virtual_tokens": self.prompt.virtual_tokens,
+                             "hidden": self.prompt.hidden}
+        return key
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys): what Configure carries and what config_hash covers."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("config", f"not valid JSON: {exc}") from None
+        return build(cls, data).validate()
+
+
+def check_overlap(dcn: DcnConfig, model: ModelConfig) -> None:
+    """ConfigError unless the overlapped step (dcn.overlap, pod_worker/overlap.py) can run this
+    model: it does not accumulate microbatches."""
+    if dcn.overlap and model.microbatches > 1:
+        raise ConfigError("model.microbatches", f"must be 1 with dcn.overlap = true, got {model.microbatches} "
+                                                "(the overlapped step does not accumulate microbatches)")
+
+
+def check_fits(name: str, seq_len: int, model: ModelConfig, prompt: PromptConfig | None = None) -> None:
+    """ConfigError(name) unless sequences of seq_len (after the prompt's virtual tokens, if any)
+    fit the model's positions."""
+    virtual = prompt.virtual_tokens if prompt is not None and prompt.enabled else 0
+    if seq_len + virtual > model.max_seq_len:
+        after = f" after prompt.virtual_tokens={virtual}" if virtual else ""
+        raise ConfigError(name, f"{seq_len}{after} exceeds model.max_seq_len={model.max_seq_len}")
+
+
+def check_prompt(prompt: PromptConfig, dcn: DcnConfig, model: ModelConfig) -> None:
+    """ConfigError naming the field if prompt tuning cannot run with these settings."""
+    if not prompt.enabled:
+        return
+    if dcn.overlap:
+        raise ConfigError("dcn.overlap", "prompt tuning runs the fused step (its gradient is a few kilobytes)")
+    if model.microbatches != 1:
+        raise ConfigError("model.microbatches", f"prompt tuning runs unsplit batches, got {model.microbatches}")
+
+
+# -- the typed loader (the controller's config uses it too) ---------------------------------------
+def build(cls, data, prefix: str = ""):
+    """An instance of dataclass `cls` from nested dicts: unknown keys and wrong types are
+    ConfigErrors naming the field (e.g. "model.d_modle: unknown key; model has: ...").
+    Not validated: call .validate() on the result."""
+    where = prefix or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(where, f"expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, raw in data.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if key not in hints:
+            if prefix:
+                raise ConfigError(name, f"unknown key; {prefix} has: {', '.join(known)}")
+            raise ConfigError(name, f"unknown section; known sections: {', '.join(known)}")
+        kind = hints[key]
+        kwargs[key] = build(kind, raw, name) if dataclasses.is_dataclass(kind) else _coerce(name, kind, raw)
+    return cls(**kwargs)
+
+
+def _coerce(name: str, kind, raw):
+    """Check raw against the field's type; ints are accepted where floats are expected."""
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if (kind is int and isinstance(raw, bool)) or not isinstance(raw, kind):
+        raise ConfigError(name, f"expected {kind.__name__}, got {type(raw).__name__} {raw!r}")
+    return raw
+
+
+def positive(name: str, value) -> None:
+    """ConfigError(name) unless value > 0."""
+    if not value > 0:
+        raise ConfigError(name, f"must be > 0, got {value}")
+
+
+def non_negative(name: str, value) -> None:
+    """ConfigError(name) unless value >= 0."""
+    if not value >= 0:
+        raise ConfigError(name, f"must be >= 0, got {value}")

@@ -1,0 +1,116 @@
+"""The cluster: the watchdog, the diagnosis, the typed health verdicts, and the configure check
+that a restarted pod matches the pods that stayed up."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from multipod.controller.cluster.client import Verdict, WorkerClient
+from multipod.controller.cluster.pods import Cluster, Watchdog
+from multipod.controller.core.errors import RunError
+from tests.unit.controller.fakes import DEAD, HUNG, SERVING, FakePod, configure_reply, make_config
+
+
+def _watch(clients):
+    dog = Watchdog(clients, interval_s=0.01, timeout_s=0.01)
+    deadline = time.monotonic() + 10
+    while dog.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.stop()
+    assert dog.failure is not None
+    return dog.failure
+
+
+def test_watchdog_names_a_pod_after_two_missed_health_checks_and_tells_hung_from_dead():
+    # Pod 0 misses one check only (forgiven); pod 1 stops answering; pod 2 serves.
+    failure = _watch([FakePod(0, probes=[HUNG], probe_then=SERVING), FakePod(1, probes=[SERVING], probe_then=HUNG),
+                      FakePod(2)])
+    assert failure.pods == (1,) and failure.hung == (1,)
+    assert str(failure).startswith(f"pod 1 (fake:1) is not responding: {HUNG.detail}")
+    # A dead pod (connection refused) is reported too, but not as hung: the controller never
+    # kills it (its supervisor may already be starting the new incarnation).
+    failure = _watch([FakePod(0), FakePod(1, probe_then=DEAD)])
+    assert failure.pods == (1,) and failure.hung == ()
+
+
+def test_diagnose_names_the_silent_pods_and_keeps_the_context():
+    cluster = Cluster([FakePod(0), FakePod(1, probe_then=HUNG), FakePod(2, probe_then=DEAD)], make_config())
+    failure = cluster.diagnose("step 4 failed: boom")
+    assert failure.pods == (1, 2) and failure.hung == (1,)
+    assert str(failure).endswith("(step 4 failed: boom)") and "pod 2 (fake:2) is not responding" in str(failure)
+    quiet = Cluster([FakePod(0)], make_config()).diagnose("step 4 failed: boom")
+    assert quiet.pods == () and str(quiet) == "step 4 failed: boom"
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "pod-looking text that must not matter"
+
+
+class _Health:
+    def __init__(self, code):
+        self.code = code
+
+    def Check(self, request, timeout):
+        raise _RpcError(self.code)
+
+
+@pytest.mark.parametrize("code, verdict", [(grpc.StatusCode.DEADLINE_EXCEEDED, Verdict.HUNG),
+                                           (grpc.StatusCode.UNAVAILABLE, Verdict.DEAD)])
+def test_probe_tells_hung_from_dead_by_status_code(code, verdict):
+    client = WorkerClient(0, "127.0.0.1:1")    # the channel is lazy: nothing is contacted
+    try:
+        client.health = _Health(code)
+        probe = client.probe(0.5)
+        assert probe.verdict is verdict and not probe.serving
+        # DEADLINE_EXCEEDED always means this call's own deadline, whatever the details say.
+        error = client._error("Step", _RpcError(code))
+        assert error.code is code
+        assert ("no answer within the call's deadline" in str(error)) == (code is grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        client.close()
+
+
+def _configured(pods):
+    cluster = Cluster(pods, make_config())
+    cluster.configure()
+    return cluster
+
+
+@pytest.mark.parametrize("field, value, what", [("mesh_shape", [1, 2], "mesh shape"),
+                                                ("num_devices", 2, "device count"),
+                                                ("config_hash", "other", "config hash"),
+                                                ("protocol_version", 999, "protocol version"),
+                                                ("fingerprint", "other-init", "initial state fingerprint")])
+def test_a_restarted_pod_that_differs_from_the_pods_that_stayed_up_is_refused(field, value, what):
+    pods = [FakePod(0), FakePod(1), FakePod(2)]
+    cluster = _configured(pods)
+    # Pod 1 comes back as a different worker (another device count, mesh, version or config).
+    pods[1].configure = lambda request: configure_reply(1, **{field: value})
+    with pytest.raises(RunError, match=what) as info:
+        cluster.configure_restarted([1])
+    message = str(info.value)
+    assert "pod 1 (fake:1) has" in message and "pod 0 (fake:0)" in message and "stayed up" in message
+
+
+def test_a_restarted_pod_that_matches_the_survivors_is_accepted():
+    pods = [FakePod(0), FakePod(1)]
+    cluster = _configured(pods)
+    replies = cluster.configure_restarted([1])
+    assert [r.pod_index for r in replies] == [1]
+    assert [m for m, _ in pods[1].calls] == ["Configure", "Configure"] and len(pods[0].calls) == 1
+
+
+def test_pods_that_disagree_at_the_first_configure_are_refused():
+    pods = [FakePod(0), FakePod(1)]
+    pods[1].configure = lambda request: configure_reply(1, mesh_shape=[2, 1])
+    with pytest.raises(RunError, match=r"pods disagree on mesh shape"):
+        Cluster(pods, make_config()).configure()

@@ -1,0 +1,214 @@
+"""`multipod report`: the series plotted from metrics.jsonl and events.jsonl, the PNG it writes,
+and its errors."""
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+
+import pytest
+
+from multipod.cli import main
+from multipod.controller.commands.train import write_report_quietly
+from multipod.controller.observe.report import ReportError, draw, read_jsonl, report_series, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOKENS = 64
+
+
+def _record(step: int, loss: float, pods=(0, 1), hosts=(0, 1), time: float | None = None, mfu=None, **extra) -> dict:
+    """A metrics record shaped like controller/observe/metrics.py step_record's (the fields the report reads)."""
+    return {
+        "step": step, "loss": loss, "hosts": list(hosts), "live_pods": len(pods), "skipped": False,
+        "step_time_s": 1.0 + step / 100, "tokens": TOKENS, "tokens_per_s": TOKENS / (1.0 + step / 100),
+        "mfu": mfu, "hfu": None if mfu is None else mfu * 1.2,
+        "pods": [{"pod": p, "compute_s": 0.5 + p / 10 + step / 1000, "exchange_s": 0.3,
+                  "exposed_exchange_s": 0.1 + p / 100, "update_s": 0.2 + step / 1000} for p in pods],
+        "time": 1000.0 + step if time is None else time, **extra,
+    }
+
+
+def _run():
+    """Ten steps of a 2-pod run: pod 1 fails during step 6, steps 6-7 run degraded on pod 0 alone,
+    pod 1 rejoins at step 8; steps 4-5 were first trained, then replayed after a rewind to the
+    checkpoint of step 4 (the replayed records win); eval loss at steps 4 (in the step's record)
+    and 9 (a record of its own)."""
+    records = [_record(s, 5.0 - s * 0.1) for s in range(6)]
+    records += [_record(4, 4.55, time=1006.5), _record(5, 4.45, time=1007.5)]   # replayed after the rewind
+    records[-2]["eval_loss"] = 4.7
+    records += [_record(6, 4.4, pods=(0,), hosts=(0, 0), time=1020.0),
+                _record(7, 4.3, pods=(0,), hosts=(0, 0), time=1021.0),
+                _record(8, 4.2, time=1022.0), _record(9, 4.1, time=1023.0),
+                {"step": 9, "eval_loss": 4.25, "time": 1023.5}]
+    events = [
+        {"event": "checkpoint_started", "time": 1000.0, "step": 0},
+        {"event": "checkpoint_saved", "time": 1000.5, "step": 0, "path": "ckpt/0"},
+        {"event": "checkpoint_saved", "time": 1004.1, "step": 4, "path": "ckpt/4"},
+        {"event": "rewind", "time": 1005.6, "spike_step": 5, "loss": 9.0, "mean": 4.6, "to_step": 4,
+         "data_offset": 1},
+        # No step: noticed while step 6 was in flight (step 5's replayed record came last before it).
+        {"event": "pod_failure", "time": 1019.0, "error": "pod 1 died", "pods": [1], "mode": "degrade"},
+        {"event": "degraded", "time": 1019.2, "step": 6, "live_pods": [0], "hosts": [0, 0], "failed": [1]},
+        {"event": "state_transfer", "time": 1021.5, "step": 8, "donor": 0, "receiver": 1},
+        {"event": "rejoin", "time": 1021.6, "step": 8, "pods": [1], "live_pods": [0, 1], "hosts": [0, 1]},
+        {"event": "checkpoint_failed", "time": 1023.2, "step": 9, "error": "disk full"},
+    ]
+    return records, events
+
+
+def _write_run(run_dir: pathlib.Path, records, events=None) -> pathlib.Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if events is not None:
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run_dir
+
+
+def _png_size(path: pathlib.Path) -> tuple[int, int]:
+    """Width and height from the IHDR chunk, after checking the signature."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, data[:8]
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    return struct.unpack(">II", data[16:24])
+
+
+def test_series_take_the_last_record_of_each_step_and_count_tokens():
+    records, events = _run()
+    series = report_series(records, events)
+    assert series["steps"] == list(range(10))
+    assert series["loss"][4:6] == [4.55, 4.45]          # the replays, not the first tries
+    assert series["loss"][:4] == [5.0, 4.9, 4.8, 4.7] and series["loss"][6:] == [4.4, 4.3, 4.2, 4.1]
+    assert series["tokens"] == [TOKENS * (s + 1) for s in range(10)]
+    assert series["step_time"] == [1.0 + s / 100 for s in range(10)]
+    # Eval loss from a step's own record and from an eval-only record, which does not replace step 9.
+    assert series["eval"] == {"steps": [4, 9], "loss": [4.7, 4.25], "tokens": [5 * TOKENS, 10 * TOKENS]}
+
+
+def test_series_split_each_pods_step_time_and_leave_out_a_pod_that_was_out():
+    records, events = _run()
+    pods = report_series(records, events)["pods"]
+    assert list(pods) == [0, 1]
+    assert pods[0]["steps"] == list(range(10))
+    assert pods[1]["steps"] == [0, 1, 2, 3, 4, 5, 8, 9]      # out on the degraded steps 6 and 7
+    assert pods[0]["compute"] == pytest.approx([0.5 + s / 1000 for s in range(10)])
+    assert pods[1]["compute"] == pytest.approx([0.6 + s / 1000 for s in pods[1]["steps"]])
+    assert pods[1]["exposed_exchange"] == pytest.approx([0.11] * 8)
+    assert pods[0]["update"] == pytest.approx([0.2 + s / 1000 for s in range(10)])
+
+
+def test_series_mark_failures_checkpoints_rewinds_rejoins_and_shade_degraded_steps():
+    records, events = _run()
+    series = report_series(records, events)
+    assert series["degraded"] == [[6, 7]]
+    marks = [(m["kind"], m["step"]) for m in series["markers"]]
+    assert marks == [("checkpoint", 0), ("checkpoint", 4), ("rewind", 5), ("pod_failure", 6), ("rejoin", 8),
+                     ("checkpoint_failed", 9)]
+    failure = next(m for m in series["markers"] if m["kind"] == "pod_failure")
+    assert failure["detail"] == "pods [1]"
+    rewind = next(m for m in series["markers"] if m["kind"] == "rewind")
+    assert "back to step 4" in rewind["detail"]
+
+
+def test_degraded_spans_are_runs_of_consecutive_steps():
+    records = [_record(s, 1.0, pods=(0,) if s in (2, 3, 4, 7) else (0, 1)) for s in range(9)]
+    assert report_series(records, [])["degraded"] == [[2, 4], [7, 7]]
+
+
+def test_draw_writes_a_png_of_the_expected_size_and_says_when_mfu_is_unknown(tmp_path):
+    records, events = _run()
+    path = tmp_path / "report.png"
+    titles = draw(report_series(records, events), path)
+    width, height = _png_size(path)
+    assert 1000 <= width <= 3000 and 800 <= height <= 3000, (width, height)
+    assert path.stat().st_size > 20_000          # six panels of lines, not a blank canvas
+    assert len(titles) == 6
+    assert "MFU n/a" in titles[-1] and "HFU n/a" in titles[-1]
+    assert titles[2] == "step time by phase, per pod"
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_mfu_and_hfu_are_plotted_when_known(tmp_path):
+    records = [_record(s, 3.0 - s / 10, mfu=0.2 + s / 100) for s in range(5)]
+    records[0]["step_time_s"] = 30.0      # compilation: kept off the step-time panel's scale
+    series = report_series(records, [])
+    assert series["mfu"] == pytest.approx([0.2, 0.21, 0.22, 0.23, 0.24])
+    assert series["hfu"] == pytest.approx([0.24, 0.252, 0.264, 0.276, 0.288])
+    titles = draw(series, tmp_path / "r.png")
+    assert titles[-1] == "MFU, HFU"
+    assert titles[2] == "step time by phase, per pod (first step off scale)"
+
+
+def test_write_report_reads_the_run_directory(tmp_path):
+    records, events = _run()
+    run_dir = _write_run(tmp_path / "run", records, events)
+    path = write_report(run_dir)
+    assert path == run_dir / "report.png"
+    _png_size(path)
+    # Without events.jsonl and to another path.
+    (run_dir / "events.jsonl").unlink()
+    other = write_report(run_dir, tmp_path / "elsewhere.png")
+    assert other == tmp_path / "elsewhere.png" and _png_size(other)
+
+
+def test_the_report_command_prints_the_path(tmp_path, capsys):
+    run_dir = _write_run(tmp_path / "run", [_record(s, 2.0) for s in range(3)])
+    assert main(["report", str(run_dir)]) == 0
+    assert capsys.readouterr().out.strip() == str(run_dir / "report.png")
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "x.png")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "x.png")
+    assert _png_size(tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "no such file"),
+    ("", "empty"),
+    ("\n\n", "empty"),
+    ('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n{"step": 2, "lo\n', "line 3: not valid JSON"),
+    ('{"step": 0, "loss": 1.0}\n[1, 2]\n', "line 2: expected a JSON object"),
+    ('{"loss": 1.0}\n', "line 1: no integer \"step\""),
+    ('{"step": 0, "eval_loss": 1.0}\n', "no record of a training step"),
+])
+def test_bad_metrics_get_an_error_that_names_the_file(tmp_path, capsys, content, expected):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.jsonl"
+    if content is not None:
+        metrics.write_text(content)
+    with pytest.raises(ReportError) as caught:
+        write_report(run_dir)
+    assert str(metrics) in str(caught.value) and expected in str(caught.value)
+    assert not (run_dir / "report.png").exists()
+    # The command prints it and fails.
+    assert main(["report", str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(metrics) in err and expected in err
+
+
+def test_a_malformed_event_line_is_named_too(tmp_path):
+    run_dir = _write_run(tmp_path / "run", [_record(0, 1.0)])
+    (run_dir / "events.jsonl").write_text('{"event": "checkpoint_saved", "step": 0}\nnot json\n')
+    with pytest.raises(ReportError, match=r"events\.jsonl, line 2: not valid JSON"):
+        write_report(run_dir)
+    assert read_jsonl(run_dir / "nothing.jsonl", required=False) == []
+
+
+def test_a_missing_run_directory_is_named(tmp_path):
+    with pytest.raises(ReportError, match="no such run directory"):
+        write_report(tmp_path / "nope")
+
+
+def test_the_end_of_a_local_run_warns_instead_of_failing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_report_quietly(run_dir)                    # no metrics yet (the run failed early): nothing
+    assert capsys.readouterr() == ("", "")
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo')   # cut off mid-line
+    write_report_quietly(run_dir)
+    err = capsys.readouterr().err
+    assert "warning: no report drawn" in err and "line 2" in err
+    assert not (run_dir / "report.png").exists()
+    _write_run(run_dir, [_record(s, 2.0) for s in range(3)])
+    write_report_quietly(run_dir)
+    assert capsys.readouterr().out.strip() == f"report: {run_dir / 'report.png'}"
+    assert _png_size(run_dir / "report.png")

@@ -1,0 +1,53 @@
+"""The worker's config schema: the typed loader, what the worker sees, what its state depends on."""
+import dataclasses
+
+import pytest
+
+from multipod.model import ConfigError, ModelConfig
+from multipod.pod_worker.schema import (
+    DcnConfig,
+    OptimizerConfig,
+    TrainShape,
+    WorkerConfig,
+    build,
+)
+
+
+def test_loader_rejects_unknown_and_bad_values_naming_the_field():
+    assert build(ModelConfig, {"d_model": 64}, "model").d_model == 64
+    with pytest.raises(ConfigError, match="model.d_modle: unknown key; model has: vocab_size"):
+        build(ModelConfig, {"d_modle": 64}, "model")
+    with pytest.raises(ConfigError, match="model.n_heads"):
+        build(ModelConfig, {"n_heads": 0}, "model").validate()
+    with pytest.raises(ConfigError, match="model.d_model: expected int, got str"):
+        build(ModelConfig, {"d_model": "64"}, "model")
+    assert build(OptimizerConfig, {"learning_rate": 1}, "optimizer").learning_rate == 1.0
+
+
+def test_the_worker_config_holds_no_controller_concerns():
+    sections = {f.name for f in dataclasses.fields(WorkerConfig)}
+    assert sections == {"model", "optimizer", "mesh", "dcn", "train", "prompt"}
+    with pytest.raises(ConfigError, match="data: unknown section"):
+        WorkerConfig.from_json('{"data": {"path": "/nowhere"}}')
+    with pytest.raises(ConfigError, match="run: unknown section"):
+        WorkerConfig.from_json('{"run": {"debug_nan_step": 2}}')
+
+
+def test_worker_config_round_trips_and_validates():
+    config = WorkerConfig(train=TrainShape(seq_len=64, global_batch=8, total_steps=10, seed=3))
+    assert WorkerConfig.from_json(config.to_json()) == config
+    with pytest.raises(ConfigError, match="train.seq_len"):
+        WorkerConfig.from_json(WorkerConfig(train=TrainShape(seq_len=4096)).to_json())
+    with pytest.raises(ConfigError, match="dcn.compression"):
+        WorkerConfig(dcn=DcnConfig(compression="zip")).validate()
+
+
+def test_state_key_covers_the_schedule_length():
+    short = WorkerConfig(train=TrainShape(total_steps=10))
+    long = WorkerConfig(train=TrainShape(total_steps=20))
+    assert short.state_key() != long.state_key()     # the cosine decays over total_steps
+    fixed = OptimizerConfig(decay_steps=100)
+    assert dataclasses.replace(short, optimizer=fixed).state_key() == \
+        dataclasses.replace(long, optimizer=fixed).state_key()   # an explicit decay length decides alone
+    assert WorkerConfig(dcn=DcnConfig(streams=1)).state_key() == WorkerConfig().state_key()
+
