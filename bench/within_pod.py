@@ -56,9 +56,9 @@ def saved_activation_bytes(model_cfg, rows: int, seq_len: int) -> dict:
     from jax._src.ad_checkpoint import saved_residuals
 
     from multipod.model import abstract_params, loss_sums
-    from multipod.model.config import REMAT_POLICIES
+    from multipod.model.config import RematPolicy
     result = {}
-    for remat in REMAT_POLICIES:
+    for remat in RematPolicy:
         cfg = dataclasses.replace(model_cfg, remat=remat)
         params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nn.unbox(abstract_params(cfg)))
         tokens = jnp.zeros((rows, seq_len + 1), jnp.int32)

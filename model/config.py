@@ -1,19 +1,25 @@
 """Model hyperparameters, their validation, and derived size/FLOP figures."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 import jax.numpy as jnp
 
 # Names accepted for `dtype` / `param_dtype`, mapped to jnp dtypes.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# Activation recomputation policies (see model.layers.remat_policy):
-#   none      keep every activation the backward pass needs;
-#   full      keep only each block's input and recompute the whole block in the backward pass;
-#   selective keep the matmul outputs, recompute the cheap memory-heavy parts (attention scores,
-#             softmax, norms, RoPE, elementwise ops).
-REMAT_POLICIES = ("none", "full", "selective")
+
+class RematPolicy(enum.StrEnum):
+    """Activation recomputation (model.remat; see model.layers.remat_policy):
+      none      keep every activation the backward pass needs;
+      full      keep only each block's input and recompute the whole block in the backward pass;
+      selective keep the matmul outputs, recompute the cheap memory-heavy parts (attention scores,
+                softmax, norms, RoPE, elementwise ops)."""
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
 
 
 class ConfigError(ValueError):
@@ -23,6 +29,19 @@ class ConfigError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+Choice = TypeVar("Choice", bound=enum.Enum)
+
+
+def to_enum(name: str, choices: type[Choice], value) -> Choice:
+    """`value` (a member or its string) as a member of the enum `choices`; ConfigError(name)
+    listing the choices if it is neither. Every config field with a fixed set of values loads
+    through this."""
+    try:
+        return choices(value)
+    except ValueError:
+        raise ConfigError(name, f"must be one of {', '.join(str(c.value) for c in choices)}, got {value!r}") from None
 
 
 # ModelConfig fields that only lay the math out (where and when it runs, not what it computes): a
@@ -55,8 +74,12 @@ class ModelConfig:
     # Within-pod techniques. They change where and when the math runs, not the math: loss and
     # gradients agree with the plain layout to float tolerance.
     sequence_parallel: bool = False  # shard norm/residual activations along the sequence over `model`
-    remat: str = "none"  # one of REMAT_POLICIES
+    remat: RematPolicy = RematPolicy.NONE
     microbatches: int = 1  # gradient accumulation: a pod's shard is split into this many pieces
+
+    def __post_init__(self):
+        # A plain string (TOML, JSON, a caller's "full") is held as the member.
+        object.__setattr__(self, "remat", to_enum("model.remat", RematPolicy, self.remat))
 
     def validate(self) -> None:
         """Raise ConfigError("model.<field>", ...) for the first bad value found."""
@@ -90,8 +113,6 @@ class ModelConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError("model.sequence_parallel",
                               f"must be true or false, got {self.sequence_parallel!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError("model.remat", f"must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
 
     @property
     def compute_dtype(self):

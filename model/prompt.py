@@ -12,11 +12,18 @@ that Transformer.__call__ puts before every sequence (its `prefix`):
 """
 from __future__ import annotations
 
+import enum
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-PROMPT_KINDS = ("prompt", "mlp", "lstm")
+
+class PromptKind(enum.StrEnum):
+    """What is trained (prompt.kind): the virtual tokens themselves, or an encoder making them."""
+    PROMPT = "prompt"
+    MLP = "mlp"
+    LSTM = "lstm"
 
 
 class PromptEncoder(nn.Module):
@@ -25,7 +32,7 @@ class PromptEncoder(nn.Module):
     Param tree: {"virtual"} for "prompt"; plus {"hidden", "out"} (the MLP) for "mlp"; plus
     {"lstm_forward", "lstm_backward"} before it for "lstm"."""
 
-    kind: str
+    kind: PromptKind
     virtual_tokens: int
     d_model: int
     hidden: int
@@ -47,12 +54,10 @@ class PromptEncoder(nn.Module):
         return nn.Dense(self.d_model, name="out")(x)
 
 
-def init_prompt(kind: str, virtual_tokens: int, d_model: int, hidden: int, seed: int) -> dict:
+def init_prompt(kind: PromptKind | str, virtual_tokens: int, d_model: int, hidden: int, seed: int) -> dict:
     """The encoder's initial parameters, a function of `seed` only (for "prompt", replace
-    "virtual" with sampled_vocab_init once the base is known)."""
-    if kind not in PROMPT_KINDS:
-        raise ValueError(f"prompt kind must be one of {', '.join(PROMPT_KINDS)}, got {kind!r}")
-    encoder = PromptEncoder(kind, virtual_tokens, d_model, hidden)
+    "virtual" with sampled_vocab_init once the base is known). ValueError for an unknown kind."""
+    encoder = PromptEncoder(PromptKind(kind), virtual_tokens, d_model, hidden)
     return encoder.init(jax.random.PRNGKey(seed))["params"]
 
 
@@ -63,7 +68,7 @@ def sampled_vocab_init(embedding: jax.Array, virtual_tokens: int, seed: int) -> 
     return jnp.take(embedding, ids, axis=0).astype(jnp.float32)
 
 
-def prompt_embeddings(prompt_params: dict, kind: str, d_model: int, hidden: int) -> jax.Array:
+def prompt_embeddings(prompt_params: dict, kind: PromptKind, d_model: int, hidden: int) -> jax.Array:
     """The virtual-token embeddings [N, d] the encoder makes of `prompt_params`."""
     virtual_tokens = prompt_params["virtual"].shape[0]
     return PromptEncoder(kind, virtual_tokens, d_model, hidden).apply({"params": prompt_params})

@@ -50,15 +50,19 @@ class Generator(Decoder):
         return NamedSharding(self.mesh, nn.logical_to_mesh_axes(names, logical_rules()))
 
     def compile(self, name: str, fn: Callable) -> Callable:
-        rows, scalar = self._sharding("batch"), replicated(self.mesh)
+        # What the host loop makes (prompt tokens, lengths, positions, row ids, sampling values)
+        # and reads back (the next tokens) is replicated: a few bytes per row on every device. So
+        # host arrays go in as they are and the next tokens come out whole on every host, also on
+        # a pod of several hosts, where jax refuses a host array split over several processes'
+        # devices and no host can read a row held by another. Inside, the rules table splits the
+        # activations and the cache over `data` as in training.
+        host = replicated(self.mesh)
         cache = [{k: self._sharding(*axes) for k, axes in layer.items()} for layer in cache_axes(self.config)]
         if name == "init_cache":
-            return jax.jit(fn, in_shardings=(rows,), out_shardings=cache)
-        tokens = self._sharding("batch", "length") if name == "prefill" else rows
+            return jax.jit(fn, in_shardings=(host,), out_shardings=cache)
         logits = self._sharding("batch", "vocab")
-        return jax.jit(fn, in_shardings=(self.param_sharding, cache, tokens, rows, rows, scalar, scalar, scalar,
-                                         scalar, scalar),
-                       out_shardings=(rows, cache, logits), donate_argnums=(1,))
+        return jax.jit(fn, in_shardings=(self.param_sharding, cache, *[host] * 8),
+                       out_shardings=(host, cache, logits), donate_argnums=(1,))
 
     def run(self, name: str, *args):
         # The model's activation constraints resolve against the mesh when a program is traced.

@@ -75,17 +75,18 @@ def start_distributed(layout: HostLayout, timeout_s: float = 120.0, heartbeat_s:
     log.info("pod cluster: %d devices, %d on this host", len(jax.devices()), jax.local_device_count())
 
 
-def meet(name: str, timeout_s: float) -> None:
-    """Wait until every host of the pod reaches the barrier `name` (once per name), at most
-    timeout_s; TimeoutError otherwise. Before a step's first collective: a host that started a
-    step its peer never starts (refused, cancelled) would otherwise wait in that collective for
-    good, since gloo's collectives have no deadline."""
+def meet(name: str, timeout_s: float, what: str = "step") -> None:
+    """Wait until every host of the pod reaches the barrier `name`, at most timeout_s;
+    TimeoutError otherwise (naming `what` the hosts were to start). Before a step's (or a
+    generation's) first collective: a host that started a step its peer never starts (refused,
+    cancelled) would otherwise wait in that collective for good, since gloo's collectives have no
+    deadline. A name may be met again: each host's n-th wait at it meets the others' n-th."""
     from jax._src import distributed
     client = distributed.global_state.client
     try:
         client.wait_at_barrier(name, max(1, int(timeout_s * 1000)))
     except Exception as exc:   # noqa: BLE001 - the runtime raises its own error type
-        raise TimeoutError(f"the pod's other host(s) did not start the same step within {timeout_s:.1f}s "
+        raise TimeoutError(f"the pod's other host(s) did not start the same {what} within {timeout_s:.1f}s "
                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
 
 

@@ -141,14 +141,14 @@ class Pod(PodMembership):
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
-             is_active: Callable[[], bool], full_fingerprint: bool = False,
+             is_active: Callable[[], bool], take_fingerprint: bool = False,
              extra: dict[int, np.ndarray] | None = None, loss_mask: np.ndarray | None = None,
              extra_masks: dict[int, np.ndarray] | None = None) -> tuple[StepOutcome, float]:
         """Run training step `step` on this pod's shard (validated against `setup`) once the steps
         before it are done; returns the outcome and the seconds spent waiting for them. The
         sequencer's errors say why a step cannot run; a step that fails leaves the state as it
         was and refuses later steps until the pod is restored or reconfigured. With
-        full_fingerprint the outcome carries the full hash of the new state too. extra: {slot:
+        take_fingerprint the outcome carries the new state's fingerprint too. extra: {slot:
         tokens} of the failed pods' shards this pod computes too (exactly setup.extra_slots).
         loss_mask, extra_masks: the targets the loss counts, for a prompt-tuning pod (None: all)."""
         trainer = setup.trainer
@@ -167,17 +167,18 @@ class Pod(PodMembership):
         wait_s = time.perf_counter() - wait_start
         ok = False
         try:
-            outcome = self._train(setup, step, on_device, global_tokens, full_fingerprint, extra_on_device, deadline)
-            self._checksum = (trainer.step, outcome.fingerprint)
+            outcome = self._train(setup, step, on_device, global_tokens, take_fingerprint, extra_on_device, deadline)
+            self._checksum = (trainer.step, outcome.checksum)
             ok = True
         finally:
             self.seq.finish_step(step, trainer.step, ok)
         return outcome, wait_s
 
     def _train(self, setup: Setup, step: int, on_device, global_tokens: int,
-               full_fingerprint: bool = False, extra: dict | None = None, deadline: float | None = None
+               take_fingerprint: bool = False, extra: dict | None = None, deadline: float | None = None
                ) -> StepOutcome:
         trainer, exchange = setup.trainer, self.exchange
+        faults.hang_if_asked(self.pod_index, step)     # test hook (pod_worker/faults.py)
         if self.layout.multi:
             # Every host of the pod starts this very step, or none runs it (see hosts.meet).
             wait = min(setup.config.dcn.timeout_s, (deadline or time.monotonic() + 60) - time.monotonic())
@@ -195,7 +196,7 @@ class Pod(PodMembership):
             all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=on_leaf, **kw)
         if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)
-        outcome = trainer.train_step(on_device, global_tokens, all_reduce, full_fingerprint=full_fingerprint,
+        outcome = trainer.train_step(on_device, global_tokens, all_reduce, take_fingerprint=take_fingerprint,
                                      extra=extra)
         exchange.inbox.set_next_step(trainer.step)
         return outcome
@@ -304,15 +305,43 @@ class Pod(PodMembership):
         """Generation with a KV cache on the pod's mesh (pod_worker/generation.py), streamed: one
         Chunk per new position. InvalidRequest at once if the request does not fit the model. The
         parameters are copied while no step runs (waiting until `deadline` for one, Busy after);
-        steps may go on while the stream runs."""
+        steps may go on while the stream runs (not on a pod of several hosts: _generate_in_lockstep)."""
         try:
             prompts = self.setup().trainer.generator.check(prompts, num_tokens, sampling, eos_id, shift_context)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        if self.layout.multi:
+            return self._generate_in_lockstep(prompts, num_tokens, sampling, deadline, eos_id, shift_context)
         with self.seq.hold("a copy of the parameters", deadline):
             trainer = self.setup().trainer
             params = trainer.params_copy()     # on the devices, as laid out for training
         return trainer.generator.stream(params, prompts, num_tokens, sampling, eos_id, shift_context)
+
+    def _generate_in_lockstep(self, prompts: list[np.ndarray], num_tokens: int, sampling: Sampling,
+                              deadline: float, eos_id: int | None, shift_context: bool) -> Iterator[Chunk]:
+        """generate_stream on a pod of several hosts, where every host gets the same request and
+        runs the same programs, whose collectives wait for the other hosts'. So the pod is held
+        for the whole stream (a step's programs between generation's could meet another host's
+        in another order); every host meets the others before the first program (Busy if they
+        do not come: a host alone would wait in a collective for good); and the stream runs to
+        its end even if the caller leaves (the other hosts' programs wait for this host's)."""
+        with self.seq.hold("a generation", deadline):
+            setup = self.setup()
+            trainer = setup.trainer
+            wait = min(setup.config.dcn.timeout_s, deadline - time.monotonic())
+            try:
+                meet(f"{setup.run_id}/{setup.epoch}/{trainer.step}/generate", max(0.1, wait), "generation")
+            except TimeoutError as exc:
+                raise Busy(f"{self.layout.name(self.pod_index)}: {exc}") from None
+            chunks = trainer.generator.stream(trainer.params_copy(), prompts, num_tokens, sampling, eos_id,
+                                              shift_context)
+            for chunk in chunks:
+                try:
+                    yield chunk
+                except GeneratorExit:
+                    for _ in chunks:    # the caller left: finish in step with the other hosts
+                        pass
+                    raise
 
     def status(self) -> PodStatus:
         """What the pod is doing, with its state's step and checksum as of the last change; never waits."""

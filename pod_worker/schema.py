@@ -9,17 +9,24 @@ imports; it starts nothing (no devices, no server).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import typing
 from dataclasses import dataclass, field
 
-from multipod.model.config import ConfigError, ModelConfig
-from multipod.model.prompt import PROMPT_KINDS
+from multipod.model.config import ConfigError, ModelConfig, to_enum
+from multipod.model.prompt import PromptKind
 from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
-# Gradient encodings on the DCN link (pod_worker/dcn/wire.py implements them).
-COMPRESSIONS = ("none", "bf16", "int8")
+
+class Compression(enum.StrEnum):
+    """Gradient encodings on the DCN link (pod_worker/dcn/wire.py implements them)."""
+    NONE = "none"
+    BF16 = "bf16"
+    INT8 = "int8"     # one scale per block of <= 256 values
+
+
 # Data-plane connections (ZeroMQ streams) per peer, at most.
 MAX_STREAMS = 8
 
@@ -77,11 +84,14 @@ class DcnConfig:
     chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
     timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
     streams: int = 4              # parallel data-plane connections per peer
-    compression: str = "none"     # one of COMPRESSIONS (int8: one scale per block of <= 256 values)
+    compression: Compression = Compression.NONE
     link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
     link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
     encrypt: bool = False         # refuse peers whose data plane is not CURVE-encrypted (worker --dcn-encrypt)
     overlap: bool = False         # per-layer backward programs; each block's gradient leaves when ready
+
+    def __post_init__(self):
+        object.__setattr__(self, "compression", to_enum("dcn.compression", Compression, self.compression))
 
     def validate(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -90,8 +100,6 @@ class DcnConfig:
         positive("dcn.timeout_s", self.timeout_s)
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ConfigError("dcn.streams", f"must be in [1, {MAX_STREAMS}], got {self.streams}")
-        if self.compression not in COMPRESSIONS:
-            raise ConfigError("dcn.compression", f"must be one of {', '.join(COMPRESSIONS)}; got {self.compression!r}")
         non_negative("dcn.link_gbps", self.link_gbps)
         non_negative("dcn.link_latency_ms", self.link_latency_ms)
 
@@ -117,20 +125,22 @@ class PromptConfig:
     """Prompt tuning / p-tuning (model/prompt.py): with a kind, the pod trains only the prompt
     parameters; the model is the frozen base read from base_checkpoint, and the optimizer, the
     DCN exchange, the checksum and the checkpoints carry the prompt parameters alone."""
-    kind: str = ""                # "" (train the whole model) or one of PROMPT_KINDS
+    kind: PromptKind | None = None    # None (written ""): train the whole model
     virtual_tokens: int = 10      # virtual tokens before every sequence (they take context positions)
     hidden: int = 128             # the prompt encoder's hidden width ("mlp", "lstm")
     base_checkpoint: str = ""     # a checkpoint step folder of the base model, readable by every pod
 
+    def __post_init__(self):
+        kind = None if self.kind in (None, "") else to_enum("prompt.kind", PromptKind, self.kind)
+        object.__setattr__(self, "kind", kind)
+
     @property
     def enabled(self) -> bool:
-        return bool(self.kind)
+        return self.kind is not None
 
     def validate(self) -> None:
         if not self.enabled:
             return
-        if self.kind not in PROMPT_KINDS:
-            raise ConfigError("prompt.kind", f"must be one of {', '.join(PROMPT_KINDS)} (or empty), got {self.kind!r}")
         positive("prompt.virtual_tokens", self.virtual_tokens)
         positive("prompt.hidden", self.hidden)
         if not self.base_checkpoint:
@@ -163,18 +173,18 @@ class WorkerConfig:
     def state_key(self) -> dict:
         """Every value the pod's training state depends on (shapes, the update's maths, the
         schedule, the initial parameters): a checkpoint resumes bitwise only if they all match."""
-        key = {"model": dataclasses.asdict(self.model), "optimizer": dataclasses.asdict(self.optimizer),
+        key = {"model": plain(self.model), "optimizer": plain(self.optimizer),
                "schedule_steps": self.schedule_steps, "seed": self.train.seed,
                "seq_len": self.train.seq_len, "global_batch": self.train.global_batch}
         if self.prompt.enabled:
             # The base is not here: which base a prompt belongs to is checked by its fingerprint
             # (the prompt checkpoint records it), whatever folder it is read from.
-            key["prompt"] = {"kind": self.prompt.kind, "virtual_tokens": self.prompt.virtual_tokens,
+            key["prompt"] = {"kind": self.prompt.kind.value, "virtual_tokens": self.prompt.virtual_tokens,
                              "hidden": self.prompt.hidden}
         return key
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return plain(self)
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): what Configure carries and what config_hash covers."""
@@ -219,7 +229,18 @@ def check_prompt(prompt: PromptConfig, dcn: DcnConfig, model: ModelConfig) -> No
         raise ConfigError("model.microbatches", f"prompt tuning runs unsplit batches, got {model.microbatches}")
 
 
-# -- the typed loader (the controller's config uses it too) ---------------------------------------
+# -- the typed loader and writer (the controller's config uses them too) ---------------------------
+def plain(config) -> dict:
+    """A config dataclass as nested dicts of plain values, as JSON and TOML carry them: a choice
+    as its string, None as "" (TOML has no null; `build` reads "" back as None)."""
+    return dataclasses.asdict(config, dict_factory=_plain_items)
+
+
+def _plain_items(items) -> dict:
+    return {key: "" if value is None else value.value if isinstance(value, enum.Enum) else value
+            for key, value in items}
+
+
 def build(cls, data, prefix: str = ""):
     """An instance of dataclass `cls` from nested dicts: unknown keys and wrong types are
     ConfigErrors naming the field (e.g. "model.d_modle: unknown key; model has: ...").
@@ -242,7 +263,15 @@ def build(cls, data, prefix: str = ""):
 
 
 def _coerce(name: str, kind, raw):
-    """Check raw against the field's type; ints are accepted where floats are expected."""
+    """Check raw against the field's type; ints are accepted where floats are expected, a choice's
+    string where an enum is (ConfigError listing the choices), "" where None is."""
+    options = typing.get_args(kind)
+    if type(None) in options:     # an optional field: "X | None"
+        if raw in ("", None):
+            return None
+        (kind,) = [option for option in options if option is not type(None)]
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return to_enum(name, kind, raw)
     if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw)
     if (kind is int and isinstance(raw, bool)) or not isinstance(raw, kind):

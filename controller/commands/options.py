@@ -10,6 +10,7 @@ import argparse
 import json
 import pathlib
 
+from multipod.controller.core.policies import OnSpike
 from multipod.protos.cli_flags import add_security_arguments
 
 
@@ -39,7 +40,7 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
                         "required by train; local defaults to RUN_DIR/checkpoints)")
     parser.add_argument("--max-restarts", type=int,
                         help="recoveries from failed pods before giving up (run.max_restarts)")
-    parser.add_argument("--on-spike", choices=("none", "rewind"),
+    parser.add_argument("--on-spike", choices=[policy.value for policy in OnSpike],
                         help="on a loss spike, rewind to the checkpoint before it (run.on_spike)")
     parser.add_argument("--skip-batches", type=int, help="batches to skip after a rewind (run.skip_batches)")
     add_security_arguments(parser)

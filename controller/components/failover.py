@@ -21,6 +21,7 @@ import time
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.core.policies import OnPodFailure
 from multipod.controller.observe.events import EventLog
 from multipod.controller.observe.metrics import out
 
@@ -116,7 +117,7 @@ class Failover:
         have been handled, or if no pod is left."""
         run, cluster = self.run_config, self.cluster
         out(f"pod failure: {failure}")
-        self.events.write("pod_failure", error=str(failure), pods=list(failure.pods), mode="degrade")
+        self.events.write("pod_failure", error=str(failure), pods=list(failure.pods), mode=OnPodFailure.DEGRADE)
         if self.failures >= run.max_restarts:
             raise RunError(f"{failure}. Giving up after {self.failures} pod failure(s) (--max-restarts "
                            f"{run.max_restarts})")

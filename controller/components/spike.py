@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from multipod.controller.core import fault_hooks as faults
+from multipod.controller.core.policies import OnSpike
 
 if TYPE_CHECKING:
     from multipod.controller.core.run_config import RunConfig
@@ -28,7 +29,7 @@ class SpikePolicy:
     """Judges each step's record against a window of recent finite, unskipped losses."""
 
     def __init__(self, run: RunConfig):
-        self.enabled = run.on_spike == "rewind"
+        self.enabled = run.on_spike == OnSpike.REWIND
         self.threshold = run.spike_threshold
         self.losses: collections.deque[float] = collections.deque(maxlen=run.spike_window)
         # (step, loss) of the judged steps of this timeline, newest last: after a restore to step s

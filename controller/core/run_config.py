@@ -15,7 +15,8 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 
-from multipod.model.config import ConfigError, ModelConfig
+from multipod.controller.core.policies import OnPodFailure, OnSpike
+from multipod.model.config import ConfigError, ModelConfig, to_enum
 from multipod.pod_worker.schema import (
     DcnConfig,
     MeshConfig,
@@ -28,6 +29,7 @@ from multipod.pod_worker.schema import (
     check_overlap,
     check_prompt,
     non_negative,
+    plain,
     positive,
 )
 
@@ -112,17 +114,21 @@ class RunConfig:
     checkpoint_dir: str = ""      # "" = <run dir>/checkpoints; must be readable by every pod
     # A failed pod: "degrade" (its shard goes to the survivors, bitwise as if nothing happened,
     # and it rejoins from a live peer) or "restore" (every pod back to the last checkpoint).
-    on_pod_failure: str = "degrade"
+    on_pod_failure: OnPodFailure = OnPodFailure.DEGRADE
     max_restarts: int = 3         # pod failures (either mode) before the run gives up
     restart_timeout_s: float = 120.0  # how long to wait for a failed pod to serve again
     health_interval_s: float = 2.0    # the watchdog probes every pod's health this often
     health_timeout_s: float = 5.0     # a pod whose health check takes longer is hung
     progress_timeout_s: float = 0.0   # no step finished for this long: probe the pods (0: step_timeout_s)
     # Training-health policy: non-finite steps are always skipped (on every pod alike).
-    on_spike: str = "none"        # "none" | "rewind": restore the checkpoint before a loss spike
+    on_spike: OnSpike = OnSpike.NONE  # rewind: restore the checkpoint before a loss spike
     spike_threshold: float = 3.0  # a spike: loss > threshold x mean of the last spike_window losses
     spike_window: int = 10
     skip_batches: int = 0         # on rewind, skip this many batches after the checkpoint
+
+    def __post_init__(self):
+        object.__setattr__(self, "on_pod_failure", to_enum("run.on_pod_failure", OnPodFailure, self.on_pod_failure))
+        object.__setattr__(self, "on_spike", to_enum("run.on_spike", OnSpike, self.on_spike))
 
     def validate(self) -> None:
         positive("run.steps", self.steps)
@@ -132,10 +138,6 @@ class RunConfig:
                      "spike_threshold", "spike_window"):
             positive(f"run.{name}", getattr(self, name))
         non_negative("run.progress_timeout_s", self.progress_timeout_s)
-        if self.on_pod_failure not in ("degrade", "restore"):
-            raise ConfigError("run.on_pod_failure", f"must be degrade or restore, got {self.on_pod_failure!r}")
-        if self.on_spike not in ("none", "rewind"):
-            raise ConfigError("run.on_spike", f"must be none or rewind, got {self.on_spike!r}")
         non_negative("run.seed", self.seed)
         non_negative("run.peak_flops", self.peak_flops)
         for name in ("step_timeout_s", "connect_timeout_s", "configure_timeout_s"):
@@ -186,7 +188,8 @@ class Config:
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Nested dicts of plain values (choices as strings), as config.json and TOML carry them."""
+        return plain(self)
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys), as written to the run directory."""

@@ -16,6 +16,7 @@ from multipod.controller.components.failover import Failover
 from multipod.controller.components.recovery import Recovery
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.core.policies import OnPodFailure
 from multipod.controller.core.run_config import Config, ConfigError
 from multipod.controller.data.corpus import RunData, prepare, write_beside_checkpoints
 from multipod.controller.observe.events import EventLog
@@ -145,7 +146,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         recorder = Recorder(MetricsLog(run_dir, append=resume), progress or ProgressLine(run.steps, start))
         evaluator = Evaluator(cluster, data.dataset, recorder.write_eval)
         loop = StepLoop(cluster, data.dataset, checkpointer, spike, recorder, accounting,
-                        failover if run.on_pod_failure == "degrade" else None, evaluator)
+                        failover if run.on_pod_failure == OnPodFailure.DEGRADE else None, evaluator)
         first_step = start
         try:
             while True:
@@ -155,7 +156,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
                     checkpointer.collect(block=True)
                     break
                 except PodFailure as failure:
-                    if run.on_pod_failure == "degrade":
+                    if run.on_pod_failure == OnPodFailure.DEGRADE:
                         start = failover.degrade(failure)
                     else:
                         start = recovery.recover(failure)

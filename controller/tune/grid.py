@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multipod.model.config import RematPolicy
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -26,7 +30,7 @@ class Candidate:
     model: int
     sequence_parallel: bool
     microbatches: int
-    remat: str
+    remat: RematPolicy
 
     def label(self) -> str:
         """A short human-readable name, e.g. 'mesh 1x2 sp=on microbatches=1 remat=none'."""
@@ -54,14 +58,14 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
-def parse_remat_list(text: str) -> list[str]:
-    """'none,full' -> ['none', 'full']; every name must be one of REMAT_POLICIES."""
-    from multipod.model.config import REMAT_POLICIES  # here: building the CLI parser must not import jax
+def parse_remat_list(text: str) -> list[RematPolicy]:
+    """'none,full' -> [RematPolicy.NONE, RematPolicy.FULL]; every name must be a RematPolicy."""
+    from multipod.model.config import RematPolicy  # here: building the CLI parser must not import jax
     values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in REMAT_POLICIES]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"remat policies are {', '.join(REMAT_POLICIES)}; got {text!r}")
-    return values
+    names = [policy.value for policy in RematPolicy]
+    if not values or any(v not in names for v in values):
+        raise argparse.ArgumentTypeError(f"remat policies are {', '.join(names)}; got {text!r}")
+    return [RematPolicy(v) for v in values]
 
 
 def parse_mesh_list(text: str) -> list[tuple[int, int]]:
@@ -116,8 +120,8 @@ def enumerate_candidates(model_cfg, per_pod_batch: int, devices: int, meshes=Non
     skipped: list[str] = []
     if meshes is None:
         meshes, skipped = _meshes(model_cfg, per_pod_batch, devices)
-    from multipod.model.config import REMAT_POLICIES
-    remats = list(remats or REMAT_POLICIES)
+    from multipod.model.config import RematPolicy
+    remats = list(remats or RematPolicy)
     candidates = []
     for data, model in meshes:
         if microbatches is None:

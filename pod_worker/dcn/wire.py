@@ -16,17 +16,16 @@ import math
 import ml_dtypes
 import numpy as np
 
-from multipod.pod_worker.schema import COMPRESSIONS
+from multipod.model.config import to_enum
+from multipod.pod_worker.schema import Compression
 
 BLOCK = 256                       # int8: values per scale
 _SCALE = np.dtype("<f4")
 
 
 class WireCodec:
-    def __init__(self, compression: str):
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"dcn.compression must be one of {COMPRESSIONS}, got {compression!r}")
-        self.compression = compression
+    def __init__(self, compression: Compression | str):
+        self.compression = to_enum("dcn.compression", Compression, compression)   # ConfigError if unknown
 
     def value_dtype(self, leaf_dtype: np.dtype) -> np.dtype:
         """The dtype of one value on the wire."""

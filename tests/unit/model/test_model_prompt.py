@@ -7,7 +7,7 @@ import pytest
 
 from multipod.model import Decoder, Sampling, Transformer
 from multipod.model.loss import prompted_loss_sums, token_losses
-from multipod.model.prompt import PROMPT_KINDS, init_prompt, prompt_embeddings, sampled_vocab_init
+from multipod.model.prompt import PromptKind, init_prompt, prompt_embeddings, sampled_vocab_init
 
 
 def _prefix(config, n=3, seed=1):
@@ -38,7 +38,7 @@ def test_the_masked_prompted_loss_counts_only_the_masked_targets(tiny_config, ti
     assert np.isclose(all_ce, float(jnp.sum(want_ce)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", PROMPT_KINDS)
+@pytest.mark.parametrize("kind", list(PromptKind))
 def test_every_encoder_makes_virtual_tokens_from_the_seed_alone(kind):
     one = init_prompt(kind, 5, 16, 24, seed=3)
     two = init_prompt(kind, 5, 16, 24, seed=3)
@@ -50,7 +50,7 @@ def test_every_encoder_makes_virtual_tokens_from_the_seed_alone(kind):
     else:
         assert set(one) >= {"virtual", "hidden", "out"}  # p-tuning: an encoder in front of them
         assert (kind == "lstm") == ({"lstm_forward", "lstm_backward"} <= set(one))
-    with pytest.raises(ValueError, match="prompt kind"):
+    with pytest.raises(ValueError, match="not a valid PromptKind"):
         init_prompt("adapter", 5, 16, 24, seed=3)
 
 

@@ -1,5 +1,6 @@
 """The worker's config schema: the typed loader, what the worker sees, what its state depends on."""
 import dataclasses
+import json
 
 import pytest
 
@@ -51,3 +52,36 @@ def test_state_key_covers_the_schedule_length():
         dataclasses.replace(long, optimizer=fixed).state_key()   # an explicit decay length decides alone
     assert WorkerConfig(dcn=DcnConfig(streams=1)).state_key() == WorkerConfig().state_key()
 
+
+
+def test_choices_load_as_enum_members_and_travel_as_plain_strings():
+    from multipod.model.config import RematPolicy
+    from multipod.model.prompt import PromptKind
+    from multipod.pod_worker.schema import Compression, PromptConfig
+    config = build(WorkerConfig, {"model": {"remat": "full"}, "dcn": {"compression": "int8"}, "train": {"seq_len": 64},
+                                  "prompt": {"kind": "mlp", "base_checkpoint": "/base/3"}})
+    assert config.model.remat is RematPolicy.FULL and config.dcn.compression is Compression.INT8
+    assert config.prompt.kind is PromptKind.MLP
+    assert config.model.remat == "full"       # str enums: a plain string still compares equal
+    data = json.loads(config.to_json())
+    assert (data["model"]["remat"], data["dcn"]["compression"], data["prompt"]["kind"]) == ("full", "int8", "mlp")
+    assert all(type(v) is str for v in (data["model"]["remat"], data["dcn"]["compression"], data["prompt"]["kind"]))
+    assert WorkerConfig.from_json(config.to_json()) == config
+    # No prompt tuning: kind is None, written "" (TOML has no null) and read back as None.
+    assert PromptConfig().kind is None and PromptConfig(kind="").kind is None
+    assert json.loads(WorkerConfig().to_json())["prompt"]["kind"] == ""
+    assert WorkerConfig.from_json(WorkerConfig().to_json()).prompt.kind is None
+    # A plain string given in Python is held as the member too.
+    assert DcnConfig(compression="bf16").compression is Compression.BF16
+
+
+@pytest.mark.parametrize("section, key, choices", [
+    ("model", "remat", "none, full, selective"),
+    ("dcn", "compression", "none, bf16, int8"),
+    ("prompt", "kind", "prompt, mlp, lstm"),
+])
+def test_an_unknown_choice_names_the_field_and_lists_the_choices(section, key, choices):
+    with pytest.raises(ConfigError) as error:
+        build(WorkerConfig, {section: {key: "bogus"}})
+    assert error.value.field == f"{section}.{key}"
+    assert str(error.value) == f"{section}.{key}: must be one of {choices}, got 'bogus'"

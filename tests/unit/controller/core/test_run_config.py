@@ -121,3 +121,14 @@ def test_load_config_reports_the_keys_the_user_gave(tmp_path):
     given: set = set()
     load_config(str(path), ["run.steps=3"], given)
     assert given == {"model.vocab_size", "run.steps"}
+
+
+def test_run_policies_load_as_enum_members_and_an_unknown_one_lists_the_choices():
+    from multipod.controller.core.policies import OnPodFailure, OnSpike
+    config = load_config(None, ['run.on_spike="rewind"', 'run.on_pod_failure="restore"'])
+    assert config.run.on_spike is OnSpike.REWIND and config.run.on_pod_failure is OnPodFailure.RESTORE
+    assert Config.from_json(config.to_json()) == config
+    with pytest.raises(ConfigError, match=r"^run.on_spike: must be one of none, rewind, got 'sometimes'$"):
+        load_config(None, ['run.on_spike="sometimes"'])
+    with pytest.raises(ConfigError, match=r"^run.on_pod_failure: must be one of degrade, restore, got 'retry'$"):
+        load_config(None, ['run.on_pod_failure="retry"'])

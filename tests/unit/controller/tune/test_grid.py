@@ -15,7 +15,7 @@ from multipod.controller.tune.grid import (
     parse_mesh_list,
     parse_remat_list,
 )
-from multipod.model.config import REMAT_POLICIES
+from multipod.model.config import RematPolicy
 from multipod.pod_worker.schema import WorkerConfig
 from tests.helpers import TINY
 
@@ -52,7 +52,7 @@ def test_explicit_choices_are_tried_as_given():
 
 def test_the_grid_uses_the_models_remat_policies():
     candidates, _ = enumerate_candidates(ModelConfig(), 8, 1)
-    assert tuple(dict.fromkeys(c.remat for c in candidates)) == REMAT_POLICIES
+    assert tuple(dict.fromkeys(c.remat for c in candidates)) == tuple(RematPolicy)
 
 
 @pytest.mark.parametrize("text, value", [("1000", 1000), ("2KiB", 2048), ("1.5GiB", 3 * 2**29), ("3MB", 3_000_000)])
