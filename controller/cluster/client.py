@@ -5,13 +5,19 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from multipod.controller.cluster.api import PodApi
 from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.channels import open_channel
+
+Reply = TypeVar("Reply")
 
 
 class WorkerError(RuntimeError):
@@ -43,9 +49,10 @@ class Probe:
         return self.verdict is Verdict.SERVING
 
 
-class WorkerClient:
-    """RPCs to one pod's worker (or, with host_index, to one host of a pod of several hosts:
-    controller/cluster/pod_client.py's PodClient holds one per host), each with a deadline."""
+class WorkerClient(PodApi):
+    """The PodWorker RPCs (PodApi) to one pod's worker (or, with host_index, to one host of a pod
+    of several hosts: controller/cluster/pod_client.py's PodClient holds one per host), each with
+    a deadline."""
 
     def __init__(self, pod_index: int, address: str, host_index: int | None = None):
         self.pod_index = pod_index
@@ -109,27 +116,94 @@ class WorkerClient:
             details = f"no answer within the call's deadline ({details})"
         return WorkerError(f"{self.name}: {what} failed: {code.name if code else '?'}: {details}", code)
 
-    def call(self, method: str, request, timeout_s: float):
-        """A unary call with a deadline; WorkerError on failure."""
+    # -- the PodWorker RPCs (PodApi): each a blocking call and a started one ----------------------
+    def _unary(self, rpc: Any, name: str, request: Message, timeout_s: float) -> Any:
+        """A unary call of the stub's `rpc` with a deadline; WorkerError naming the pod and `name`."""
         try:
-            return getattr(self.stub, method)(request, timeout=timeout_s)
+            return rpc(request, timeout=timeout_s)
         except grpc.RpcError as exc:
-            raise self._error(method, exc) from None
+            raise self._error(name, exc) from None
 
-    def call_stream(self, method: str, request, timeout_s: float):
-        """A server-streaming call with a deadline: its replies as they come; WorkerError on failure."""
-        try:
-            yield from getattr(self.stub, method)(request, timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise self._error(method, exc) from None
-
-    def call_async(self, method: str, request, timeout_s: float) -> PendingCall:
+    def _start(self, rpc: Any, name: str, request: Message, timeout_s: float) -> PendingCall[Any]:
         """Start a unary call with a deadline; the PendingCall's result() raises WorkerError."""
-        return PendingCall(self, method, getattr(self.stub, method).future(request, timeout=timeout_s))
+        return PendingCall(self, name, rpc.future(request, timeout=timeout_s))
+
+    def configure(self, request: pb.ConfigureRequest, timeout_s: float) -> pb.ConfigureReply:
+        return self._unary(self.stub.Configure, "Configure", request, timeout_s)
+
+    def configure_async(self, request: pb.ConfigureRequest, timeout_s: float) -> PendingCall[pb.ConfigureReply]:
+        return self._start(self.stub.Configure, "Configure", request, timeout_s)
+
+    def step(self, request: pb.StepRequest, timeout_s: float) -> pb.StepReply:
+        return self._unary(self.stub.Step, "Step", request, timeout_s)
+
+    def step_async(self, request: pb.StepRequest, timeout_s: float) -> PendingCall[pb.StepReply]:
+        return self._start(self.stub.Step, "Step", request, timeout_s)
+
+    def save(self, request: pb.SaveRequest, timeout_s: float) -> pb.SaveReply:
+        return self._unary(self.stub.Save, "Save", request, timeout_s)
+
+    def save_async(self, request: pb.SaveRequest, timeout_s: float) -> PendingCall[pb.SaveReply]:
+        return self._start(self.stub.Save, "Save", request, timeout_s)
+
+    def wait_save(self, request: pb.WaitSaveRequest, timeout_s: float) -> pb.SaveReply:
+        return self._unary(self.stub.WaitSave, "WaitSave", request, timeout_s)
+
+    def wait_save_async(self, request: pb.WaitSaveRequest, timeout_s: float) -> PendingCall[pb.SaveReply]:
+        return self._start(self.stub.WaitSave, "WaitSave", request, timeout_s)
+
+    def restore(self, request: pb.RestoreRequest, timeout_s: float) -> pb.RestoreReply:
+        return self._unary(self.stub.Restore, "Restore", request, timeout_s)
+
+    def restore_async(self, request: pb.RestoreRequest, timeout_s: float) -> PendingCall[pb.RestoreReply]:
+        return self._start(self.stub.Restore, "Restore", request, timeout_s)
+
+    def evaluate(self, request: pb.EvaluateRequest, timeout_s: float) -> pb.EvaluateReply:
+        return self._unary(self.stub.Evaluate, "Evaluate", request, timeout_s)
+
+    def evaluate_async(self, request: pb.EvaluateRequest, timeout_s: float) -> PendingCall[pb.EvaluateReply]:
+        return self._start(self.stub.Evaluate, "Evaluate", request, timeout_s)
+
+    def generate(self, request: pb.GenerateRequest, timeout_s: float) -> pb.GenerateReply:
+        return self._unary(self.stub.Generate, "Generate", request, timeout_s)
+
+    def generate_async(self, request: pb.GenerateRequest, timeout_s: float) -> PendingCall[pb.GenerateReply]:
+        return self._start(self.stub.Generate, "Generate", request, timeout_s)
+
+    def generate_stream(self, request: pb.GenerateRequest, timeout_s: float) -> Iterator[pb.GenerateChunk]:
+        """GenerateStream with a deadline on the whole stream: its chunks as they come; WorkerError
+        naming the pod on failure."""
+        try:
+            yield from self.stub.GenerateStream(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error("GenerateStream", exc) from None
 
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
         """The worker's Status reply (configured?, step, state)."""
-        return self.call("Status", pb.StatusRequest(), timeout_s)
+        return self._unary(self.stub.Status, "Status", pb.StatusRequest(), timeout_s)
+
+    def set_membership(self, request: pb.MembershipRequest, timeout_s: float) -> pb.MembershipReply:
+        return self._unary(self.stub.SetMembership, "SetMembership", request, timeout_s)
+
+    def set_membership_async(self, request: pb.MembershipRequest,
+                             timeout_s: float) -> PendingCall[pb.MembershipReply]:
+        return self._start(self.stub.SetMembership, "SetMembership", request, timeout_s)
+
+    def send_state(self, request: pb.SendStateRequest, timeout_s: float) -> pb.TransferReply:
+        return self._unary(self.stub.SendState, "SendState", request, timeout_s)
+
+    def send_state_async(self, request: pb.SendStateRequest, timeout_s: float) -> PendingCall[pb.TransferReply]:
+        return self._start(self.stub.SendState, "SendState", request, timeout_s)
+
+    def receive_state(self, request: pb.ReceiveStateRequest, timeout_s: float) -> pb.TransferReply:
+        return self._unary(self.stub.ReceiveState, "ReceiveState", request, timeout_s)
+
+    def receive_state_async(self, request: pb.ReceiveStateRequest,
+                            timeout_s: float) -> PendingCall[pb.TransferReply]:
+        return self._start(self.stub.ReceiveState, "ReceiveState", request, timeout_s)
+
+    def shutdown(self, timeout_s: float) -> pb.ShutdownReply:
+        return self._unary(self.stub.Shutdown, "Shutdown", pb.ShutdownRequest(), timeout_s)
 
     def probe(self, timeout_s: float) -> Probe:
         """One health check with a deadline. HUNG if the deadline expires (alive but silent),
@@ -147,13 +221,13 @@ class WorkerClient:
         return Probe(Verdict.SERVING)
 
 
-class PendingCall:
-    """An RPC in flight; result() raises WorkerError naming the pod."""
+class PendingCall(Generic[Reply]):
+    """An RPC in flight (a Pending); result() raises WorkerError naming the pod."""
 
-    def __init__(self, client: WorkerClient, method: str, future):
+    def __init__(self, client: WorkerClient, method: str, future: Any):
         self.client, self.method, self.future = client, method, future
 
-    def result(self):
+    def result(self) -> Reply:
         # The RPC carries its own deadline, so this wait is bounded by it.
         try:
             return self.future.result()

@@ -2,9 +2,9 @@
 
 A pod of K hosts runs one worker per host; together they form one jax.distributed cluster and run
 the pod's step as one SPMD program. So every RPC that runs a computation goes to all K hosts at
-once. PodClient wraps the K hosts' WorkerClients behind the WorkerClient interface the rest of
-the controller uses (Cluster, the step loop, failover, the checkpointer), and keeps the hosts'
-differences in one place:
+once. PodClient wraps the K hosts' WorkerClients behind the PodApi interface (api.py) the rest
+of the controller uses (Cluster, the step loop, failover, the checkpointer), one method per RPC,
+and keeps the hosts' differences in one place:
 
   * Step: host h gets row block h of the pod's shard (and of every extra shard);
   * Configure: host h gets host_index=h, hosts_per_pod=K and host h's data-plane address of
@@ -12,7 +12,8 @@ differences in one place:
   * SendState: host h streams to host h of the receiving pod;
   * Status: the hosts must agree on the pod's layout; the pod's dcn_address lists its hosts'
     data-plane addresses joined with "|" (one string per pod, as for a single-host pod);
-  * probe: the worst host's verdict, naming that host.
+  * probe: the worst host's verdict, naming that host;
+  * GenerateStream: host 0's chunks (the other hosts' streams are read alongside).
 
 Every other request goes to every host unchanged. A call succeeds only if every host's does, and
 answers with host 0's reply. parse_workers reads `--workers` (";" between pods, "," between a
@@ -23,9 +24,13 @@ from __future__ import annotations
 import concurrent.futures
 import pathlib
 import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
+from multipod.controller.cluster.api import Pending, PodApi
 from multipod.controller.cluster.client import Probe, Verdict, WorkerClient, WorkerError
 from multipod.controller.core.errors import RunError
 from multipod.model.config import ConfigError
@@ -37,6 +42,10 @@ POLL_S = 0.05           # how often a combined call looks at its other hosts whi
 # Worst first: a hung host gets its pod killed and restarted (a dead one is restarted by its
 # supervisor anyway); a pod with any host not serving is not serving.
 _SEVERITY = {Verdict.HUNG: 3, Verdict.DEAD: 2, Verdict.NOT_SERVING: 1, Verdict.SERVING: 0}
+
+Req = TypeVar("Req", bound=Message)
+Reply = TypeVar("Reply")
+Out = TypeVar("Out")
 
 
 def parse_workers(spec: str) -> list[list[str]]:
@@ -94,7 +103,7 @@ def pod_hosts(entry) -> list[str]:
     return [a for a in hosts if a]
 
 
-def make_pod_client(pod_index: int, addresses: list[str]):
+def make_pod_client(pod_index: int, addresses: list[str]) -> PodApi:
     """A plain WorkerClient for a one-host pod (exactly as before multi-host pods), a PodClient
     over one WorkerClient per host otherwise."""
     if len(addresses) == 1:
@@ -120,7 +129,7 @@ def _host_part(address: str, host: int, hosts: int, what: str) -> str:
     return parts[host]
 
 
-def _copies(request, k: int) -> list:
+def _copies(request: Req, k: int) -> list[Req]:
     """k copies of a request message, one per host, each to be changed on its own."""
     out = []
     for _ in range(k):
@@ -130,13 +139,13 @@ def _copies(request, k: int) -> list:
     return out
 
 
-class PodCall:
-    """The K hosts' calls of one RPC, as one PendingCall: done once every host's call finished or
+class PodCall(Generic[Reply]):
+    """The K hosts' calls of one RPC, as one Pending: done once every host's call finished or
     one failed; result() is host 0's reply, or the first failure seen (a WorkerError naming the
     host). A failed host does not cancel the others (they end by their own deadline, or when the
     pod is reset); cancel() cancels them all."""
 
-    def __init__(self, pod: PodClient, method: str, calls: list):
+    def __init__(self, pod: PodClient, method: str, calls: list[Pending[Reply]]):
         self.pod, self.method, self.calls = pod, method, calls
         self._failures: list[tuple[int, Exception]] = []    # in the order they were seen
 
@@ -168,7 +177,7 @@ class PodCall:
             pending = next(call for call in self.calls if not call.done())
             pending.wait(min(POLL_S, left))
 
-    def result(self):
+    def result(self) -> Reply:
         self._scan()
         if self._failures:
             raise self._failures[0][1]
@@ -180,12 +189,12 @@ class PodCall:
             call.cancel()
 
 
-class PodClient:
-    """One pod of several hosts behind the WorkerClient interface (pod_index, address, name, close,
-    wait_ready, wait_serving, call, call_async, status, probe). `hosts`: one client per host, in
-    host order, each with that interface and a name that says which host it is."""
+class PodClient(PodApi):
+    """One pod of several hosts behind the PodApi interface of one worker. `hosts`: one PodApi
+    per host (WorkerClients, with a host_index), in host order, each with a name that says which
+    host it is."""
 
-    def __init__(self, pod_index: int, hosts: list):
+    def __init__(self, pod_index: int, hosts: Sequence[PodApi]):
         if len(hosts) < 2:
             raise ValueError("a PodClient needs at least two hosts (use a WorkerClient for one)")
         self.pod_index = pod_index
@@ -197,15 +206,16 @@ class PodClient:
     def hosts_per_pod(self) -> int:
         return len(self.hosts)
 
-    def _each(self, fn) -> list:
+    def _each(self, fn: Callable[[PodApi], Out]) -> list[Out]:
         """fn(host) on every host in parallel; the results in host order. The first error (in
         host order) is raised once every host has answered: each call has its own deadline."""
         with concurrent.futures.ThreadPoolExecutor(len(self.hosts)) as pool:
             futures = [pool.submit(fn, host) for host in self.hosts]
             concurrent.futures.wait(futures)
         for future in futures:
-            if future.exception() is not None:
-                raise future.exception()
+            error = future.exception()
+            if error is not None:
+                raise error
         return [future.result() for future in futures]
 
     def close(self) -> None:
@@ -218,58 +228,153 @@ class PodClient:
     def wait_serving(self, timeout_s: float, probe_s: float = 5.0) -> None:
         self._each(lambda host: host.wait_serving(timeout_s, probe_s))
 
-    def requests(self, method: str, request) -> list:
-        """The request each host gets, in host order (see the module's docstring)."""
+    # -- what each host gets (see the module's docstring) ---------------------------------------
+    def step_requests(self, request: pb.StepRequest) -> list[pb.StepRequest]:
+        """Host h's copy of a Step request: row block h of the pod's shard and of every extra one.
+        ConfigError naming data.global_batch if the rows do not split over the hosts."""
         k = len(self.hosts)
-        if method == "Step":
-            own = _split_rows(request.tokens, k, f"{self.name}'s shard")
-            extra = [_split_rows(s.tokens, k, f"the shard of slot {s.slot} (computed by {self.name})")
-                     for s in request.extra_shards]
-            out = _copies(request, k)
-            for h, copy in enumerate(out):
-                copy.tokens = own[h]
-                for shard, blocks in zip(copy.extra_shards, extra):
-                    shard.tokens = blocks[h]
-            return out
-        if method == "Configure":
-            out = _copies(request, k)
-            for h, copy in enumerate(out):
-                copy.host_index, copy.hosts_per_pod = h, k
-                del copy.dcn_addresses[:]
-                copy.dcn_addresses.extend(_host_part(a, h, k, f"pod {p}'s data-plane address")
-                                          for p, a in enumerate(request.dcn_addresses))
-            return out
-        if method == "SendState":
-            out = _copies(request, k)
-            for h, copy in enumerate(out):
-                copy.to_address = _host_part(request.to_address, h, k, f"pod {request.to_pod}'s data-plane address")
-            return out
-        return [request] * k
+        own = _split_rows(request.tokens, k, f"{self.name}'s shard")
+        extra = [_split_rows(s.tokens, k, f"the shard of slot {s.slot} (computed by {self.name})")
+                 for s in request.extra_shards]
+        out = _copies(request, k)
+        for h, copy in enumerate(out):
+            copy.tokens = own[h]
+            for shard, blocks in zip(copy.extra_shards, extra):
+                shard.tokens = blocks[h]
+        return out
 
-    def call_async(self, method: str, request, timeout_s: float) -> PodCall:
-        """Start the call on every host; the PodCall's result() raises WorkerError naming a host."""
-        requests = self.requests(method, request)
-        calls = []
+    def configure_requests(self, request: pb.ConfigureRequest) -> list[pb.ConfigureRequest]:
+        """Host h's copy of a Configure request: its host index, the host count and host h's
+        data-plane address of every pod."""
+        k = len(self.hosts)
+        out = _copies(request, k)
+        for h, copy in enumerate(out):
+            copy.host_index, copy.hosts_per_pod = h, k
+            del copy.dcn_addresses[:]
+            copy.dcn_addresses.extend(_host_part(a, h, k, f"pod {p}'s data-plane address")
+                                      for p, a in enumerate(request.dcn_addresses))
+        return out
+
+    def send_state_requests(self, request: pb.SendStateRequest) -> list[pb.SendStateRequest]:
+        """Host h's copy of a SendState request: to host h of the receiving pod."""
+        k = len(self.hosts)
+        out = _copies(request, k)
+        for h, copy in enumerate(out):
+            copy.to_address = _host_part(request.to_address, h, k, f"pod {request.to_pod}'s data-plane address")
+        return out
+
+    def _same(self, request: Req) -> list[Req]:
+        return [request] * len(self.hosts)
+
+    # -- one call on every host -----------------------------------------------------------------
+    def _start(self, method: str, requests: list[Req],
+               start: Callable[[PodApi, Req], Pending[Reply]]) -> PodCall[Reply]:
+        """start(host, its request) on every host; the PodCall's result() raises WorkerError naming
+        a host. If a host's call cannot be started, the ones already started are cancelled."""
+        calls: list[Pending[Reply]] = []
         try:
             for host, host_request in zip(self.hosts, requests):
-                calls.append(host.call_async(method, host_request, timeout_s))
+                calls.append(start(host, host_request))
         except BaseException:
             for call in calls:
                 call.cancel()
             raise
         return PodCall(self, method, calls)
 
-    def call(self, method: str, request, timeout_s: float):
-        """The call on every host at once, each with the deadline; host 0's reply if every host
-        succeeds, else the first failure (WorkerError naming the host)."""
-        pending = self.call_async(method, request, timeout_s)
+    def _finish(self, pending: PodCall[Reply], timeout_s: float) -> Reply:
+        """Wait for a started call: host 0's reply if every host succeeds, else the first failure
+        (WorkerError naming the host)."""
         # Each host's call carries the deadline; the margin only covers the callbacks' latency.
         if not pending.wait(timeout_s + 5.0):
             pending.cancel()
             late = [self.hosts[h].name for h, call in enumerate(pending.calls) if not call.done()]
-            raise WorkerError(f"{', '.join(late)}: {method} failed: no answer within the call's deadline",
+            raise WorkerError(f"{', '.join(late)}: {pending.method} failed: no answer within the call's deadline",
                               grpc.StatusCode.DEADLINE_EXCEEDED)
         return pending.result()
+
+    def configure_async(self, request: pb.ConfigureRequest, timeout_s: float) -> PodCall[pb.ConfigureReply]:
+        return self._start("Configure", self.configure_requests(request),
+                           lambda host, r: host.configure_async(r, timeout_s))
+
+    def configure(self, request: pb.ConfigureRequest, timeout_s: float) -> pb.ConfigureReply:
+        return self._finish(self.configure_async(request, timeout_s), timeout_s)
+
+    def step_async(self, request: pb.StepRequest, timeout_s: float) -> PodCall[pb.StepReply]:
+        return self._start("Step", self.step_requests(request), lambda host, r: host.step_async(r, timeout_s))
+
+    def step(self, request: pb.StepRequest, timeout_s: float) -> pb.StepReply:
+        return self._finish(self.step_async(request, timeout_s), timeout_s)
+
+    def save_async(self, request: pb.SaveRequest, timeout_s: float) -> PodCall[pb.SaveReply]:
+        return self._start("Save", self._same(request), lambda host, r: host.save_async(r, timeout_s))
+
+    def save(self, request: pb.SaveRequest, timeout_s: float) -> pb.SaveReply:
+        return self._finish(self.save_async(request, timeout_s), timeout_s)
+
+    def wait_save_async(self, request: pb.WaitSaveRequest, timeout_s: float) -> PodCall[pb.SaveReply]:
+        return self._start("WaitSave", self._same(request), lambda host, r: host.wait_save_async(r, timeout_s))
+
+    def wait_save(self, request: pb.WaitSaveRequest, timeout_s: float) -> pb.SaveReply:
+        return self._finish(self.wait_save_async(request, timeout_s), timeout_s)
+
+    def restore_async(self, request: pb.RestoreRequest, timeout_s: float) -> PodCall[pb.RestoreReply]:
+        return self._start("Restore", self._same(request), lambda host, r: host.restore_async(r, timeout_s))
+
+    def restore(self, request: pb.RestoreRequest, timeout_s: float) -> pb.RestoreReply:
+        return self._finish(self.restore_async(request, timeout_s), timeout_s)
+
+    def evaluate_async(self, request: pb.EvaluateRequest, timeout_s: float) -> PodCall[pb.EvaluateReply]:
+        return self._start("Evaluate", self._same(request), lambda host, r: host.evaluate_async(r, timeout_s))
+
+    def evaluate(self, request: pb.EvaluateRequest, timeout_s: float) -> pb.EvaluateReply:
+        return self._finish(self.evaluate_async(request, timeout_s), timeout_s)
+
+    def generate_async(self, request: pb.GenerateRequest, timeout_s: float) -> PodCall[pb.GenerateReply]:
+        return self._start("Generate", self._same(request), lambda host, r: host.generate_async(r, timeout_s))
+
+    def generate(self, request: pb.GenerateRequest, timeout_s: float) -> pb.GenerateReply:
+        return self._finish(self.generate_async(request, timeout_s), timeout_s)
+
+    def generate_stream(self, request: pb.GenerateRequest, timeout_s: float) -> Iterator[pb.GenerateChunk]:
+        """The stream on every host at once (the hosts run the generation together): host 0's
+        chunks as they come, the others' read alongside; then the first failure in host order
+        (a WorkerError naming the host), if any."""
+        def drain(host: PodApi) -> None:
+            for _ in host.generate_stream(request, timeout_s):
+                pass
+
+        with concurrent.futures.ThreadPoolExecutor(len(self.hosts) - 1) as pool:
+            others = [pool.submit(drain, host) for host in self.hosts[1:]]
+            yield from self.hosts[0].generate_stream(request, timeout_s)
+            for other in others:
+                other.result()
+
+    def set_membership_async(self, request: pb.MembershipRequest,
+                             timeout_s: float) -> PodCall[pb.MembershipReply]:
+        return self._start("SetMembership", self._same(request),
+                           lambda host, r: host.set_membership_async(r, timeout_s))
+
+    def set_membership(self, request: pb.MembershipRequest, timeout_s: float) -> pb.MembershipReply:
+        return self._finish(self.set_membership_async(request, timeout_s), timeout_s)
+
+    def send_state_async(self, request: pb.SendStateRequest, timeout_s: float) -> PodCall[pb.TransferReply]:
+        return self._start("SendState", self.send_state_requests(request),
+                           lambda host, r: host.send_state_async(r, timeout_s))
+
+    def send_state(self, request: pb.SendStateRequest, timeout_s: float) -> pb.TransferReply:
+        return self._finish(self.send_state_async(request, timeout_s), timeout_s)
+
+    def receive_state_async(self, request: pb.ReceiveStateRequest,
+                            timeout_s: float) -> PodCall[pb.TransferReply]:
+        return self._start("ReceiveState", self._same(request),
+                           lambda host, r: host.receive_state_async(r, timeout_s))
+
+    def receive_state(self, request: pb.ReceiveStateRequest, timeout_s: float) -> pb.TransferReply:
+        return self._finish(self.receive_state_async(request, timeout_s), timeout_s)
+
+    def shutdown(self, timeout_s: float) -> pb.ShutdownReply:
+        """Shutdown on every host at once; host 0's reply, or the first failure in host order."""
+        return self._each(lambda host: host.shutdown(timeout_s))[0]
 
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
         """Host 0's Status, with the pod's data-plane addresses (every host's, joined with "|") and

@@ -1,6 +1,6 @@
 """The pods as one cluster: connect, configure (and check that the pods agree), the watchdog, and
-the diagnosis that names failed pods. Everything here talks to the pods through client objects
-with the WorkerClient interface, so tests can pass fakes."""
+the diagnosis that names failed pods. Everything here talks to the pods through the typed PodApi
+interface (api.py: WorkerClient, PodClient), so tests can pass fakes."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -9,6 +9,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from multipod import protos
+from multipod.controller.cluster.api import PodApi
 from multipod.controller.cluster.client import Probe, Verdict
 from multipod.controller.cluster.pod_client import make_pod_client, pod_hosts
 from multipod.controller.core.errors import PodFailure, RunError
@@ -93,7 +94,7 @@ class Cluster:
     generation after every restore or membership change, so stale links are never mixed with new
     ones), and in degraded mode which pod computes which slot's shard (`hosts`)."""
 
-    def __init__(self, clients: list, config: Config):
+    def __init__(self, clients: list[PodApi], config: Config):
         self.clients = clients
         self.config = config
         self.base_run_id = uuid.uuid4().hex
@@ -115,7 +116,7 @@ class Cluster:
         return sorted(set(self.hosts))
 
     @property
-    def live_clients(self) -> list:
+    def live_clients(self) -> list[PodApi]:
         return [self.clients[p] for p in self.live]
 
     @property
@@ -128,16 +129,16 @@ class Cluster:
         run_id = self.next_generation()
         hosts = [] if not self.degraded else list(self.hosts)
         request = pb.MembershipRequest(run_id=run_id, hosts=hosts, num_pods=self.size)
-        return parallel(lambda p: self.clients[p].call("SetMembership", request, timeout_s), pods)
+        return parallel(lambda p: self.clients[p].set_membership(request, timeout_s), pods)
 
     def transfer_state(self, donor: int, receiver: int, timeout_s: float) -> tuple[pb.TransferReply, pb.TransferReply]:
         """Stream `donor`'s state to `receiver` over the data plane; (sent, received) replies.
         RunError if the receiver's verified fingerprint is not the donor's."""
         transfer_id = f"{self.run_id}.transfer.{donor}.{receiver}.{uuid.uuid4().hex[:8]}"
-        receive = self.clients[receiver].call_async(
-            "ReceiveState", pb.ReceiveStateRequest(transfer_id=transfer_id, from_pod=donor), timeout_s)
+        receive = self.clients[receiver].receive_state_async(
+            pb.ReceiveStateRequest(transfer_id=transfer_id, from_pod=donor), timeout_s)
         try:
-            sent = self.clients[donor].call("SendState", pb.SendStateRequest(
+            sent = self.clients[donor].send_state(pb.SendStateRequest(
                 transfer_id=transfer_id, to_pod=receiver, to_address=self.dcn_addresses[receiver]), timeout_s)
         except BaseException:
             receive.cancel()
@@ -190,7 +191,7 @@ class Cluster:
                 found[pod] = f"restarted (process {known} is now {status.pid})"
         return found
 
-    def _configure(self, targets: list, keep_state: bool = False) -> list[pb.ConfigureReply]:
+    def _configure(self, targets: list[PodApi], keep_state: bool = False) -> list[pb.ConfigureReply]:
         addresses = [c.address for c in self.clients]
         worker_json = self.config.worker_config().to_json()
         request = lambda c: pb.ConfigureRequest(
@@ -198,7 +199,7 @@ class Cluster:
             peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id,
             dcn_addresses=self.dcn_addresses, keep_state=keep_state)
         timeout = self.config.run.configure_timeout_s
-        return parallel(lambda c: c.call("Configure", request(c), timeout), targets)
+        return parallel(lambda c: c.configure(request(c), timeout), targets)
 
     def configure(self) -> list[pb.ConfigureReply]:
         """Configure every pod and refuse pods that disagree on protocol, mesh, config or state;

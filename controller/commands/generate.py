@@ -348,8 +348,8 @@ def main(args) -> int:
                 client = cluster.clients[0]
                 # A prompt checkpoint is the state of a prompt-tuning pod, whose base --checkpoint is.
                 target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.root)})
-                restored = client.call("Restore", pb.RestoreRequest(run_id=cluster.next_generation(), **target),
-                                       config.run.step_timeout_s + 60.0)
+                restored = client.restore(pb.RestoreRequest(run_id=cluster.next_generation(), **target),
+                                          config.run.step_timeout_s + 60.0)
                 _say(f"restored {restored.path} (step {restored.step}) in {time.perf_counter() - started:.1f} s")
                 request = dict(num_tokens=num_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed, shift_context=args.shift_context)
@@ -380,7 +380,7 @@ def _one(client, prompt: Prompt, request: dict, timeout: float, tokenizer, eos_i
     text = TextStream(tokenizer, prompt, eos_id)
     started, first, count = time.perf_counter(), None, 0
     message = pb.GenerateRequest(prompts=[codec.encode(_narrow(prompt.ids))], **request)
-    for chunk in client.call_stream("GenerateStream", message, timeout):
+    for chunk in client.generate_stream(message, timeout):
         for token in codec.decode(chunk.tokens).tolist():
             first = time.perf_counter() - started if first is None else first
             count += 1
@@ -399,7 +399,7 @@ def _many(client, prompts: list[Prompt], request: dict, timeout: float, tokenize
             batch = prompts[at:at + args.batch_size]
             completions: list[list[int]] = [[] for _ in batch]
             message = pb.GenerateRequest(prompts=[codec.encode(_narrow(p.ids)) for p in batch], **request)
-            for chunk in client.call_stream("GenerateStream", message, timeout):
+            for chunk in client.generate_stream(message, timeout):
                 first = time.perf_counter() - started if first is None else first
                 for row, token in zip(chunk.rows, codec.decode(chunk.tokens).tolist()):
                     completions[row].append(token)

@@ -96,14 +96,13 @@ class Checkpointer:
                                  background=True, keep=run.keep_checkpoints)
         writer = self.cluster.live_clients[0]
         try:
-            reply = writer.call("Save", request, run.step_timeout_s)
+            reply = writer.save(request, run.step_timeout_s)
         except WorkerError as exc:
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise self.cluster.diagnose(f"checkpoint of step {step}: {exc}") from None
             self._failed(step, str(exc))
             return
-        wait = writer.call_async("WaitSave", pb.WaitSaveRequest(step=step, directory=self.directory),
-                                 CHECKPOINT_TIMEOUT_S)
+        wait = writer.wait_save_async(pb.WaitSaveRequest(step=step, directory=self.directory), CHECKPOINT_TIMEOUT_S)
         self.pending.append(PendingSave(step, reply.path, wait))
         self.events.write("checkpoint_started", step=step, path=reply.path)
 
@@ -151,11 +150,11 @@ class Checkpointer:
         timeout = self.config.run.step_timeout_s + self.config.dcn.timeout_s + 60.0
         first = []
         if directory:   # pod 0 finds the newest checkpoint; the others restore that one
-            first = [clients[0].call("Restore", pb.RestoreRequest(directory=directory, run_id=run_id), timeout)]
+            first = [clients[0].restore(pb.RestoreRequest(directory=directory, run_id=run_id), timeout)]
             path = first[0].path
         rest = clients[len(first):]
         replies = first + parallel(
-            lambda c: c.call("Restore", pb.RestoreRequest(path=path, run_id=run_id), timeout), rest)
+            lambda c: c.restore(pb.RestoreRequest(path=path, run_id=run_id), timeout), rest)
         if len({r.fingerprint for r in replies}) > 1:
             raise RunError(f"pods restored {path} to different states: " +
                            ", ".join(f"{c.name}: {r.fingerprint}" for c, r in zip(clients, replies)))

@@ -69,8 +69,8 @@ class Evaluator:
         for index in range(self.batches):
             data = step_data(self.dataset.eval_batch(index), self.dataset.eval_loss_mask(index), self.cluster.size,
                              self._dtype)
-            calls = [clients[hosts[slot]].call_async(
-                "Evaluate", pb.EvaluateRequest(tokens=data.tokens[slot], loss_mask=data.masks[slot]),
+            calls = [clients[hosts[slot]].evaluate_async(
+                pb.EvaluateRequest(tokens=data.tokens[slot], loss_mask=data.masks[slot]),
                 self.run.step_timeout_s) for slot in range(self.cluster.size)]
             for slot, call in enumerate(calls):     # summed in slot order: the same on any pods
                 try:

@@ -142,7 +142,7 @@ class StepLoop:
                      for slot, host in enumerate(hosts) if host == pod and slot != pod]
             request = pb.StepRequest(step=step, tokens=shards.tokens[pod], loss_mask=shards.masks[pod],
                                      global_tokens=shards.global_tokens, full_fingerprint=full, extra_shards=extra)
-            calls.append(client.call_async("Step", request, timeout))
+            calls.append(client.step_async(request, timeout))
         self._pending.append((step, (clients, hosts), calls))
 
     def _record_partial(self, step: int, clients, hosts, replies) -> None:

@@ -37,7 +37,7 @@ def sample(client, run, tokenizer) -> str | None:
     if prompt.size == 0:
         prompt = tokenizer.encode(" ")
     # shift_context: a sample longer than the model's context goes on from the last half of it.
-    reply = client.call("Generate", pb.GenerateRequest(
+    reply = client.generate(pb.GenerateRequest(
         prompt=codec.encode(narrow(prompt)), num_tokens=run.sample_tokens, temperature=run.sample_temperature,
         seed=run.seed, shift_context=True),
         run.step_timeout_s)

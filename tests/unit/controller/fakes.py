@@ -1,8 +1,9 @@
 """In-process fake pods for the controller's unit tests: no gRPC server, no jax computation.
 
-A FakePod has the WorkerClient interface the controller uses (name, pod_index, address, probe,
-call, call_async, status, wait_serving, close). Its Step answers from a `step` function of
-(pod, step, data index); a behaviour can raise a WorkerError or hang (never finish)."""
+A FakePod has the part of the PodApi interface (controller/cluster/api.py) the step loop and the
+cluster use (name, pod_index, address, probe, configure, step_async, status, wait_serving, close).
+Its Step answers from an `on_step` function of (pod, step, data index); a behaviour can raise a
+WorkerError or hang (never finish)."""
 from __future__ import annotations
 
 import threading
@@ -91,18 +92,20 @@ def configure_reply(pod: int, **fields) -> pb.ConfigureReply:
 
 
 class FakePod:
-    """One fake pod. `step(pod, step, data_index)` returns a StepReply, raises a WorkerError or
-    returns HANG; `probes` is a list of Probe answers, then `probe_then` forever; once one of its
-    steps hangs, it answers `probe_when_hung` (if given) instead."""
+    """One fake pod. `step(pod, step, data_index)` (kept as on_step) returns a StepReply, raises a
+    WorkerError or returns HANG; `on_configure(request)` answers Configure; `probes` is a list of
+    Probe answers, then `probe_then` forever; once one of its steps hangs, it answers
+    `probe_when_hung` (if given) instead. `calls` lists (RPC name, request) of its calls other than
+    Step (step_requests holds those)."""
 
     def __init__(self, pod_index: int, step=None, probes=(), probe_then: Probe = SERVING, log: list | None = None,
                  probe_when_hung: Probe | None = None):
         self.pod_index, self.address = pod_index, f"fake:{pod_index}"
         self.name = f"pod {pod_index} ({self.address})"
-        self.step = step or (lambda pod, s, data: step_reply(pod, s))
+        self.on_step = step or (lambda pod, s, data: step_reply(pod, s))
         self.probes, self.probe_then, self.probe_when_hung = list(probes), probe_then, probe_when_hung
         self.log = log if log is not None else []
-        self.configure = lambda request: configure_reply(self.pod_index)
+        self.on_configure = lambda request: configure_reply(self.pod_index)
         self.calls: list[tuple[str, object]] = []
         self.step_requests: list[pb.StepRequest] = []
         self.hanging: list[FakeCall] = []
@@ -113,20 +116,17 @@ class FakePod:
             return self.probe_when_hung
         return self.probes.pop(0) if self.probes else self.probe_then
 
-    def call(self, method: str, request, timeout_s: float):
-        self.calls.append((method, request))
-        if method == "Configure":
-            self.configured = True
-            return self.configure(request)
-        raise AssertionError(f"unexpected call {method}")
+    def configure(self, request: pb.ConfigureRequest, timeout_s: float) -> pb.ConfigureReply:
+        self.calls.append(("Configure", request))
+        self.configured = True
+        return self.on_configure(request)
 
-    def call_async(self, method: str, request, timeout_s: float) -> FakeCall:
-        assert method == "Step", method
+    def step_async(self, request: pb.StepRequest, timeout_s: float) -> FakeCall:
         self.step_requests.append(request)
         data_index = int(codec.decode(request.tokens)[0, 0])
         self.log.append(("dispatch", self.pod_index, request.step, data_index))
         try:
-            reply = self.step(self.pod_index, request.step, data_index)
+            reply = self.on_step(self.pod_index, request.step, data_index)
         except WorkerError as exc:
             return FakeCall(error=exc)
         if reply is HANG:

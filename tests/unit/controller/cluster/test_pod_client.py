@@ -28,8 +28,9 @@ from tests.unit.controller.fakes import DEAD, HUNG, SERVING, FakeCall, configure
 
 
 class FakeHost:
-    """One host of a pod, with the WorkerClient interface: it records every request; `replies`
-    maps a method to a reply or a WorkerError (or "pending": the call never finishes)."""
+    """One host of a pod, with the part of the PodApi interface PodClient uses: it records every
+    request as (RPC name, request); `replies` maps an RPC's name to a reply or a WorkerError (or
+    "pending": the call never finishes)."""
 
     def __init__(self, pod: int, host: int, hosts: int = 2, probe: Probe = SERVING, **status):
         self.pod_index, self.host_index = pod, host
@@ -45,7 +46,7 @@ class FakeHost:
                    num_devices=hosts, dcn_address=f"tcp://dcn:{pod}.{host}"), **status})
         self.closed = False
 
-    def call_async(self, method: str, request, timeout_s: float) -> FakeCall:
+    def _answer(self, method: str, request) -> FakeCall:
         self.requests.append((method, request))
         reply = self.replies[method]
         if isinstance(reply, str):
@@ -54,8 +55,24 @@ class FakeHost:
             return FakeCall(error=reply)
         return FakeCall(reply)
 
-    def call(self, method: str, request, timeout_s: float):
-        return self.call_async(method, request, timeout_s).result()
+    def step_async(self, request: pb.StepRequest, timeout_s: float) -> FakeCall:
+        return self._answer("Step", request)
+
+    def configure_async(self, request: pb.ConfigureRequest, timeout_s: float) -> FakeCall:
+        return self._answer("Configure", request)
+
+    def save_async(self, request: pb.SaveRequest, timeout_s: float) -> FakeCall:
+        return self._answer("Save", request)
+
+    def send_state_async(self, request: pb.SendStateRequest, timeout_s: float) -> FakeCall:
+        return self._answer("SendState", request)
+
+    def generate_stream(self, request: pb.GenerateRequest, timeout_s: float):
+        self.requests.append(("GenerateStream", request))
+        reply = self.replies["GenerateStream"]
+        if isinstance(reply, Exception):
+            raise reply
+        yield from reply
 
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
         return self.status_reply
@@ -110,7 +127,7 @@ def test_step_gives_each_host_its_block_of_rows_of_every_shard():
     own, extra = _tokens(4), _tokens(4, base=1000)
     request = pb.StepRequest(step=7, tokens=codec.encode(own), global_tokens=64, full_fingerprint=True,
                              extra_shards=[pb.Shard(slot=2, tokens=codec.encode(extra))])
-    reply = pod.call_async("Step", request, 10).result()
+    reply = pod.step_async(request, 10).result()
     assert reply == pod.hosts[0].replies["Step"]
     for h, host in enumerate(pod.hosts):
         [(method, got)] = host.requests
@@ -124,7 +141,7 @@ def test_step_gives_each_host_its_block_of_rows_of_every_shard():
 def test_step_rows_that_do_not_split_over_the_hosts_are_refused_before_any_host_is_called():
     pod = _pod(1)
     with pytest.raises(ConfigError, match=r"3 rows.*2 equal blocks.*multiple of the hosts per pod \(2\)") as info:
-        pod.call_async("Step", pb.StepRequest(step=0, tokens=codec.encode(_tokens(3))), 10)
+        pod.step_async(pb.StepRequest(step=0, tokens=codec.encode(_tokens(3))), 10)
     assert info.value.field == "data.global_batch" and "pod 1 (fake:1.0,fake:1.1)" in str(info.value)
     assert all(not host.requests for host in pod.hosts)
 
@@ -134,23 +151,23 @@ def test_configure_tells_each_host_its_index_and_its_peers_on_the_other_pods():
     request = pb.ConfigureRequest(pod_index=1, num_pods=2, run_id="r.1", worker_config_json="{}",
                                   peer_addresses=["a,b", "c,d"], dcn_addresses=["tcp://p0h0|tcp://p0h1",
                                                                                 "tcp://p1h0|tcp://p1h1"])
-    assert pod.call("Configure", request, 10) == configure_reply(1)
+    assert pod.configure(request, 10) == configure_reply(1)
     for h, host in enumerate(pod.hosts):
         [(_, got)] = host.requests
         assert (got.host_index, got.hosts_per_pod, got.pod_index, got.run_id) == (h, 2, 1, "r.1")
         assert list(got.dcn_addresses) == [f"tcp://p0h{h}", f"tcp://p1h{h}"]
     with pytest.raises(RunError, match="pod 0's data-plane address 'tcp://x' lists 1 host"):
-        pod.call("Configure", pb.ConfigureRequest(dcn_addresses=["tcp://x", "tcp://p1h0|tcp://p1h1"]), 10)
+        pod.configure(pb.ConfigureRequest(dcn_addresses=["tcp://x", "tcp://p1h0|tcp://p1h1"]), 10)
 
 
 def test_state_transfer_goes_host_to_host_and_other_requests_go_to_every_host_unchanged():
     pod = _pod(1)
     for host in pod.hosts:
         host.replies["SendState"] = pb.TransferReply(step=3)
-    pod.call("SendState", pb.SendStateRequest(transfer_id="t", to_pod=0, to_address="tcp://p0h0|tcp://p0h1"), 10)
+    pod.send_state(pb.SendStateRequest(transfer_id="t", to_pod=0, to_address="tcp://p0h0|tcp://p0h1"), 10)
     assert [host.requests[0][1].to_address for host in pod.hosts] == ["tcp://p0h0", "tcp://p0h1"]
     save = pb.SaveRequest(step=5, directory="/ckpt", background=True)
-    assert pod.call("Save", save, 10).path == "ckpt-1.0"    # host 0's reply
+    assert pod.save(save, 10).path == "ckpt-1.0"    # host 0's reply
     assert [host.requests[1] for host in pod.hosts] == [("Save", save), ("Save", save)]
 
 
@@ -160,7 +177,7 @@ def test_a_failure_on_one_host_fails_the_pods_call_naming_that_host():
                         grpc.StatusCode.INVALID_ARGUMENT)
     pod.hosts[1].replies["Step"] = error
     pod.hosts[0].replies["Step"] = "pending"    # host 0 waits in the pod's collective
-    call = pod.call_async("Step", pb.StepRequest(tokens=codec.encode(_tokens(2))), 10)
+    call = pod.step_async(pb.StepRequest(tokens=codec.encode(_tokens(2))), 10)
     assert call.wait(30) and call.done()        # done: the pod failed, whatever host 0 still does
     with pytest.raises(WorkerError) as info:
         call.result()
@@ -169,16 +186,31 @@ def test_a_failure_on_one_host_fails_the_pods_call_naming_that_host():
     assert pod.hosts[0].requests and all(c.cancelled for c in call.calls[:1])
     pod.hosts[1].replies["Save"] = error
     with pytest.raises(WorkerError, match=r"pod 1 host 1 \(fake:1.1\)"):
-        pod.call("Save", pb.SaveRequest(step=1), 10)
+        pod.save(pb.SaveRequest(step=1), 10)
 
 
 def test_a_pods_call_is_done_only_when_every_host_is():
     pod = _pod(1)
     pod.hosts[1].replies["Step"] = "pending"
-    call = pod.call_async("Step", pb.StepRequest(tokens=codec.encode(_tokens(2))), 10)
+    call = pod.step_async(pb.StepRequest(tokens=codec.encode(_tokens(2))), 10)
     assert not call.done() and not call.wait(0.01)
     call.calls[1].finish(step_reply(1, 0))
     assert call.wait(30) and call.result() == pod.hosts[0].replies["Step"]
+
+
+def test_a_stream_runs_on_every_host_and_yields_host_0s_chunks_then_any_hosts_failure():
+    pod = _pod(1)
+    chunks = [pb.GenerateChunk(index=i, rows=[0]) for i in range(3)]
+    pod.hosts[0].replies["GenerateStream"] = chunks
+    pod.hosts[1].replies["GenerateStream"] = [pb.GenerateChunk(index=9)]
+    request = pb.GenerateRequest(num_tokens=3)
+    assert list(pod.generate_stream(request, 10)) == chunks
+    assert [host.requests for host in pod.hosts] == [[("GenerateStream", request)]] * 2
+    error = WorkerError("pod 1 host 1 (fake:1.1): GenerateStream failed: INTERNAL: boom", grpc.StatusCode.INTERNAL)
+    pod.hosts[1].replies["GenerateStream"] = error
+    with pytest.raises(WorkerError) as info:
+        list(pod.generate_stream(request, 10))
+    assert info.value is error
 
 
 # ---- status -------------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
-"""The cluster: the watchdog, the diagnosis, the typed health verdicts, and the configure check
-that a restarted pod matches the pods that stayed up."""
+"""The cluster: the watchdog, the diagnosis, the typed health verdicts, the typed RPCs' deadlines
+and errors, and the configure check that a restarted pod matches the pods that stayed up."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from multipod.controller.cluster.client import Verdict, WorkerClient
+from multipod.controller.cluster.client import Verdict, WorkerClient, WorkerError
 from multipod.controller.cluster.pods import Cluster, Watchdog
 from multipod.controller.core.errors import RunError
+from multipod.protos import multipod_pb2 as pb
 from tests.unit.controller.fakes import DEAD, HUNG, SERVING, FakePod, configure_reply, make_config
 
 
@@ -79,6 +81,47 @@ def test_probe_tells_hung_from_dead_by_status_code(code, verdict):
         client.close()
 
 
+class _Rpc:
+    """A stub's method: records each call's deadline; answers `reply`, or raises _RpcError(code)."""
+
+    def __init__(self, reply=None, code=None):
+        self.reply, self.code, self.timeouts = reply, code, []
+
+    def __call__(self, request, timeout):
+        self.timeouts.append(timeout)
+        if self.code is not None:
+            raise _RpcError(self.code)
+        return self.reply
+
+    def future(self, request, timeout):
+        return SimpleNamespace(result=lambda: self(request, timeout))
+
+
+def test_the_typed_rpcs_keep_their_deadline_and_name_the_pod_and_the_rpc_on_failure():
+    client = WorkerClient(3, "127.0.0.1:1")    # the channel is lazy: nothing is contacted
+    chunks = [pb.GenerateChunk(index=0), pb.GenerateChunk(index=1)]
+    try:
+        client.stub = stub = SimpleNamespace(
+            Step=_Rpc(pb.StepReply(step=4)), Save=_Rpc(code=grpc.StatusCode.UNAVAILABLE),
+            Restore=_Rpc(code=grpc.StatusCode.DEADLINE_EXCEEDED), GenerateStream=_Rpc(chunks),
+            Status=_Rpc(pb.StatusReply(step=4)))
+        assert client.step(pb.StepRequest(step=4), 7.5) == client.step_async(pb.StepRequest(step=4), 2.5).result()
+        assert stub.Step.timeouts == [7.5, 2.5] and client.status(1.5).step == 4 and stub.Status.timeouts == [1.5]
+        assert list(client.generate_stream(pb.GenerateRequest(), 9.0)) == chunks
+        assert stub.GenerateStream.timeouts == [9.0]
+        with pytest.raises(WorkerError, match=r"^pod 3 \(127.0.0.1:1\): Save failed: UNAVAILABLE: ") as info:
+            client.save(pb.SaveRequest(step=1), 4.0)
+        assert info.value.code is grpc.StatusCode.UNAVAILABLE and stub.Save.timeouts == [4.0]
+        with pytest.raises(WorkerError, match=r"^pod 3 \(127.0.0.1:1\): Restore failed: DEADLINE_EXCEEDED: no answer "
+                                              r"within the call's deadline"):
+            client.restore_async(pb.RestoreRequest(path="x"), 6.0).result()
+        stub.GenerateStream.code = grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(WorkerError, match=r"GenerateStream failed: INVALID_ARGUMENT"):
+            list(client.generate_stream(pb.GenerateRequest(), 9.0))
+    finally:
+        client.close()
+
+
 def _configured(pods):
     cluster = Cluster(pods, make_config())
     cluster.configure()
@@ -94,7 +137,7 @@ def test_a_restarted_pod_that_differs_from_the_pods_that_stayed_up_is_refused(fi
     pods = [FakePod(0), FakePod(1), FakePod(2)]
     cluster = _configured(pods)
     # Pod 1 comes back as a different worker (another device count, mesh, version or config).
-    pods[1].configure = lambda request: configure_reply(1, **{field: value})
+    pods[1].on_configure = lambda request: configure_reply(1, **{field: value})
     with pytest.raises(RunError, match=what) as info:
         cluster.configure_restarted([1])
     message = str(info.value)
@@ -111,6 +154,6 @@ def test_a_restarted_pod_that_matches_the_survivors_is_accepted():
 
 def test_pods_that_disagree_at_the_first_configure_are_refused():
     pods = [FakePod(0), FakePod(1)]
-    pods[1].configure = lambda request: configure_reply(1, mesh_shape=[2, 1])
+    pods[1].on_configure = lambda request: configure_reply(1, mesh_shape=[2, 1])
     with pytest.raises(RunError, match=r"pods disagree on mesh shape"):
         Cluster(pods, make_config()).configure()

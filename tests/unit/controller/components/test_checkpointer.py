@@ -26,20 +26,20 @@ class WriterPod(FakePod):
         self.refuse: dict[int, WorkerError] = {}
         self.metadata = {"data_path": "", "data_offset": 0}
 
-    def call(self, method, request, timeout_s):
-        self.calls.append((method, request))
-        if method == "Save":
-            if request.step in self.refuse:
-                raise self.refuse[request.step]
-            return pb.SaveReply(path=f"{request.directory}/{request.step}", pending=True)
-        if method == "Restore":
-            step = int((request.path or "x/7").rsplit("/", 1)[1])
-            return pb.RestoreReply(step=step, fingerprint="fp", path=request.path or "ckpt/7",
-                                   metadata_json=json.dumps(self.metadata))
-        return super().call(method, request, timeout_s)
+    def save(self, request, timeout_s):
+        self.calls.append(("Save", request))
+        if request.step in self.refuse:
+            raise self.refuse[request.step]
+        return pb.SaveReply(path=f"{request.directory}/{request.step}", pending=True)
 
-    def call_async(self, method, request, timeout_s):
-        assert method == "WaitSave" and request.directory == "ckpt"
+    def restore(self, request, timeout_s):
+        self.calls.append(("Restore", request))
+        step = int((request.path or "x/7").rsplit("/", 1)[1])
+        return pb.RestoreReply(step=step, fingerprint="fp", path=request.path or "ckpt/7",
+                               metadata_json=json.dumps(self.metadata))
+
+    def wait_save_async(self, request, timeout_s):
+        assert request.directory == "ckpt"
         self.waits[request.step] = FakeCall(pending=True)
         return self.waits[request.step]
 

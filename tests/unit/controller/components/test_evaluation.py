@@ -24,8 +24,7 @@ class EvalPod:
         self.pod_index, self.name, self.fail = pod_index, f"pod {pod_index}", fail
         self.rows: list[np.ndarray] = []
 
-    def call_async(self, method, request, timeout_s):
-        assert method == "Evaluate"
+    def evaluate_async(self, request, timeout_s):
         rows = codec.decode(request.tokens)
         self.rows.append(rows)
         if self.fail:

@@ -72,14 +72,12 @@ class MemberPod(FakePod):
         self.at, self.state, self.fails = step, state, fails
         self.memberships: list[pb.MembershipRequest] = []
 
-    def call(self, method, request, timeout_s):
-        if method == "SetMembership":
-            from tests.unit.controller.fakes import unavailable
-            if self.fails:
-                raise unavailable(self, method)
-            self.memberships.append(request)
-            return pb.MembershipReply(step=self.at, fingerprint="c", full_fingerprint=self.state)
-        return super().call(method, request, timeout_s)
+    def set_membership(self, request, timeout_s):
+        from tests.unit.controller.fakes import unavailable
+        if self.fails:
+            raise unavailable(self, "SetMembership")
+        self.memberships.append(request)
+        return pb.MembershipReply(step=self.at, fingerprint="c", full_fingerprint=self.state)
 
 
 class Events:
