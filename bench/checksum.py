@@ -1,12 +1,12 @@
-"""The per-step fingerprint's share of a step: the on-device checksum (what a step takes now)
-against the BLAKE2b hash of host copies (what every step took before, and what checkpoints and
-every run.full_fingerprint_every-th step still take), interleaved in one process on the same
-state. Prints one JSON object of medians.
+"""The per-step state checksum's share of a step (computed on the devices: what a step takes
+now) against the fingerprint's (BLAKE2b of host copies: what every step took before, and what
+checkpoints and every run.fingerprint_every-th step still take), interleaved in one process on
+the same state. Prints one JSON object of medians.
 
-    python -m bench.fingerprint [--config configs/bench.toml] [--devices 2] [--steps 10]
+    python -m bench.checksum [--config configs/bench.toml] [--devices 2] [--steps 10]
 
 step_s: one whole training step (train_step, one pod, no exchange) including the checksum;
-checksum_s: the step's fingerprint_s; blake2b_s: trainer.fingerprint() on the same state right
+checksum_s: the step's checksum_s; blake2b_s: trainer.fingerprint() on the same state right
 after the step. Fractions are of step_s (for the BLAKE2b, of the step it would have been:
 step_s - checksum_s + blake2b_s).
 """
@@ -55,7 +55,7 @@ def main() -> None:
         blake_s = time.perf_counter() - start
         if step:                       # the first step is warm-up
             steps.append(step_s)
-            checksums.append(outcome.fingerprint_s)
+            checksums.append(outcome.checksum_s)
             blakes.append(blake_s)
     step_s, checksum_s, blake_s = (statistics.median(v) for v in (steps, checksums, blakes))
     print(json.dumps({

@@ -256,7 +256,7 @@ def analyse(run: dict, warmup: int) -> dict:
         "steps_recorded_more_than_once": len(steps) - len(set(steps)),
         "steps_missing": len(set(range(config["run"]["steps"])) - set(steps)),
         "pod_failures": summary["pod_failures"], "rejoins": summary["rejoins"],
-        "degraded_s_summary": round(summary["degraded_s"], 3), "final_fingerprint": summary["fingerprint"],
+        "degraded_s_summary": round(summary["degraded_s"], 3), "final_checksum": summary["checksum"],
     }
     before = [r for r in records if r["time"] < kill]
     report["step_at_kill"] = max(r["step"] for r in before)

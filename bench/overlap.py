@@ -160,7 +160,7 @@ def _summarise(records: list[dict]) -> dict:
         "exposed_fraction_of_step_max_pod": _median([fraction(r, max) for r in records]),
         "exposed_exchange_s_last_pod": _median([exposed(r, min) for r in records]),
         "exposed_fraction_of_step_last_pod": _median([fraction(r, min) for r in records]),
-        "fingerprints_equal_every_step": all(len(set(r["fingerprints"])) == 1 for r in records),
+        "checksums_equal_every_step": all(len(set(r["checksums"])) == 1 for r in records),
         "losses": [round(r["loss"], 6) for r in records],
     }
 

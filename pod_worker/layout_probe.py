@@ -69,7 +69,7 @@ def probe(worker_json: str, devices: list, rows: int, steps: int, memory_limit: 
         result["status"] = "over memory limit"
         return result
     batch = trainer.put_batch(tokens)
-    times, parts = [], {"compute_s": [], "update_s": [], "fingerprint_s": []}
+    times, parts = [], {"compute_s": [], "update_s": [], "checksum_s": []}
     for step in range(steps + 1):  # the first run is warm-up, not timed
         t0 = time.perf_counter()
         outcome = trainer.train_step(batch, global_tokens)  # returns host values: the step is finished

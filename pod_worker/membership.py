@@ -35,7 +35,7 @@ class Membership:
     """The pod after SetMembership: where it stands, to compare with the other pods."""
     step: int
     checksum: str
-    full_fingerprint: str
+    fingerprint: str
     config_hash: str
     aborted_step: bool
 
@@ -43,7 +43,7 @@ class Membership:
 @dataclasses.dataclass(frozen=True)
 class Transferred:
     step: int
-    full_fingerprint: str
+    fingerprint: str
     bytes: int
     seconds: float
 

@@ -20,13 +20,14 @@ class StepOutcome:
     grad_norm: float          # global norm of the summed (all-pod) gradient
     learning_rate: float
     skipped: bool             # the update was skipped (non-finite summed gradient)
-    fingerprint: str
+    checksum: str             # the state checksum after the step (programs.state_checksum, on the devices)
     compute_s: float
     exchange_s: float
     update_s: float
-    fingerprint_s: float
+    checksum_s: float
     link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
     exposed_exchange_s: float = 0.0  # end of this pod's backward pass -> every summed leaf on its devices
-    full_fingerprint: str = ""       # BLAKE2b of a host copy of the state, when the step was asked for it
+    fingerprint: str = ""            # BLAKE2b of a host copy of the state, when the step was asked for it
+    fingerprint_s: float = 0.0       # the time it took (0 if not taken)
     # Degraded mode: every shard computed, own first (None for own), as (slot, loss_sum, z_loss_sum, tokens).
     shards: list = field(default_factory=list)

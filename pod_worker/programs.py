@@ -220,8 +220,8 @@ def _leaf_sum(bits: jax.Array, salt: int) -> jax.Array:
 def state_checksum(*trees) -> jax.Array:
     """uint32[2]: a checksum of every leaf of `trees` (bits, position, leaf index, shape, dtype),
     computed where the leaves live. Any single changed bit of any leaf changes it; equal leaves
-    give an equal checksum whatever their sharding. Not cryptographic: the full hash of a host copy
-    (trainer.fingerprint) is still taken at checkpoints and every run.full_fingerprint_every steps."""
+    give an equal checksum whatever their sharding. Not cryptographic: the fingerprint (BLAKE2b of a
+    host copy, trainer.fingerprint) is still taken at checkpoints and every run.fingerprint_every steps."""
     acc = [jnp.uint32(0x6A09E667), jnp.uint32(0xBB67AE85)]
     for index, leaf in enumerate(jax.tree.leaves(trees)):
         salt = _leaf_salt(index, leaf)

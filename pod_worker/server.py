@@ -259,7 +259,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             extra[shard.slot] = _decode_tokens(setup, shard.tokens, rows)
             extra_masks[shard.slot] = _decode_mask(setup, shard.loss_mask, extra[shard.slot])
         outcome, wait_s = self.pod.step(setup, request.step, tokens, request.global_tokens, _deadline(context),
-                                        context.is_active, full_fingerprint=request.full_fingerprint, extra=extra,
+                                        context.is_active, take_fingerprint=request.take_fingerprint, extra=extra,
                                         loss_mask=mask, extra_masks=extra_masks)
         link = outcome.link
         shards = [pb.ShardResult(slot=self.pod.pod_index if slot is None else slot, loss_sum=loss, z_loss_sum=z,
@@ -267,10 +267,11 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         return pb.StepReply(
             step=request.step, pod_index=self.pod.pod_index, loss_sum=outcome.loss_sum,
             z_loss_sum=outcome.z_loss_sum, tokens=outcome.tokens, grad_norm=outcome.grad_norm,
-            learning_rate=outcome.learning_rate, skipped=outcome.skipped, fingerprint=outcome.fingerprint,
-            full_fingerprint=outcome.full_fingerprint,
+            learning_rate=outcome.learning_rate, skipped=outcome.skipped, checksum=outcome.checksum,
+            fingerprint=outcome.fingerprint,
             timings=pb.StepTimings(wait_s=wait_s, compute_s=outcome.compute_s, exchange_s=outcome.exchange_s,
-                                   update_s=outcome.update_s, fingerprint_s=outcome.fingerprint_s,
+                                   update_s=outcome.update_s, checksum_s=outcome.checksum_s,
+                                   fingerprint_s=outcome.fingerprint_s,
                                    idle_s=link.idle_s if link else 0.0,
                                    exposed_exchange_s=outcome.exposed_exchange_s),
             dcn_bytes_sent=link.bytes_sent if link else 0,
@@ -377,7 +378,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
                               configured=status.configured, step=status.step, num_devices=len(jax.devices()),
                               state=status.state, pid=os.getpid(),
                               dcn_address=self.pod.listener.address if self.pod.listener else "",
-                              config_hash=status.config_hash, fingerprint=status.checksum, run_id=status.run_id,
+                              config_hash=status.config_hash, checksum=status.checksum, run_id=status.run_id,
                               host_index=self.pod.layout.host_index, hosts_per_pod=self.pod.layout.hosts_per_pod,
                               pod_coordinator=self.pod.layout.coordinator, local_devices=jax.local_device_count())
 
@@ -390,8 +391,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         if request.num_pods != setup.num_pods:
             raise _invalid(f"num_pods={request.num_pods}, the pod was configured for {setup.num_pods}")
         membership = self.pod.set_membership(request.run_id, list(request.hosts) or None, _deadline(context))
-        return pb.MembershipReply(step=membership.step, fingerprint=membership.checksum,
-                                  full_fingerprint=membership.full_fingerprint, config_hash=membership.config_hash,
+        return pb.MembershipReply(step=membership.step, checksum=membership.checksum,
+                                  fingerprint=membership.fingerprint, config_hash=membership.config_hash,
                                   aborted_step=membership.aborted_step)
 
     @_handler
@@ -400,7 +401,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         if not request.transfer_id or not request.to_address:
             raise _invalid("transfer_id and to_address are required")
         sent = self.pod.send_state(request.transfer_id, int(request.to_pod), request.to_address, _deadline(context))
-        return pb.TransferReply(step=sent.step, full_fingerprint=sent.full_fingerprint, bytes=sent.bytes,
+        return pb.TransferReply(step=sent.step, fingerprint=sent.fingerprint, bytes=sent.bytes,
                                 seconds=sent.seconds)
 
     @_handler
@@ -409,7 +410,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         if not request.transfer_id:
             raise _invalid("transfer_id is empty")
         got = self.pod.receive_state(request.transfer_id, int(request.from_pod), _deadline(context))
-        return pb.TransferReply(step=got.step, full_fingerprint=got.full_fingerprint, bytes=got.bytes,
+        return pb.TransferReply(step=got.step, fingerprint=got.fingerprint, bytes=got.bytes,
                                 seconds=got.seconds)
 
     @_handler

@@ -112,7 +112,7 @@ class PodTrainer:
             self._apply_update = jax.jit(apply_update, in_shardings=(p, o, p), out_shardings=(p, o, s, s),
                                          donate_argnums=(0, 1))
             self._eval_step = jax.jit(eval_step, in_shardings=(p, b), out_shardings=(s, s))
-            # The per-step fingerprint: a checksum computed where the state lives (no host copy).
+            # The per-step state checksum, computed where the state lives (no host copy).
             self._checksum = jax.jit(programs.state_checksum, in_shardings=(p, o), out_shardings=s)
             # Narrow token batches (uint8/uint16 on the wire) become int32 on the devices.
             self._widen = jax.jit(lambda t: t.astype(jnp.int32), in_shardings=b, out_shardings=b)
@@ -199,14 +199,14 @@ class PodTrainer:
         return self.params, batch, norm
 
     def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None,
-                   full_fingerprint: bool = False, extra: dict[int, jax.Array] | None = None) -> StepOutcome:
-        """The per-step core: gradients -> exchange -> update -> fingerprint.
+                   take_fingerprint: bool = False, extra: dict[int, jax.Array] | None = None) -> StepOutcome:
+        """The per-step core: gradients -> exchange -> update -> checksum.
 
         all_reduce(grads) -> (summed, stats) sums the pods' gradient leaves in pod order (the DCN
         exchange); None for a single pod, whose gradient never leaves the device. The state
-        changes only if every part succeeds. The fingerprint is the on-device checksum; with
-        full_fingerprint the BLAKE2b of a host copy of the state is taken too (counted in
-        fingerprint_s).
+        changes only if every part succeeds. The state checksum is taken on the devices; with
+        take_fingerprint the fingerprint (BLAKE2b of a host copy of the state) is taken too
+        (timed in fingerprint_s).
 
         extra (degraded mode): {slot: batch} of failed pods' shards this pod computes too, each
         with the very program of its own shard (so each gradient is bitwise the one that pod
@@ -219,10 +219,10 @@ class PodTrainer:
             outcome = self._train_step_overlapped(batch, global_tokens, all_reduce, extra)
         else:
             outcome = self._train_step_fused(batch, global_tokens, all_reduce, extra)
-        if full_fingerprint:
+        if take_fingerprint:
             start = time.perf_counter()
-            outcome.full_fingerprint = self.fingerprint()
-            outcome.fingerprint_s += time.perf_counter() - start
+            outcome.fingerprint = self.fingerprint()
+            outcome.fingerprint_s = time.perf_counter() - start
         return outcome
 
     def target_count(self, batch) -> int:
@@ -306,12 +306,12 @@ class PodTrainer:
     def _finish(self, shards: list, result: StepResult, updated_at: float, link, **timings: float) -> StepOutcome:
         """The step's checksum (timed from `updated_at`, when the update returned) and its
         outcome; `shards`: (slot, loss_sum, z_loss_sum, tokens) of every shard computed, own first."""
-        fp = self.checksum()
-        fingerprint_s = time.perf_counter() - updated_at
+        checksum = self.checksum()
+        checksum_s = time.perf_counter() - updated_at
         return StepOutcome(loss_sum=sum(s[1] for s in shards), z_loss_sum=sum(s[2] for s in shards),
                            tokens=sum(s[3] for s in shards), grad_norm=result.grad_norm,
-                           learning_rate=result.learning_rate, skipped=result.skipped, fingerprint=fp,
-                           fingerprint_s=fingerprint_s, link=link, shards=shards, **timings)
+                           learning_rate=result.learning_rate, skipped=result.skipped, checksum=checksum,
+                           checksum_s=checksum_s, link=link, shards=shards, **timings)
 
     def put_leaf(self, index: int, value: np.ndarray) -> jax.Array:
         """Start the host->device transfer of one summed gradient leaf (asynchronous)."""
@@ -372,12 +372,12 @@ class PodTrainer:
         trainer (PromptTrainer: made for another base model)."""
 
     def fingerprint(self) -> str:
-        """The full hash: BLAKE2b of a host copy of every parameter and optimizer-state leaf (at
-        checkpoints, and every run.full_fingerprint_every steps)."""
+        """The fingerprint: BLAKE2b of a host copy of every parameter and optimizer-state leaf (at
+        checkpoints, transfers, and every run.fingerprint_every steps)."""
         return fingerprint(self.params, self.opt_state)
 
     def checksum(self) -> str:
-        """The per-step fingerprint: programs.state_checksum of the state, computed on the devices;
+        """The state checksum (every step): programs.state_checksum of the state, computed on the devices;
         only its 8 bytes come to the host."""
         program = getattr(self, "_checksum_compiled", None) or self._checksum
         return programs.checksum_hex(host_value(program(self.params, self.opt_state)))

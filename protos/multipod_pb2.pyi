@@ -83,20 +83,20 @@ class ConfigureReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ..., hardware_flops_per_step: _Optional[float] = ..., memory_argument_bytes: _Optional[int] = ..., memory_output_bytes: _Optional[int] = ..., memory_temp_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tokens", "global_tokens", "full_fingerprint", "extra_shards", "loss_mask")
+    __slots__ = ("step", "tokens", "global_tokens", "take_fingerprint", "extra_shards", "loss_mask")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TAKE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SHARDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: bytes
     global_tokens: int
-    full_fingerprint: bool
+    take_fingerprint: bool
     extra_shards: _containers.RepeatedCompositeFieldContainer[Shard]
     loss_mask: bytes
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., full_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., take_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("slot", "tokens", "loss_mask")
@@ -121,25 +121,27 @@ class ShardResult(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "fingerprint_s", "idle_s", "exposed_exchange_s")
+    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "checksum_s", "idle_s", "exposed_exchange_s", "fingerprint_s")
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
     UPDATE_S_FIELD_NUMBER: _ClassVar[int]
-    FINGERPRINT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_S_FIELD_NUMBER: _ClassVar[int]
     wait_s: float
     compute_s: float
     exchange_s: float
     update_s: float
-    fingerprint_s: float
+    checksum_s: float
     idle_s: float
     exposed_exchange_s: float
-    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ...) -> None: ...
+    fingerprint_s: float
+    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "fingerprint", "timings", "dcn_bytes_sent", "dcn_bytes_received", "full_fingerprint", "shards")
+    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "checksum", "timings", "dcn_bytes_sent", "dcn_bytes_received", "fingerprint", "shards")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -148,11 +150,11 @@ class StepReply(_message.Message):
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
-    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DCN_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DCN_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
-    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     pod_index: int
@@ -162,13 +164,13 @@ class StepReply(_message.Message):
     grad_norm: float
     learning_rate: float
     skipped: bool
-    fingerprint: str
+    checksum: str
     timings: StepTimings
     dcn_bytes_sent: int
     dcn_bytes_received: int
-    full_fingerprint: str
+    fingerprint: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardResult]
-    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., full_fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., checksum: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ...) -> None: ...
 
 class MembershipRequest(_message.Message):
     __slots__ = ("run_id", "hosts", "num_pods")
@@ -181,18 +183,18 @@ class MembershipRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., hosts: _Optional[_Iterable[int]] = ..., num_pods: _Optional[int] = ...) -> None: ...
 
 class MembershipReply(_message.Message):
-    __slots__ = ("step", "fingerprint", "full_fingerprint", "config_hash", "aborted_step")
+    __slots__ = ("step", "checksum", "fingerprint", "config_hash", "aborted_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     ABORTED_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
+    checksum: str
     fingerprint: str
-    full_fingerprint: str
     config_hash: str
     aborted_step: bool
-    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., full_fingerprint: _Optional[str] = ..., config_hash: _Optional[str] = ..., aborted_step: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., checksum: _Optional[str] = ..., fingerprint: _Optional[str] = ..., config_hash: _Optional[str] = ..., aborted_step: _Optional[bool] = ...) -> None: ...
 
 class SendStateRequest(_message.Message):
     __slots__ = ("transfer_id", "to_pod", "to_address")
@@ -213,16 +215,16 @@ class ReceiveStateRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., from_pod: _Optional[int] = ...) -> None: ...
 
 class TransferReply(_message.Message):
-    __slots__ = ("step", "full_fingerprint", "bytes", "seconds")
+    __slots__ = ("step", "fingerprint", "bytes", "seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
-    FULL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
-    full_fingerprint: str
+    fingerprint: str
     bytes: int
     seconds: float
-    def __init__(self, step: _Optional[int] = ..., full_fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("step", "directory", "metadata_json", "background", "keep")
@@ -339,7 +341,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address", "config_hash", "fingerprint", "run_id", "host_index", "hosts_per_pod", "pod_coordinator", "local_devices")
+    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address", "config_hash", "checksum", "run_id", "host_index", "hosts_per_pod", "pod_coordinator", "local_devices")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
@@ -349,7 +351,7 @@ class StatusReply(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     DCN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
-    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_INDEX_FIELD_NUMBER: _ClassVar[int]
     HOSTS_PER_POD_FIELD_NUMBER: _ClassVar[int]
@@ -364,13 +366,13 @@ class StatusReply(_message.Message):
     pid: int
     dcn_address: str
     config_hash: str
-    fingerprint: str
+    checksum: str
     run_id: str
     host_index: int
     hosts_per_pod: int
     pod_coordinator: str
     local_devices: int
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., run_id: _Optional[str] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., pod_coordinator: _Optional[str] = ..., local_devices: _Optional[int] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., checksum: _Optional[str] = ..., run_id: _Optional[str] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., pod_coordinator: _Optional[str] = ..., local_devices: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

@@ -98,6 +98,6 @@ def train_identical_pods(run_dir: pathlib.Path, pods: int, steps: int, *args: st
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(steps))
     for r in records:
-        assert len(r["fingerprints"]) == pods and len(set(r["fingerprints"])) == 1, f"pods differ at step {r['step']}"
-    assert len({r["fingerprints"][0] for r in records}) == steps   # the state does change
+        assert len(r["checksums"]) == pods and len(set(r["checksums"])) == 1, f"pods differ at step {r['step']}"
+    assert len({r["checksums"][0] for r in records}) == steps   # the state does change
     return records

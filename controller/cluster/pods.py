@@ -147,9 +147,9 @@ class Cluster:
             receive.cancel()
             raise RunError(f"{self.clients[receiver].name} did not confirm the state transfer within {timeout_s:g}s")
         got = receive.result()
-        if (got.step, got.full_fingerprint) != (sent.step, sent.full_fingerprint):
+        if (got.step, got.fingerprint) != (sent.step, sent.fingerprint):
             raise RunError(f"state transfer {self.clients[donor].name} -> {self.clients[receiver].name}: received "
-                           f"step {got.step} ({got.full_fingerprint}), sent step {sent.step} ({sent.full_fingerprint})")
+                           f"step {got.step} ({got.fingerprint}), sent step {sent.step} ({sent.fingerprint})")
         return sent, got
 
     @property

@@ -158,9 +158,9 @@ class Failover:
         steps = {p: int(r.step) for p, r in zip(live, replies)}
         top = max(steps.values())
         ahead = [p for p in live if steps[p] == top]
-        prints = {replies[live.index(p)].full_fingerprint for p in ahead}
+        prints = {replies[live.index(p)].fingerprint for p in ahead}
         if len(prints) > 1:
-            raise RunError(f"the surviving pods diverged at step {top}: their state hashes differ")
+            raise RunError(f"the surviving pods diverged at step {top}: their state fingerprints differ")
         for pod in (p for p in live if steps[p] != top):
             self._transfer(ahead[0], pod, why=f"it was left at step {steps[pod]}")
         return top
@@ -179,7 +179,7 @@ class Failover:
         out(f"state transfer: pod {donor} -> pod {receiver} ({why}): {got.bytes / 2**20:.1f} MiB in "
             f"{seconds:.2f}s ({rate:.0f} MB/s), step {got.step}, verified")
         self.events.write("state_transfer", donor=donor, receiver=receiver, step=int(got.step), bytes=int(got.bytes),
-                          seconds=seconds, worker_seconds=float(got.seconds), fingerprint=got.full_fingerprint)
+                          seconds=seconds, worker_seconds=float(got.seconds), fingerprint=got.fingerprint)
 
     # -- the step boundary: rejoins ---------------------------------------------------------------
     def on_step(self, step: int, drain) -> bool:
@@ -219,7 +219,7 @@ class Failover:
             hosts[pod] = pod
         cluster.hosts = hosts
         replies = cluster.set_membership(cluster.live, self.timeout_s)
-        if len({(r.step, r.full_fingerprint) for r in replies}) > 1:
+        if len({(r.step, r.fingerprint) for r in replies}) > 1:
             raise RunError(f"after pod(s) {joined} rejoined at step {step}, the pods' states differ")
         if not cluster.degraded and self._degraded_since is not None:
             self.degraded_s += time.monotonic() - self._degraded_since

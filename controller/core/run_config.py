@@ -105,9 +105,9 @@ class RunConfig:
     # With no run.peak_flops and none cached for these devices, `multipod local` measures this
     # machine's peak once (a few seconds) and caches it for MFU; false: MFU stays unknown.
     measure_peak: bool = True
-    # Every step's fingerprint is an on-device checksum; the full BLAKE2b hash of a host copy of
-    # the state is taken at every checkpoint and after every N steps (0: only at checkpoints).
-    full_fingerprint_every: int = 100
+    # Every step's state checksum is taken on the devices; the fingerprint (BLAKE2b of a host copy
+    # of the state) at every checkpoint and after every N steps (0: only at checkpoints).
+    fingerprint_every: int = 100
     # Checkpoints and recovery (docs/reliability.md).
     checkpoint_every: int = 100   # save every N steps and at the end (0: only at the end)
     keep_checkpoints: int = 3     # keep the newest k checkpoints
@@ -132,7 +132,7 @@ class RunConfig:
 
     def validate(self) -> None:
         positive("run.steps", self.steps)
-        for name in ("checkpoint_every", "max_restarts", "skip_batches", "full_fingerprint_every"):
+        for name in ("checkpoint_every", "max_restarts", "skip_batches", "fingerprint_every"):
             non_negative(f"run.{name}", getattr(self, name))
         for name in ("keep_checkpoints", "restart_timeout_s", "health_interval_s", "health_timeout_s",
                      "spike_threshold", "spike_window"):

@@ -64,10 +64,9 @@ def step_record(step: int, replies, step_time_s: float, accounting: Accounting,
         "hosts": list(hosts) if hosts is not None else list(range(len(replies))),
         "live_pods": len(replies),
         "grad_norm": replies[0].grad_norm, "learning_rate": replies[0].learning_rate,
-        "skipped": replies[0].skipped, "fingerprints": [r.fingerprint for r in replies],
-        # The full BLAKE2b hashes, on the steps that took them (run.full_fingerprint_every).
-        "full_fingerprints": [r.full_fingerprint for r in replies] if any(r.full_fingerprint for r in replies)
-        else None,
+        "skipped": replies[0].skipped, "checksums": [r.checksum for r in replies],
+        # The fingerprints (BLAKE2b), on the steps that took them (run.fingerprint_every).
+        "fingerprints": [r.fingerprint for r in replies] if any(r.fingerprint for r in replies) else None,
         "step_time_s": step_time_s,
         # The step waits for the slowest pod in each phase.
         "compute_time_s": max(r.timings.compute_s for r in replies),
@@ -77,11 +76,13 @@ def step_record(step: int, replies, step_time_s: float, accounting: Accounting,
         # The part of the exchange the step waits for: end of the backward pass -> summed leaves
         # on the devices.
         "exposed_exchange_s": max(r.timings.exposed_exchange_s for r in replies),
+        "checksum_time_s": max(r.timings.checksum_s for r in replies),
         "fingerprint_time_s": max(r.timings.fingerprint_s for r in replies),
         "pods": [{"pod": r.pod_index, "compute_s": r.timings.compute_s, "exchange_s": r.timings.exchange_s,
                   "exposed_exchange_s": r.timings.exposed_exchange_s,
                   "update_s": r.timings.update_s, "wait_s": r.timings.wait_s,
-                  "fingerprint_s": r.timings.fingerprint_s, "idle_s": r.timings.idle_s,
+                  "checksum_s": r.timings.checksum_s, "fingerprint_s": r.timings.fingerprint_s,
+                  "idle_s": r.timings.idle_s,
                   "dcn_bytes_sent": r.dcn_bytes_sent} for r in replies],
         "dcn_bytes_sent": sum(r.dcn_bytes_sent for r in replies),
         "tokens": tokens, "tokens_per_s": tokens_per_s,

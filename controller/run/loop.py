@@ -1,6 +1,6 @@
 """The step loop: it only runs steps. Step RPCs are pipelined `run.dispatch_depth` deep (the
 shards of step s+1 travel while step s computes, so the controller stays off the critical path);
-each finished step is checked (every pod's fingerprint and skip decision must agree), recorded,
+each finished step is checked (every pod's state checksum and skip decision must agree), recorded,
 and shown to the components' hooks: the checkpointer and the failover (rejoins) at every step
 boundary, the spike policy after every step. Each step goes to the live pods: in degraded mode
 a pod also gets the shards of the failed pods it hosts (Cluster.hosts). The cluster is an
@@ -25,17 +25,16 @@ DATA_TIMEOUT_S = 60.0  # the data pipeline must deliver a step's shards within t
 
 
 def check_agreement(step: int, clients, replies) -> None:
-    """RunError naming the step and the pods if the pods' fingerprints (the on-device checksums,
-    and the full hashes when the step took them) or skip decisions differ: the pods must stay
-    bitwise identical."""
-    prints = [r.fingerprint for r in replies]
-    if len(set(prints)) > 1:
-        detail = ", ".join(f"{c.name}: {p}" for c, p in zip(clients, prints))
-        raise RunError(f"step {step}: pods diverged, their parameter fingerprints differ ({detail})")
-    full = [r.full_fingerprint for r in replies]
+    """RunError naming the step and the pods if the pods' state checksums (and fingerprints, when
+    the step took them) or skip decisions differ: the pods must stay bitwise identical."""
+    sums = [r.checksum for r in replies]
+    if len(set(sums)) > 1:
+        detail = ", ".join(f"{c.name}: {p}" for c, p in zip(clients, sums))
+        raise RunError(f"step {step}: pods diverged, their state checksums differ ({detail})")
+    full = [r.fingerprint for r in replies]
     if any(full) and len(set(full)) > 1:
         detail = ", ".join(f"{c.name}: {p or 'missing'}" for c, p in zip(clients, full))
-        raise RunError(f"step {step}: pods diverged, their full state hashes differ ({detail})")
+        raise RunError(f"step {step}: pods diverged, their state fingerprints differ ({detail})")
     if len({r.skipped for r in replies}) > 1:
         detail = ", ".join(f"{c.name}: {'skipped' if r.skipped else 'applied'}" for c, r in zip(clients, replies))
         raise RunError(f"step {step}: pods disagree on skipping the update ({detail})")
@@ -131,7 +130,7 @@ class StepLoop:
         """Send step `step` to every live pod: its own shard, and the shards of the failed pods
         it hosts (each in its slot)."""
         timeout = self.run_config.step_timeout_s
-        every = self.run_config.full_fingerprint_every
+        every = self.run_config.fingerprint_every
         full = bool(every) and (step + 1) % every == 0    # the state after a multiple of N steps
         hosts = list(self.cluster.hosts)
         clients = self.cluster.live_clients
@@ -141,7 +140,7 @@ class StepLoop:
             extra = [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot])
                      for slot, host in enumerate(hosts) if host == pod and slot != pod]
             request = pb.StepRequest(step=step, tokens=shards.tokens[pod], loss_mask=shards.masks[pod],
-                                     global_tokens=shards.global_tokens, full_fingerprint=full, extra_shards=extra)
+                                     global_tokens=shards.global_tokens, take_fingerprint=full, extra_shards=extra)
             calls.append(client.step_async(request, timeout))
         self._pending.append((step, (clients, hosts), calls))
 

@@ -20,7 +20,7 @@ class Summary:
     final_loss: float
     eval_loss: float | None
     eval_bits_per_byte: float | None
-    fingerprint: str
+    checksum: str                 # the final state checksum (the same on every pod)
     median_step_time_s: float
     median_tokens_per_s: float
     median_mfu: float | None
@@ -57,7 +57,7 @@ def finish(run, client, run_dir: pathlib.Path, tokenizer, last_eval: dict | None
         final_loss=records[-1]["loss"] if records else float("nan"),
         eval_loss=last_eval["eval_loss"] if last_eval else None,
         eval_bits_per_byte=last_eval["eval_bits_per_byte"] if last_eval else None,
-        fingerprint=records[-1]["fingerprints"][0] if records else "",
+        checksum=records[-1]["checksums"][0] if records else "",
         median_step_time_s=statistics.median(r["step_time_s"] for r in timed) if timed else 0.0,
         median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed) if timed else 0.0,
         median_mfu=statistics.median(mfus) if mfus else None,
@@ -75,7 +75,7 @@ def print_summary(summary: Summary) -> None:
         + (f", held-out loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
         + (f" ({summary.eval_bits_per_byte:.3f} bits/byte)" if summary.eval_bits_per_byte is not None else ""))
     out(f"median step {summary.median_step_time_s:.3f}s, {summary.median_tokens_per_s:,.0f} tokens/s, MFU {mfu_text}")
-    out(f"final parameter fingerprint {summary.fingerprint} (identical on every pod)")
+    out(f"final state checksum {summary.checksum} (identical on every pod)")
     out(f"run directory: {summary.run_dir}")
     if summary.sample is not None:
         out("sample:\n" + "-" * 60 + "\n" + summary.sample + "\n" + "-" * 60)

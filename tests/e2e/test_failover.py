@@ -1,7 +1,7 @@
 """End to end: degraded mode (run.on_pod_failure = "degrade", the default) under `multipod local`.
 
-Each run is compared with an uninterrupted run of the same config: the final fingerprint and
-every step's loss must be bitwise equal, every step is recorded exactly once (none is lost or
+Each run is compared with an uninterrupted run of the same config: the final state checksum
+and every step's loss must be bitwise equal, every step is recorded exactly once (none is lost or
 run twice), and a failed pod rejoins from a live peer over the data plane and computes its own
 shard again before the end."""
 from __future__ import annotations
@@ -43,17 +43,17 @@ def reference3(tmp_path_factory, env):
 
 
 def _check_same_as(run_dir: pathlib.Path, reference: pathlib.Path, steps=range(STEPS)) -> list[dict]:
-    """Every step recorded once, with the reference's loss and fingerprint; returns the records.
+    """Every step recorded once, with the reference's loss and checksum; returns the records.
     (A step the survivors finished while the failed pod did not is recorded from their replies:
     its state is checked, its loss covers their shards only.)"""
     records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
     assert [r["step"] for r in records] == list(steps), "a step was lost or run twice"
     for r in records:
-        assert set(r["fingerprints"]) == set(expected[r["step"]]["fingerprints"]), r["step"]
+        assert set(r["checksums"]) == set(expected[r["step"]]["checksums"]), r["step"]
         if not r.get("partial_loss"):
             assert r["loss"] == expected[r["step"]]["loss"], r["step"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["fingerprint"] == json.loads((reference / "summary.json").read_text())["fingerprint"]
+    assert summary["checksum"] == json.loads((reference / "summary.json").read_text())["checksum"]
     assert summary["lost_steps"] == 0
     return records
 
@@ -167,9 +167,9 @@ def test_a_restarted_controller_reattaches_to_live_workers_without_a_checkpoint(
     expected = {r["step"]: r for r in read_metrics(reference)}
     assert max(by_step) == STEPS_2 - 1
     for step, r in by_step.items():
-        assert r["loss"] == expected[step]["loss"] and r["fingerprints"] == expected[step]["fingerprints"], step
-    assert json.loads((tmp_path / "summary.json").read_text())["fingerprint"] == \
-        json.loads((reference / "summary.json").read_text())["fingerprint"]
+        assert r["loss"] == expected[step]["loss"] and r["checksums"] == expected[step]["checksums"], step
+    assert json.loads((tmp_path / "summary.json").read_text())["checksum"] == \
+        json.loads((reference / "summary.json").read_text())["checksum"]
     assert any(e["event"] == "reattached" for e in _events(tmp_path))
 
 

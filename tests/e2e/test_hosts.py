@@ -36,8 +36,8 @@ def two_hosts(tmp_path_factory, env):
 def _identical(records: list[dict]) -> None:
     assert [r["step"] for r in records] == list(range(STEPS))
     for r in records:
-        assert len(r["fingerprints"]) == 2 and len(set(r["fingerprints"])) == 1, r["step"]
-    assert len({r["fingerprints"][0] for r in records}) == STEPS
+        assert len(r["checksums"]) == 2 and len(set(r["checksums"])) == 1, r["step"]
+    assert len({r["checksums"][0] for r in records}) == STEPS
 
 
 def test_two_hosts_per_pod_train_like_one_host_with_both_devices(two_hosts, tmp_path, env):
@@ -72,7 +72,7 @@ def test_a_checkpoint_of_two_host_pods_restores_bitwise_onto_two_host_pods(two_h
     resumed, original = read_metrics(run_dir), {r["step"]: r for r in read_metrics(two_hosts)}
     assert [r["step"] for r in resumed] == list(range(4, STEPS))
     for r in resumed:
-        assert r["loss"] == original[r["step"]]["loss"] and r["fingerprints"] == original[r["step"]]["fingerprints"]
+        assert r["loss"] == original[r["step"]]["loss"] and r["checksums"] == original[r["step"]]["checksums"]
 
 
 def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_devices(two_hosts, tmp_path, env):
@@ -92,7 +92,7 @@ def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_dev
     resumed, original = read_metrics(run_dir), {r["step"]: r for r in read_metrics(two_hosts)}
     assert [r["step"] for r in resumed] == list(range(4, STEPS))
     for r in resumed:
-        assert len(set(r["fingerprints"])) == 1, r["step"]
+        assert len(set(r["checksums"])) == 1, r["step"]
         assert r["loss"] == pytest.approx(original[r["step"]]["loss"], rel=1e-5), r["step"]
 
 
@@ -123,9 +123,9 @@ def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_ho
     records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
     assert [r["step"] for r in records] == list(range(steps))
     for r in records:
-        assert set(r["fingerprints"]) == set(expected[r["step"]]["fingerprints"]), r["step"]
-    assert json.loads((run_dir / "summary.json").read_text())["fingerprint"] == \
-        json.loads((reference / "summary.json").read_text())["fingerprint"]
+        assert set(r["checksums"]) == set(expected[r["step"]]["checksums"]), r["step"]
+    assert json.loads((run_dir / "summary.json").read_text())["checksum"] == \
+        json.loads((reference / "summary.json").read_text())["checksum"]
     events = _events(run_dir)
     assert [e["pods"] for e in events if e["event"] == "pod_failure"] == [[1]]
     assert [e["pods"] for e in events if e["event"] == "rejoin"] == [[1]]     # both hosts came back as one pod

@@ -37,20 +37,20 @@ def test_two_pods_train_with_identical_parameters(two_pods):
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(STEPS))
     for r in records:
-        assert len(r["fingerprints"]) == 2
-        assert r["fingerprints"][0] == r["fingerprints"][1], f"pods differ at step {r['step']}"
+        assert len(r["checksums"]) == 2
+        assert r["checksums"][0] == r["checksums"][1], f"pods differ at step {r['step']}"
     # The loss falls: the last steps are clearly below the first.
     first = sum(r["loss"] for r in records[:2]) / 2
     last = sum(r["loss"] for r in records[-2:]) / 2
     assert last < first - 0.3, (first, last)
-    # The state changes every step (a fingerprint that never changes would prove nothing).
-    assert len({r["fingerprints"][0] for r in records}) == STEPS
+    # The state changes every step (a checksum that never changes would prove nothing).
+    assert len({r["checksums"][0] for r in records}) == STEPS
 
 
 def test_metrics_and_run_directory(two_pods):
     run_dir, result = two_pods
     record = read_metrics(run_dir)[-1]
-    for key in ("step", "loss", "fingerprints", "step_time_s", "compute_time_s", "exchange_time_s",
+    for key in ("step", "loss", "checksums", "step_time_s", "compute_time_s", "exchange_time_s",
                 "dcn_bytes_sent", "tokens_per_s", "model_flops_per_token", "mfu"):
         assert key in record, key
     assert record["mfu"] is None  # no peak given and none measured in this fresh HOME
@@ -59,7 +59,7 @@ def test_metrics_and_run_directory(two_pods):
     assert config["run"]["steps"] == STEPS and config["model"]["d_model"] == 32
     assert (run_dir / "worker-0.log").exists() and (run_dir / "worker-1.log").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["fingerprint"] == read_metrics(run_dir)[-1]["fingerprints"][0]
+    assert summary["checksum"] == read_metrics(run_dir)[-1]["checksums"][0]
     assert "sample:" in result.stdout and "done: 20 steps" in result.stdout
     # The run ends with its report (controller/observe/report.py; its unit test checks the panels).
     assert f"report: {run_dir / 'report.png'}" in result.stdout

@@ -2,7 +2,7 @@
 here with ray.init and a few logical CPUs), on the tiny config.
 
 Each run is checked for what the issue asks: the pods bitwise identical at every step, the same
-final fingerprint as `multipod local`, a killed actor restarted by Ray and rejoining without a
+final state checksum as `multipod local`, a killed actor restarted by Ray and rejoining without a
 step run twice, nothing of the run left in the cluster afterwards (after the end and after
 Ctrl-C), and clear errors for a missing cluster, a request the cluster cannot place and a
 missing `ray` package."""
@@ -78,16 +78,16 @@ def _wait_nothing_left(timeout: float = 30) -> None:
     assert _left_in_cluster() == ([], []), _left_in_cluster()
 
 
-def _fingerprint(run_dir: pathlib.Path) -> str:
-    return json.loads((run_dir / "summary.json").read_text())["fingerprint"]
+def _checksum(run_dir: pathlib.Path) -> str:
+    return json.loads((run_dir / "summary.json").read_text())["checksum"]
 
 
 def _identical_every_step(run_dir: pathlib.Path, steps: int) -> list[dict]:
-    """Every step recorded once, its live pods' fingerprints equal."""
+    """Every step recorded once, its live pods' checksums equal."""
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(steps)), "a step was lost or run twice"
     for r in records:
-        assert len(r["fingerprints"]) == r["live_pods"] and len(set(r["fingerprints"])) == 1, \
+        assert len(r["checksums"]) == r["live_pods"] and len(set(r["checksums"])) == 1, \
             f"pods differ at step {r['step']}"
     return records
 
@@ -105,7 +105,7 @@ def test_two_pods_train_on_ray_like_local_and_leave_nothing_behind(cluster, ray_
     local = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--run-dir", str(tmp_path / "local"),
                     *_args(steps), env=ray_env)
     assert local.returncode == 0, local.stdout + local.stderr
-    assert _fingerprint(tmp_path / "ray") == _fingerprint(tmp_path / "local")
+    assert _checksum(tmp_path / "ray") == _checksum(tmp_path / "local")
 
 
 def test_ctrl_c_tears_down_every_actor_and_placement_group(cluster, ray_env, tmp_path):
@@ -207,8 +207,8 @@ def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_if_uninterrupted
     records = _identical_every_step(run_dir, KILL_STEPS)
     expected = {r["step"]: r for r in read_metrics(tmp_path / "ref")}
     for r in records:
-        assert set(r["fingerprints"]) == set(expected[r["step"]]["fingerprints"]), r["step"]
-    assert _fingerprint(run_dir) == _fingerprint(tmp_path / "ref")
+        assert set(r["checksums"]) == set(expected[r["step"]]["checksums"]), r["step"]
+    assert _checksum(run_dir) == _checksum(tmp_path / "ref")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["lost_steps"] == 0 and summary["rejoins"] == 1
     assert records[-1]["hosts"] == [0, 1]       # pod 1 computes its own shard again
@@ -232,7 +232,7 @@ def test_pods_of_two_hosts_a_killed_host_restarts_its_pod_which_rejoins(cluster,
     for host in (0, 1):     # both hosts of pod 1 came back, each once
         assert (run_dir / f"worker-1-host-{host}.log").read_text().count("restarted ray actor") == 1
     _identical_every_step(run_dir, steps)
-    assert _fingerprint(run_dir) == _fingerprint(tmp_path / "ref")
+    assert _checksum(run_dir) == _checksum(tmp_path / "ref")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["lost_steps"] == 0 and summary["rejoins"] == 1
     _wait_nothing_left()

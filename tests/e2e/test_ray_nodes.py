@@ -11,7 +11,7 @@ import os
 import pytest
 import ray
 
-from tests.e2e.test_ray import _args, _fingerprint, _identical_every_step, _wait_nothing_left
+from tests.e2e.test_ray import _args, _checksum, _identical_every_step, _wait_nothing_left
 from tests.e2e.test_recovery import _Live, _wait_for_step
 from tests.helpers import run_cli
 
@@ -77,6 +77,6 @@ def test_a_pod_whose_node_is_gone_is_reported_and_the_survivor_finishes(two_node
     assert f"pod {lost} stays out" in out
     records = _identical_every_step(run_dir, STEPS)
     assert records[-1]["live_pods"] == 1
-    assert _fingerprint(run_dir) == _fingerprint(tmp_path / "ref")
+    assert _checksum(run_dir) == _checksum(tmp_path / "ref")
     assert json.loads((run_dir / "summary.json").read_text())["lost_steps"] == 0
     _wait_nothing_left()

@@ -4,8 +4,8 @@ One uninterrupted reference run (with a NaN gradient injected at step 2 and a lo
 step 7, both test-only hooks on pod 0) is compared with
   * a run whose pod 1 is killed with SIGKILL mid-run (the supervisor restarts it, the controller
     restores every pod to the last checkpoint), then hung with SIGSTOP (the controller names it
-    and has the supervisor replace it): same final fingerprint;
-  * a run resumed from the reference run's checkpoints: same per-step losses, same fingerprint.
+    and has the supervisor replace it): same final state checksum;
+  * a run resumed from the reference run's checkpoints: same per-step losses, same checksum.
 A last run, `multipod train` against workers the test owns, has pod 1 stopped with SIGSTOP: the
 controller must name it within the health deadline, recover once the test (the user's
 supervisor) restarts it, and stop cleanly when a second failure exceeds --max-restarts.
@@ -151,10 +151,10 @@ def test_a_run_on_a_trained_bpe_trains(reference):
 def test_nan_gradient_step_is_skipped_the_same_way_on_every_pod(reference):
     records = _final(reference)
     assert records[2]["skipped"] and not any(records[s]["skipped"] for s in records if s != 2)
-    # Both pods skipped the update: identical fingerprints, and the state did not change.
-    assert len(set(records[2]["fingerprints"])) == 1
-    assert records[2]["fingerprints"] == records[1]["fingerprints"]
-    assert records[3]["fingerprints"] != records[2]["fingerprints"]
+    # Both pods skipped the update: identical checksums, and the state did not change.
+    assert len(set(records[2]["checksums"])) == 1
+    assert records[2]["checksums"] == records[1]["checksums"]
+    assert records[3]["checksums"] != records[2]["checksums"]
     assert records[STEPS - 1]["skipped_steps"] == 1
     assert json.loads((reference / "summary.json").read_text())["skipped_steps"] == 1
 
@@ -169,7 +169,7 @@ def test_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_batches(refere
     assert [records[s]["data_index"] for s in range(STEPS)] == list(range(6)) + [s + 2 for s in range(6, STEPS)]
     assert max(r["loss"] for r in records.values()) < 10      # the spiked loss was replaced
     for r in records.values():
-        assert len(set(r["fingerprints"])) == 1
+        assert len(set(r["checksums"])) == 1
 
 
 def test_checkpoints_are_written_and_only_the_last_k_kept(reference):
@@ -184,7 +184,7 @@ def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrup
                                                                                    common):
     """kill -9 pod 1 mid-run; once the run has recovered, stop the new pod 1 with SIGSTOP: the
     controller names it, has the supervisor replace it, and recovers again. The run ends with
-    the uninterrupted run's fingerprint."""
+    the uninterrupted run's state checksum."""
     run = _Live("local", *common, "--run-dir", str(tmp_path), env=env)
     try:
         _wait_for_step(run.proc, tmp_path, 3)
@@ -209,8 +209,8 @@ def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrup
     assert "not responding" in failures[1]["error"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["restarts"] == 2
-    expected = json.loads((reference / "summary.json").read_text())["fingerprint"]
-    assert summary["fingerprint"] == expected
+    expected = json.loads((reference / "summary.json").read_text())["checksum"]
+    assert summary["checksum"] == expected
     assert _final(tmp_path)[STEPS - 1]["loss"] == _final(reference)[STEPS - 1]["loss"]
 
 
@@ -227,10 +227,10 @@ def test_resumed_run_equals_the_uninterrupted_run(reference, tmp_path, env, comm
     assert sorted(resumed) == [9]
     for step, record in resumed.items():     # bitwise: exact float equality
         assert record["loss"] == original[step]["loss"]
-        assert record["fingerprints"] == original[step]["fingerprints"]
+        assert record["checksums"] == original[step]["checksums"]
         assert record["data_index"] == original[step]["data_index"]
-    assert json.loads((run_dir / "summary.json").read_text())["fingerprint"] == \
-        json.loads((reference / "summary.json").read_text())["fingerprint"]
+    assert json.loads((run_dir / "summary.json").read_text())["checksum"] == \
+        json.loads((reference / "summary.json").read_text())["checksum"]
 
 
 def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_restarts(tmp_path, env, monkeypatch):

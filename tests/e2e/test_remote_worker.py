@@ -40,7 +40,7 @@ def test_a_worker_where_the_data_path_does_not_exist_trains_normally(tmp_path, m
             worker.wait(timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr + (worker_home / "worker.log").read_text()
     summary = json.loads((controller_home / "run" / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["fingerprint"]
+    assert summary["steps"] == 3 and summary["checksum"]
     resolved = json.loads((controller_home / "run" / "config.json").read_text())
     assert resolved["data"]["path"] == "corpus"
 

@@ -36,7 +36,7 @@ def test_table_ranks_the_candidates_that_ran_and_keeps_the_errors(tuned):
         assert r["memory_bytes"] > 0 and r["temp_bytes"] > 0
         assert 0 < r["mfu"] < r["hfu"]
         # The time is the trainer's own step (PodTrainer.train_step), with its parts.
-        assert set(r["step_parts_s"]) == {"compute_s", "update_s", "fingerprint_s"}
+        assert set(r["step_parts_s"]) == {"compute_s", "update_s", "checksum_s"}
     for r in failed:
         assert r["status"] == "error" and r["rank"] is None and r["microbatches"] == 3
         assert "model.microbatches: 3 does not divide" in r["error"]

@@ -77,11 +77,11 @@ class FakeCall:
         self._done.set()
 
 
-def step_reply(pod: int, step: int, *, fingerprint: str | None = None, skipped: bool = False,
-               loss: float = 2.0, tokens: int = 16, full_fingerprint: str = "") -> pb.StepReply:
+def step_reply(pod: int, step: int, *, checksum: str | None = None, skipped: bool = False,
+               loss: float = 2.0, tokens: int = 16, fingerprint: str = "") -> pb.StepReply:
     return pb.StepReply(step=step, pod_index=pod, loss_sum=loss * tokens, tokens=tokens, grad_norm=1.0,
-                        learning_rate=1e-3, skipped=skipped, fingerprint=fingerprint or f"fp{step}",
-                        full_fingerprint=full_fingerprint,
+                        learning_rate=1e-3, skipped=skipped, checksum=checksum or f"fp{step}",
+                        fingerprint=fingerprint,
                         timings=pb.StepTimings(compute_s=0.01 * (pod + 1)))
 
 

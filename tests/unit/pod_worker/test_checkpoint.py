@@ -111,7 +111,7 @@ def test_corrupt_checkpoint_gets_a_clear_error(worker, tmp_path):
     error = _restore_error(worker, path=str(meta / str(step)))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "corrupt" in error.details()
     # The worker is unharmed and still trains.
-    assert worker.train().fingerprint
+    assert worker.train().checksum
 
 
 def test_incompatible_checkpoint_names_what_does_not_match(worker, tmp_path):

@@ -1,7 +1,7 @@
-"""The per-step fingerprint (programs.state_checksum, computed on the devices) and what the fused
-step leaves on the host: the checksum changes with any single bit of any leaf of the parameters
-and optimizer state, does not depend on the sharding, and is what a step reports; the full
-BLAKE2b hash comes only when asked for; narrow token batches train exactly like int32 ones."""
+"""The per-step state checksum (programs.state_checksum, computed on the devices) and what the
+fused step leaves on the host: the checksum changes with any single bit of any leaf of the
+parameters and optimizer state, does not depend on the sharding, and is what a step reports; the
+fingerprint (BLAKE2b) comes only when asked for; narrow token batches train exactly like int32 ones."""
 import dataclasses
 
 import jax
@@ -97,15 +97,15 @@ def test_the_checksum_does_not_depend_on_the_sharding(trained):
     assert sharded.checksum() == one.checksum() == _checksum(params, opt_state)
 
 
-def test_a_step_reports_the_checksum_and_the_full_hash_only_when_asked():
+def test_a_step_reports_the_checksum_and_the_fingerprint_only_when_asked():
     trainer = _trainer()
     batch = trainer.put_batch(_tokens())
     plain = trainer.train_step(batch, GLOBAL_TOKENS)
-    assert plain.fingerprint == trainer.checksum() and plain.full_fingerprint == ""
-    assert plain.exposed_exchange_s >= 0.0 and plain.fingerprint_s >= 0.0
-    full = trainer.train_step(batch, GLOBAL_TOKENS, full_fingerprint=True)
-    assert full.fingerprint == trainer.checksum() != plain.fingerprint
-    assert full.full_fingerprint == trainer.fingerprint() == fingerprint(trainer.params, trainer.opt_state)
+    assert plain.checksum == trainer.checksum() and plain.fingerprint == ""
+    assert plain.exposed_exchange_s >= 0.0 and plain.checksum_s >= 0.0 and plain.fingerprint_s == 0.0
+    full = trainer.train_step(batch, GLOBAL_TOKENS, take_fingerprint=True)
+    assert full.checksum == trainer.checksum() != plain.checksum and full.fingerprint_s > 0.0
+    assert full.fingerprint == trainer.fingerprint() == fingerprint(trainer.params, trainer.opt_state)
 
 
 def test_narrow_token_batches_train_exactly_like_int32_ones():
@@ -118,7 +118,7 @@ def test_narrow_token_batches_train_exactly_like_int32_ones():
         outcomes[np.dtype(dtype).name] = [trainer.train_step(batch, GLOBAL_TOKENS) for _ in range(2)]
     for name in ("uint16", "uint8"):
         for narrow, wide in zip(outcomes[name], outcomes["int32"]):
-            assert (narrow.loss_sum, narrow.fingerprint) == (wide.loss_sum, wide.fingerprint)
+            assert (narrow.loss_sum, narrow.checksum) == (wide.loss_sum, wide.checksum)
 
 
 def test_the_reported_learning_rate_follows_the_optimizers_own_count():

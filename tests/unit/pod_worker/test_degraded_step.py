@@ -6,7 +6,7 @@ microbatch, with the very program that pod would have run, and contributes it in
     dcn.overlap's per-layer programs), and reports every shard's loss, own first.
   - Three in-process Pods over loopback listeners: two steps with a pod gone and a survivor
     computing its slot (hosts [0, 0, 2], and others down to one pod computing every slot) leave
-    the survivors bitwise where the healthy three-pod run leaves them (checksum and full
+    the survivors bitwise where the healthy three-pod run leaves them (checksum and
     fingerprint), with the same per-shard losses; for the fused and the overlapped step.
   - Pod.step refuses extra shards that are not the ones the membership gives the pod.
 """
@@ -180,7 +180,7 @@ class Cluster:
         with concurrent.futures.ThreadPoolExecutor(len(pods)) as pool:
             futures = {pod.pod_index: pool.submit(
                 pod.step, pod.setup(), step, tokens(step, pod.pod_index), GLOBAL_TOKENS,
-                time.monotonic() + DEADLINE_S, lambda: True, full_fingerprint=True,
+                time.monotonic() + DEADLINE_S, lambda: True, take_fingerprint=True,
                 extra={slot: tokens(step, slot) for slot in extra.get(pod.pod_index, [])})
                 for pod in pods}
             return {index: future.result(timeout=60)[0] for index, future in futures.items()}
@@ -225,9 +225,9 @@ def test_a_degraded_step_is_bitwise_the_healthy_step(request, tmp_path, mode):
     start = cluster.pods[0].trainer.step
     healthy = [cluster.step(start + k, cluster.pods) for k in range(2)]
     for want in healthy:
-        assert len({(o.fingerprint, o.full_fingerprint) for o in want.values()}) == 1
+        assert len({(o.checksum, o.fingerprint) for o in want.values()}) == 1
     # The run did change the state (the comparison means something).
-    assert healthy[0][0].full_fingerprint != healthy[1][0].full_fingerprint
+    assert healthy[0][0].fingerprint != healthy[1][0].fingerprint
 
     for hosts in ASSIGNMENTS:
         live = [cluster.pods[p] for p in sorted(set(hosts))]
@@ -238,7 +238,7 @@ def test_a_degraded_step_is_bitwise_the_healthy_step(request, tmp_path, mode):
         degraded = [cluster.step(start + k, live, extra=extra) for k in range(2)]
         for k, want in enumerate(healthy):
             for pod, got in degraded[k].items():
-                assert (got.fingerprint, got.full_fingerprint) == (want[0].fingerprint, want[0].full_fingerprint), \
+                assert (got.checksum, got.fingerprint) == (want[0].checksum, want[0].fingerprint), \
                     f"hosts {hosts}, step {start + k}: pod {pod}'s state differs from the healthy run's"
                 assert got.grad_norm == want[0].grad_norm and got.skipped == want[0].skipped
                 # Each shard's losses are bitwise those of the pod that owned it in the healthy run.
@@ -246,7 +246,7 @@ def test_a_degraded_step_is_bitwise_the_healthy_step(request, tmp_path, mode):
                                        want[slot].tokens) for slot in [pod, *extra[pod]]]
                 assert got.loss_sum == sum(want[slot].loss_sum for slot in [pod, *extra[pod]])
         for pod in live:
-            assert pod.trainer.fingerprint() == healthy[1][0].full_fingerprint
+            assert pod.trainer.fingerprint() == healthy[1][0].fingerprint
             assert pod.trainer.step == start + 2
 
 
@@ -277,5 +277,5 @@ def test_a_step_refuses_extra_shards_that_do_not_match_the_hosts(cluster, tmp_pa
     refused(p2, {1: shard(1)}, r"slots \[\], the request carries \[1\]")
     # The refusals consumed nothing: the right step still runs on both.
     outcomes = cluster.step(step, [p0, p2], extra={0: [1]})
-    assert outcomes[0].fingerprint == outcomes[2].fingerprint
+    assert outcomes[0].checksum == outcomes[2].checksum
     assert p0.trainer.step == p2.trainer.step == step + 1

@@ -50,7 +50,7 @@ def test_a_step_whose_predecessor_never_comes_is_aborted_before_the_rpc_deadline
     error = _error(worker.stub.Step, worker.step_request(ahead), timeout=2.0)
     assert error.code() == grpc.StatusCode.ABORTED, error.details()
     assert "did not finish in time" in error.details() and time.monotonic() - start < 2.0
-    assert worker.train().fingerprint          # the pod steps on
+    assert worker.train().checksum             # the pod steps on
 
 
 def test_save_and_restore_while_the_pod_is_busy_say_failed_precondition(worker, tmp_path):

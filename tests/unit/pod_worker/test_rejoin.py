@@ -122,7 +122,7 @@ class Pair:
         step = self.pods[0].trainer.step
         assert self.pods[1].trainer.step == step
         calls = [Call(pod.step, pod.setup(), step, tokens(step, pod.pod_index), GLOBAL_TOKENS, _deadline(),
-                      lambda: True, full_fingerprint=True) for pod in self.pods]
+                      lambda: True, take_fingerprint=True) for pod in self.pods]
         return [call.result()[0] for call in calls]
 
     def close(self):
@@ -174,7 +174,7 @@ def test_set_membership_cuts_a_step_stuck_on_a_silent_peer_short(pair, monkeypat
     with pytest.raises(ExchangeError, match="the controller changed the pods taking part"):
         stuck.result(timeout=15)        # long before the 60 s exchange deadline
     assert membership.aborted_step
-    assert (membership.step, membership.checksum, membership.full_fingerprint) == (
+    assert (membership.step, membership.checksum, membership.fingerprint) == (
         step, before["checksum"], before["fingerprint"])
     assert membership.config_hash == CONFIG.config_hash()
     assert pod.trainer.fingerprint() == before["fingerprint"] and pod.trainer.step == step
@@ -191,7 +191,7 @@ def test_set_membership_cuts_a_step_stuck_on_a_silent_peer_short(pair, monkeypat
     assert [shard[0] for shard in outcome.shards] == [None, 1]
     assert outcome.tokens == GLOBAL_TOKENS and not outcome.skipped
     assert pod.trainer.step == step + 1 and pod.status().step == step + 1
-    assert outcome.fingerprint != before["checksum"] and pod.status().checksum == outcome.fingerprint
+    assert outcome.checksum != before["checksum"] and pod.status().checksum == outcome.checksum
 
 
 @pytest.mark.parametrize("pod_index,hosts,error,match", [
@@ -234,7 +234,7 @@ def test_a_freshly_configured_pod_takes_a_live_peers_state_and_steps_on(pair):
     sent, got = pair.transfer()
     total = sum(leaf.nbytes for leaf in state_leaves(donor)[0])
     assert got.step == sent.step == donor.trainer.step == receiver.trainer.step
-    assert got.full_fingerprint == sent.full_fingerprint == donor.trainer.fingerprint()
+    assert got.fingerprint == sent.fingerprint == donor.trainer.fingerprint()
     assert receiver.trainer.fingerprint() == donor.trainer.fingerprint()
     assert receiver.status().checksum == donor.status().checksum == donor.trainer.checksum()
     assert receiver.status().step == donor.trainer.step
@@ -244,9 +244,9 @@ def test_a_freshly_configured_pod_takes_a_live_peers_state_and_steps_on(pair):
 
     # It takes its shard back at the next step boundary: both pods step on, bitwise together.
     outcomes = pair.step_together()
-    assert outcomes[0].full_fingerprint == outcomes[1].full_fingerprint
     assert outcomes[0].fingerprint == outcomes[1].fingerprint
-    assert donor.trainer.fingerprint() == receiver.trainer.fingerprint() == outcomes[0].full_fingerprint
+    assert outcomes[0].checksum == outcomes[1].checksum
+    assert donor.trainer.fingerprint() == receiver.trainer.fingerprint() == outcomes[0].fingerprint
 
 
 @pytest.mark.parametrize("call,pod_index,other", [
@@ -359,9 +359,9 @@ def test_a_failed_transfer_leaves_the_pod_as_it_was(pair, monkeypatch, how):
     assert snapshot(donor) == donor_before
     # Retried, the transfer works, and the pod steps on with its peer.
     sent, got = pair.transfer()
-    assert got.full_fingerprint == sent.full_fingerprint == receiver.trainer.fingerprint()
+    assert got.fingerprint == sent.fingerprint == receiver.trainer.fingerprint()
     outcomes = pair.step_together()
-    assert outcomes[0].full_fingerprint == outcomes[1].full_fingerprint
+    assert outcomes[0].fingerprint == outcomes[1].fingerprint
 
 
 @pytest.mark.parametrize("corruption", ["another fingerprint", "a flipped bit"])
@@ -409,9 +409,9 @@ def test_reattach_with_the_same_config_keeps_the_state(pair):
     # Every pod takes part again, under the new run id: they step on together.
     step = donor.trainer.step
     calls = [Call(pod.step, pod.setup(), step, tokens(step, pod.pod_index), GLOBAL_TOKENS, _deadline(),
-                  lambda: True, full_fingerprint=True) for pod in pair.pods]
+                  lambda: True, take_fingerprint=True) for pod in pair.pods]
     outcomes = [call.result()[0] for call in calls]
-    assert outcomes[0].full_fingerprint == outcomes[1].full_fingerprint
+    assert outcomes[0].fingerprint == outcomes[1].fingerprint
     assert receiver.trainer.step == step + 1
 
 

@@ -292,7 +292,7 @@ def test_the_worker_still_trains_after_all_that(worker):
     # Runs after the attacks above (pytest keeps file order): the pod is intact and steps on.
     first = worker.train_one_step()
     second = worker.train_one_step()
-    assert first.step + 1 == second.step and first.fingerprint != second.fingerprint
+    assert first.step + 1 == second.step and first.checksum != second.checksum
     assert np.isfinite(second.loss_sum) and not second.skipped
 
 

@@ -44,7 +44,7 @@ def test_narrow_batches_are_accepted_and_other_dtypes_refused(worker):
     # uint16 where the wire codec carries it (protos/codec.py DTYPES).
     for dtype in [d for d in (np.uint8, np.uint16, np.int32) if np.dtype(d).name in codec.DTYPES]:
         reply = _step(stub, step, tokens.astype(dtype))
-        assert reply.step == step and reply.fingerprint
+        assert reply.step == step and reply.checksum
         step += 1
     for dtype in (np.int8, np.uint32, np.int64, np.float32):
         with pytest.raises(grpc.RpcError) as info:
@@ -57,14 +57,15 @@ def test_narrow_batches_are_accepted_and_other_dtypes_refused(worker):
     assert _step(stub, step, tokens.astype(np.uint8)).step == step     # and the worker trains on
 
 
-def test_the_full_hash_comes_only_when_asked(worker):
+def test_the_fingerprint_comes_only_when_asked(worker):
     stub, service = worker
     tokens = np.random.default_rng(1).integers(0, 256, (ROWS, COLS)).astype(np.uint8)
     step = service.pod.trainer.step
     plain = _step(stub, step, tokens)
-    assert plain.full_fingerprint == "" and plain.timings.exposed_exchange_s >= 0.0
-    full = _step(stub, step + 1, tokens, full_fingerprint=True)
-    assert full.full_fingerprint == service.pod.trainer.fingerprint() != full.fingerprint
-    assert full.fingerprint == service.pod.trainer.checksum()
-    # A checkpoint of that state carries the same full hash.
-    assert service.pod.trainer.fingerprint() == full.full_fingerprint
+    assert plain.fingerprint == "" and plain.timings.exposed_exchange_s >= 0.0
+    assert plain.timings.fingerprint_s == 0.0 and plain.timings.checksum_s > 0.0
+    full = _step(stub, step + 1, tokens, take_fingerprint=True)
+    assert full.fingerprint == service.pod.trainer.fingerprint() != full.checksum
+    assert full.checksum == service.pod.trainer.checksum() and full.timings.fingerprint_s > 0.0
+    # A checkpoint of that state carries the same fingerprint.
+    assert service.pod.trainer.fingerprint() == full.fingerprint

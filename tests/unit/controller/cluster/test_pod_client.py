@@ -125,13 +125,13 @@ def test_a_one_host_pod_is_a_plain_worker_client_and_hosts_are_named():
 def test_step_gives_each_host_its_block_of_rows_of_every_shard():
     pod = _pod(1)
     own, extra = _tokens(4), _tokens(4, base=1000)
-    request = pb.StepRequest(step=7, tokens=codec.encode(own), global_tokens=64, full_fingerprint=True,
+    request = pb.StepRequest(step=7, tokens=codec.encode(own), global_tokens=64, take_fingerprint=True,
                              extra_shards=[pb.Shard(slot=2, tokens=codec.encode(extra))])
     reply = pod.step_async(request, 10).result()
     assert reply == pod.hosts[0].replies["Step"]
     for h, host in enumerate(pod.hosts):
         [(method, got)] = host.requests
-        assert method == "Step" and got.step == 7 and got.global_tokens == 64 and got.full_fingerprint
+        assert method == "Step" and got.step == 7 and got.global_tokens == 64 and got.take_fingerprint
         np.testing.assert_array_equal(codec.decode(got.tokens), own[2 * h:2 * h + 2])
         assert [s.slot for s in got.extra_shards] == [2]
         np.testing.assert_array_equal(codec.decode(got.extra_shards[0].tokens), extra[2 * h:2 * h + 2])

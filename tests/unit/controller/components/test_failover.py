@@ -77,7 +77,7 @@ class MemberPod(FakePod):
         if self.fails:
             raise unavailable(self, "SetMembership")
         self.memberships.append(request)
-        return pb.MembershipReply(step=self.at, fingerprint="c", full_fingerprint=self.state)
+        return pb.MembershipReply(step=self.at, checksum="c", fingerprint=self.state)
 
 
 class Events:

@@ -42,7 +42,7 @@ def test_shipped_configs_load():
     (["dcn.chunk_bytes=100"], "dcn.chunk_bytes"),
     (["data.seq_len=4096"], "data.seq_len"),
     (["data.path=/no/such/place"], "data.path"),
-    (["run.full_fingerprint_every=-1"], "run.full_fingerprint_every"),
+    (["run.fingerprint_every=-1"], "run.fingerprint_every"),
 ])
 def test_bad_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as info:

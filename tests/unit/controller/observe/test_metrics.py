@@ -9,9 +9,9 @@ from tests.unit.controller.fakes import ListSink, NoProgress
 
 
 def _replies():
-    return [pb.StepReply(loss_sum=10.0, z_loss_sum=1.0, tokens=10, fingerprint="f", dcn_bytes_sent=5,
+    return [pb.StepReply(loss_sum=10.0, z_loss_sum=1.0, tokens=10, checksum="f", dcn_bytes_sent=5,
                          timings=pb.StepTimings(compute_s=0.5, exchange_s=0.1, update_s=0.3)),
-            pb.StepReply(loss_sum=30.0, z_loss_sum=3.0, tokens=10, fingerprint="f", dcn_bytes_sent=7,
+            pb.StepReply(loss_sum=30.0, z_loss_sum=3.0, tokens=10, checksum="f", dcn_bytes_sent=7,
                          timings=pb.StepTimings(compute_s=0.2, exchange_s=0.4, update_s=0.1))]
 
 
@@ -43,16 +43,19 @@ def test_recorder_keeps_the_latest_record_of_a_replayed_step_and_counts_skips():
     assert recorder.note_skipped(5, False) == 1
 
 
-def test_the_record_shows_the_exposed_exchange_and_the_fingerprint_per_pod_and_at_most():
+def test_the_record_shows_the_exposed_exchange_checksum_and_fingerprint_per_pod_and_at_most():
     replies = _replies()
     replies[0].timings.exposed_exchange_s, replies[1].timings.exposed_exchange_s = 0.02, 0.05
-    replies[0].timings.fingerprint_s, replies[1].timings.fingerprint_s = 0.004, 0.003
+    replies[0].timings.checksum_s, replies[1].timings.checksum_s = 0.004, 0.003
     replies[0].timings.idle_s, replies[1].timings.idle_s = 0.01, 0.0
     record = step_record(0, replies, 2.0, Accounting(model_flops_per_token=6.0))
     assert [p["exposed_exchange_s"] for p in record["pods"]] == [0.02, 0.05]
-    assert [p["fingerprint_s"] for p in record["pods"]] == [0.004, 0.003]
-    assert (record["exposed_exchange_s"], record["fingerprint_time_s"], record["idle_time_s"]) == (0.05, 0.004, 0.01)
-    assert record["full_fingerprints"] is None
+    assert [p["checksum_s"] for p in record["pods"]] == [0.004, 0.003]
+    assert (record["exposed_exchange_s"], record["checksum_time_s"], record["idle_time_s"]) == (0.05, 0.004, 0.01)
+    assert record["checksums"] == ["f", "f"] and record["fingerprints"] is None
+    assert record["fingerprint_time_s"] == 0.0
     for reply in replies:
-        reply.full_fingerprint = "blake"
-    assert step_record(0, replies, 2.0, Accounting(model_flops_per_token=6.0))["full_fingerprints"] == ["blake"] * 2
+        reply.fingerprint = "blake"
+        reply.timings.fingerprint_s = 0.2
+    record = step_record(0, replies, 2.0, Accounting(model_flops_per_token=6.0))
+    assert record["fingerprints"] == ["blake"] * 2 and record["fingerprint_time_s"] == 0.2

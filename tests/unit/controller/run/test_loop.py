@@ -126,7 +126,7 @@ def test_a_step_that_never_finishes_hits_the_progress_deadline():
 
 def test_diverged_pods_stop_the_run_naming_the_step_and_the_pods():
     def step(pod, s, data):
-        return step_reply(pod, s, fingerprint="odd" if pod == 1 and s == 3 else None)
+        return step_reply(pod, s, checksum="odd" if pod == 1 and s == 3 else None)
     loop, sink = _loop([FakePod(0, step), FakePod(1, step)], steps=5)
     with pytest.raises(RunError, match=r"step 3: pods diverged") as info:
         loop.run(0)
@@ -166,26 +166,26 @@ def test_a_spike_is_raised_after_its_record_and_the_steps_in_flight_finish():
     assert not any(e == ("boundary", 6) for e in log)
 
 
-def test_the_full_hash_is_asked_for_every_n_steps_and_compared_across_pods():
+def test_the_fingerprint_is_asked_for_every_n_steps_and_compared_across_pods():
     def reply(pod, s, data):
         full = f"full{s}" if s in (2, 5) else ""
         if pod == 1 and s == 5:
             full = "other"
-        return step_reply(pod, s, full_fingerprint=full)
+        return step_reply(pod, s, fingerprint=full)
     pods = [FakePod(0, step=reply), FakePod(1, step=reply)]
-    loop, sink = _loop(pods, steps=8, full_fingerprint_every=3)
-    with pytest.raises(RunError, match=r"step 5: .*full state hashes differ.*pod 1 .*other"):
+    loop, sink = _loop(pods, steps=8, fingerprint_every=3)
+    with pytest.raises(RunError, match=r"step 5: .*state fingerprints differ.*pod 1 .*other"):
         loop.run(0)
     # Asked after 3 and 6 steps (steps 2 and 5), of every pod, and recorded where taken.
     for pod in pods:
-        assert [r.step for r in pod.step_requests if r.full_fingerprint] == [2, 5]
-    assert [r["full_fingerprints"] for r in sink.records[:3]] == [None, None, ["full2", "full2"]]
+        assert [r.step for r in pod.step_requests if r.take_fingerprint] == [2, 5]
+    assert [r["fingerprints"] for r in sink.records[:3]] == [None, None, ["full2", "full2"]]
 
 
 def test_shards_travel_as_the_narrowest_dtype_of_the_vocabulary():
     pods = [FakePod(0), FakePod(1)]
-    loop, _ = _loop(pods, steps=2, full_fingerprint_every=0)
+    loop, _ = _loop(pods, steps=2, fingerprint_every=0)
     loop.run(0)
     from multipod.protos import codec
     assert {codec.decode(r.tokens).dtype.name for r in pods[0].step_requests} == {"uint8"}
-    assert not any(r.full_fingerprint for r in pods[0].step_requests)
+    assert not any(r.take_fingerprint for r in pods[0].step_requests)
