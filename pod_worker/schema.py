@@ -107,11 +107,13 @@ class DcnConfig:
 @dataclass(frozen=True)
 class TrainShape:
     """What a pod needs to know about the run as a whole: the seed of its initial parameters, the
-    length of the learning-rate schedule, and the shape of a global batch."""
+    length of the learning-rate schedule, and the shape of a global batch. The defaults are the
+    default run's (docs/default_run.md); the controller's run.seed, run.steps, data.seq_len and
+    data.global_batch take theirs from here."""
     seed: int = 0
-    total_steps: int = 200        # the schedule decays over this many steps (unless decay_steps is set)
+    total_steps: int = 300        # the schedule decays over this many steps (unless decay_steps is set)
     seq_len: int = 128
-    global_batch: int = 16        # sequences per step, over all pods
+    global_batch: int = 32        # sequences per step, over all pods
 
     def validate(self) -> None:
         non_negative("train.seed", self.seed)

@@ -59,8 +59,8 @@ class DataConfig:
     tokenizer: str = "bpe:2048"
     # Tokenized corpora and trained tokenizers; "" = $MULTIPOD_CACHE_DIR, else ~/.cache/multipod.
     cache_dir: str = ""
-    seq_len: int = 128
-    global_batch: int = 32        # sequences per step, over all pods
+    seq_len: int = TrainShape.seq_len
+    global_batch: int = TrainShape.global_batch   # sequences per step, over all pods
 
     def validate(self) -> None:
         positive("data.seq_len", self.seq_len)
@@ -90,8 +90,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """The step loop: length, seed, deadlines, reporting."""
-    steps: int = 300
-    seed: int = 0
+    steps: int = TrainShape.total_steps
+    seed: int = TrainShape.seed
     peak_flops: float = 0.0       # per-device peak FLOP/s for MFU; 0 = unknown (MFU is null)
     step_timeout_s: float = 120.0     # deadline of one Step RPC
     connect_timeout_s: float = 30.0   # how long to wait for a worker to answer at start

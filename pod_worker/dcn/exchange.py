@@ -15,6 +15,7 @@ from multipod.pod_worker.dcn.inbox import ExchangeError, Inbox
 from multipod.pod_worker.dcn.outbox import Outbox, Pacer
 from multipod.pod_worker.dcn.plan import LeafSpec, Plan
 from multipod.pod_worker.dcn.transport import Listener, parse_address
+from multipod.pod_worker.schema import Compression, DcnConfig
 
 
 @dataclass
@@ -51,8 +52,8 @@ def tune_malloc() -> None:
 class Exchange:
     """`addresses`: every pod's data-plane address, in pod order (this pod's own included), one
     per slot of the sum. `listener`: this worker's Listener (needed with more than one live pod);
-    `dcn` (a DcnConfig) overrides the keyword settings; `secret` defaults to the listener's (else
-    the process's) token.
+    `dcn` (a DcnConfig) overrides the keyword settings, whose defaults are DcnConfig's; `secret`
+    defaults to the listener's (else the process's) token.
 
     `hosts` (degraded mode): hosts[slot] is the pod computing slot's shard; None (or the
     identity) when every pod computes its own. A pod that hosts any slot hosts its own; this pod
@@ -60,10 +61,11 @@ class Exchange:
     ValueError if the assignment does not fit."""
 
     def __init__(self, run_id: str, pod_index: int, addresses: list[str], leaves: list[LeafSpec],
-                 listener: Listener | None = None, *, chunk_bytes: int = 2 << 20, timeout_s: float = 60.0,
-                 streams: int = 1, compression: str = "none", link_gbps: float = 0.0,
-                 link_latency_ms: float = 0.0, encrypt: bool = False, secret: str | None = None, dcn=None,
-                 hosts: list[int] | None = None):
+                 listener: Listener | None = None, *, chunk_bytes: int = DcnConfig.chunk_bytes,
+                 timeout_s: float = DcnConfig.timeout_s, streams: int = DcnConfig.streams,
+                 compression: Compression | str = DcnConfig.compression, link_gbps: float = DcnConfig.link_gbps,
+                 link_latency_ms: float = DcnConfig.link_latency_ms, encrypt: bool = DcnConfig.encrypt,
+                 secret: str | None = None, dcn: DcnConfig | None = None, hosts: list[int] | None = None):
         if dcn is not None:
             chunk_bytes, timeout_s, streams, compression = dcn.chunk_bytes, dcn.timeout_s, dcn.streams, dcn.compression
             link_gbps, link_latency_ms, encrypt = dcn.link_gbps, dcn.link_latency_ms, dcn.encrypt

@@ -4,7 +4,7 @@ import pytest
 from multipod.controller.core.run_config import Config, ConfigError, load_config, parse_override
 from multipod.pod_worker.schema import WorkerConfig
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[4]
 
 
 def test_defaults_validate_and_round_trip_through_json():
@@ -26,6 +26,7 @@ def test_toml_file_and_overrides_layer_in_order(tmp_path):
 
 
 def test_shipped_configs_load():
+    assert sorted(p.name for p in (ROOT / "configs").glob("*.toml")) == ["bench.toml", "default.toml", "tiny.toml"]
     for path in sorted((ROOT / "configs").glob("*.toml")):
         load_config(str(path))
 
@@ -132,3 +133,10 @@ def test_run_policies_load_as_enum_members_and_an_unknown_one_lists_the_choices(
         load_config(None, ['run.on_spike="sometimes"'])
     with pytest.raises(ConfigError, match=r"^run.on_pod_failure: must be one of degrade, restore, got 'retry'$"):
         load_config(None, ['run.on_pod_failure="retry"'])
+
+
+def test_default_toml_is_the_built_in_defaults():
+    """configs/default.toml spells out the default run (`multipod local` with no --config), and the
+    worker's own defaults are the same run's."""
+    assert load_config(str(ROOT / "configs" / "default.toml")) == Config()
+    assert Config().worker_config() == WorkerConfig()
