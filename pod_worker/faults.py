@@ -2,28 +2,45 @@
 environment here and nowhere else, and it is never part of the config or its hash.
 
 MULTIPOD_TEST_NAN_GRADIENT="POD:STEP" makes pod POD's gradient NaN at step STEP, so tests can
-exercise skip-on-non-finite without a real divergence. Tests set it on the process that starts the
-workers (LocalPods passes its environment on).
+exercise skip-on-non-finite without a real divergence.
+
+MULTIPOD_TEST_HANG="POD:STEP" makes pod POD's worker stop itself (SIGSTOP) when it is asked to
+run step STEP: a hung pod at a step of the test's choosing, not at whatever step the test's
+process happened to reach. A restarted worker rejoins past that step, so it does not hang again.
+
+Tests set them on the process that starts the workers (LocalPods passes its environment on).
 """
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 
 NAN_GRADIENT_ENV = "MULTIPOD_TEST_NAN_GRADIENT"
+HANG_ENV = "MULTIPOD_TEST_HANG"
 
 
-def nan_gradient_at(pod_index: int, step: int) -> bool:
-    """Whether the test hook asks for a NaN gradient on this pod at this step."""
-    value = os.environ.get(NAN_GRADIENT_ENV, "")
+def _pod_step(name: str, pod_index: int, step: int) -> bool:
+    value = os.environ.get(name, "")
     if not value:
         return False
     try:
         pod, at = (int(part) for part in value.split(":"))
     except ValueError:
-        raise ValueError(f"{NAN_GRADIENT_ENV} must look like POD:STEP, got {value!r}") from None
+        raise ValueError(f"{name} must look like POD:STEP, got {value!r}") from None
     return pod == pod_index and at == step
+
+
+def nan_gradient_at(pod_index: int, step: int) -> bool:
+    """Whether the test hook asks for a NaN gradient on this pod at this step."""
+    return _pod_step(NAN_GRADIENT_ENV, pod_index, step)
+
+
+def hang_if_asked(pod_index: int, step: int) -> None:
+    """Stop this process (SIGSTOP) if the test hook asks this pod to hang at this step."""
+    if _pod_step(HANG_ENV, pod_index, step):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def poison(grads: list) -> list:

@@ -20,6 +20,7 @@ import time
 
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster
+from multipod.controller.core import fault_hooks
 from multipod.controller.core.errors import PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
 from multipod.controller.observe.events import EventLog
@@ -186,6 +187,9 @@ class Failover:
         """At a step boundary: bring back every failed pod that is ready (drain the steps in
         flight, transfer a live pod's state, give every pod the new membership). Returns whether
         the membership changed (the next steps go to the new hosts)."""
+        hold = fault_hooks.rejoin_by_step()
+        if hold is not None and step >= hold:
+            self._await_watchers()
         ready = [p for p, r in self._rejoining.items() if r.ready.is_set()]
         for pod, watcher in list(self._rejoining.items()):
             if watcher.gave_up:
@@ -228,6 +232,13 @@ class Failover:
         out(f"pod(s) {joined} rejoined at step {step}: {len(cluster.live)}/{cluster.size} pods")
         self.events.write("rejoin", step=step, pods=joined, live_pods=cluster.live, hosts=list(cluster.hosts))
         return True
+
+    def _await_watchers(self) -> None:
+        """Wait until every failed pod on its way back is ready or its watcher has given up (the
+        test hook MULTIPOD_TEST_REJOIN_BY_STEP); each watcher has its own deadline."""
+        for watcher in list(self._rejoining.values()):
+            while not watcher.ready.wait(REJOIN_POLL_S) and not watcher.gave_up:
+                pass
 
     def close(self) -> None:
         """Stop the watchers; the time spent degraded until now is counted."""

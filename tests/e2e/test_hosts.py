@@ -97,17 +97,18 @@ def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_dev
 
 
 def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_hosts, tmp_path, env):
-    # Long enough for the pod's two hosts to restart, configure (compile) and rejoin while the
-    # survivor trains alone: ~150 steps in earlier runs, but a suite run where the survivor ran
-    # 12 steps/s ended 228 steps after the kill, 14 s after the hosts served again, before they rejoined.
-    steps = 400
+    # Long enough for the kill at step 10, not for the pod's two hosts to restart, configure and
+    # rejoin: from step steps - 3 the controller waits for the pod to be ready to rejoin (a test
+    # hook, controller/core/fault_hooks.py), so its return is an event the run waits for.
+    steps = 60
     args = [{str(STEPS): str(steps), "4": "50"}.get(a, a) for a in COMMON]
     # The uninterrupted reference runs meanwhile (side by side: the test takes the longer of the
     # two, not their sum; the survivor only trains slower, which leaves the pod more time to rejoin).
     reference = tmp_path / "reference"
     uninterrupted = _Live("local", *TWO_HOSTS, *args, "--run-dir", str(reference), env=env)
     run_dir = tmp_path / "run"
-    run = _Live("local", *TWO_HOSTS, *args, "--run-dir", str(run_dir), env=env)
+    run = _Live("local", *TWO_HOSTS, *args, "--run-dir", str(run_dir),
+                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP=str(steps - 3)))
 
     def host_1_of_pod_1() -> int:
         log = (run_dir / "worker-1-host-1.log").read_text()
