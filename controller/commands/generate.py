@@ -269,7 +269,7 @@ def check_flags(args, config) -> None:
 def _worker_config(config, model_parallel: int):
     """The run's config for one pod: its mesh is data x model_parallel on this pod's devices; the
     data plane is unused (one pod). Nothing the checkpoint's state key covers changes."""
-    from multipod.controller.core.run_config import DcnConfig, MeshConfig
+    from multipod.pod_worker.schema import DcnConfig, MeshConfig
     return dataclasses.replace(config, mesh=MeshConfig(data=-1, model=model_parallel),
                                dcn=dataclasses.replace(DcnConfig(), timeout_s=config.dcn.timeout_s))
 

@@ -38,8 +38,9 @@ from multipod.pod_worker.schema import (
 MIN_BPE_VOCAB = 258
 MAX_BPE_VOCAB = 1 << 20
 
-__all__ = ["Config", "ConfigError", "DataConfig", "DcnConfig", "MeshConfig", "ModelConfig",
-           "GenerateConfig", "OptimizerConfig", "PromptConfig", "RunConfig", "load_config", "parse_override"]
+# The worker's sections (ModelConfig, OptimizerConfig, MeshConfig, DcnConfig, PromptConfig) are
+# imported from where they live (model/config.py, pod_worker/schema.py), not from here.
+__all__ = ["Config", "ConfigError", "DataConfig", "GenerateConfig", "RunConfig", "load_config", "parse_override"]
 
 
 @dataclass(frozen=True)

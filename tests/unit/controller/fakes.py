@@ -13,7 +13,8 @@ import numpy as np
 
 from multipod import protos
 from multipod.controller.cluster.client import Probe, Verdict, WorkerError
-from multipod.controller.core.run_config import Config, DataConfig, ModelConfig, RunConfig
+from multipod.controller.core.run_config import Config, DataConfig, RunConfig
+from multipod.model.config import ModelConfig
 from multipod.protos import codec, multipod_pb2 as pb
 
 SERVING = Probe(Verdict.SERVING)

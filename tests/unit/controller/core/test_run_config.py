@@ -140,3 +140,21 @@ def test_default_toml_is_the_built_in_defaults():
     worker's own defaults are the same run's."""
     assert load_config(str(ROOT / "configs" / "default.toml")) == Config()
     assert Config().worker_config() == WorkerConfig()
+
+
+def test_the_workers_sections_are_imported_from_where_they_live():
+    """The schema lives in pod_worker/schema.py (and ModelConfig in model/config.py), which the
+    controller and the worker both import: nothing takes them through the controller's config."""
+    import ast
+
+    from multipod.controller.core import run_config
+    shared = {"ModelConfig", "OptimizerConfig", "MeshConfig", "DcnConfig", "PromptConfig", "TrainShape",
+              "WorkerConfig"}
+    assert not shared & set(run_config.__all__)
+    found = []
+    for folder in ("controller", "pod_worker", "tests", "bench", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "multipod.controller.core.run_config":
+                    found += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name in shared]
+    assert not found, found

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from multipod.controller.core.run_config import ModelConfig, load_config
+from multipod.controller.core.run_config import load_config
 from multipod.controller.tune.grid import (
     Candidate,
     candidate_config,
@@ -15,7 +15,7 @@ from multipod.controller.tune.grid import (
     parse_mesh_list,
     parse_remat_list,
 )
-from multipod.model.config import RematPolicy
+from multipod.model.config import ModelConfig, RematPolicy
 from multipod.pod_worker.schema import WorkerConfig
 from tests.helpers import TINY
 
