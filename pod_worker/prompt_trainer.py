@@ -12,6 +12,10 @@ no host copy of the base), so each checkpoint shows the base unchanged; a prompt
 restored only onto a pod holding the same base.
 
 Batches carry a loss mask [rows, seq_len]: the loss counts a task's output tokens only.
+
+On a pod of several hosts every host loads the base laid out over the whole pod (it holds whole
+parameters: the model axis stays inside a host) and puts its own rows of a step's batch and mask
+on its devices; the pod's count of targets is then summed on the devices, inside the step.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from multipod.model import ModelConfig, abstract_params
@@ -40,7 +45,7 @@ class MaskedBatch:
     """A batch on the pod's devices with the targets its loss counts."""
     tokens: jax.Array       # int32 [rows, T+1]
     loss_mask: jax.Array    # uint8 [rows, T]
-    count: int              # targets counted (the mask's sum)
+    count: int | None       # targets counted (the mask's sum); None: not known on this host alone
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -94,11 +99,6 @@ def _unboxed(model: ModelConfig):
 class PromptTrainer(PodTrainer):
     """PodTrainer for prompt.kind: trains the prompt parameters on the frozen base (see the module)."""
 
-    def __init__(self, config: WorkerConfig, devices=None, layout=None):
-        if layout is not None and layout.multi:
-            raise ConfigError("prompt.kind", "prompt tuning runs on pods of one host")
-        super().__init__(config, devices, layout)
-
     def _initial_params(self):
         """Load the base, then the prompt parameters from the seed (replicated: they are small)."""
         model, prompt = self.config.model, self.config.prompt
@@ -108,9 +108,12 @@ class PromptTrainer(PodTrainer):
         seed = self.config.train.seed
         params = init_prompt_params(prompt.kind, prompt.virtual_tokens, model.d_model, prompt.hidden, seed)
         if prompt.kind == "prompt":
-            params = {**params, "virtual": sampled_vocab_init(self.base["embedding"], prompt.virtual_tokens, seed)}
+            # From this host's copy of the embedding (on several hosts the base spans them all).
+            embedding = host_value(self.base["embedding"])
+            params = {**params, "virtual": sampled_vocab_init(embedding, prompt.virtual_tokens, seed)}
         sharding = jax.tree.map(lambda _: self.scalar_sharding, params)
-        return sharding, jax.device_put(params, sharding)
+        # Host copies, the same on every host, go onto the pod's devices replicated.
+        return sharding, jax.device_put(jax.tree.map(np.asarray, params), sharding)
 
     def _compile(self) -> None:
         super()._compile()      # the update, checksum and widening programs are the same
@@ -127,6 +130,7 @@ class PromptTrainer(PodTrainer):
             embed = functools.partial(prompt_embeddings, kind=prompt.kind, d_model=model.d_model,
                                       hidden=prompt.hidden)
             self._prefix = jax.jit(embed, in_shardings=(p,), out_shardings=s)
+            self._mask_count = jax.jit(lambda m: jnp.sum(m, dtype=jnp.int32), in_shardings=(b,), out_shardings=s)
 
     def abstract_batch(self, tokens: jax.ShapeDtypeStruct) -> MaskedBatch:
         rows, cols = tokens.shape
@@ -136,18 +140,38 @@ class PromptTrainer(PodTrainer):
         return self.params, self.base, batch.tokens, batch.loss_mask, norm
 
     def put_batch(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> MaskedBatch:
-        """Tokens and their loss mask (None: every target counts) onto the devices."""
+        """Tokens and their loss mask (None: every target counts) onto the devices (with several
+        hosts: this host's rows of the pod's batch, whose count of targets target_count sums)."""
         if loss_mask is None:
             loss_mask = np.ones((tokens.shape[0], tokens.shape[1] - 1), np.uint8)
+        loss_mask = np.asarray(loss_mask, np.uint8)
         on_device = super().put_batch(tokens)
-        mask = jax.device_put(np.asarray(loss_mask, np.uint8), self.batch_sharding)
+        if self.layout.multi:
+            global_shape = (loss_mask.shape[0] * self.layout.hosts_per_pod, loss_mask.shape[1])
+            mask = jax.make_array_from_process_local_data(self.batch_sharding, loss_mask, global_shape)
+            return MaskedBatch(on_device, mask, None)
+        mask = jax.device_put(loss_mask, self.batch_sharding)
         return MaskedBatch(on_device, mask, int(np.count_nonzero(loss_mask)))
 
     def target_count(self, batch: MaskedBatch) -> int:
+        """The pod's count of targets in the batch. With several hosts it is summed on the devices:
+        a program every host runs, called inside the step where they all run the same ones."""
+        if batch.count is None:
+            return int(host_value(self._mask_count(batch.loss_mask)))
         return batch.count
 
     def evaluate(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> tuple[float, int]:
-        batch = self.put_batch(tokens, loss_mask)
+        if self.layout.multi:
+            # Every host of the pod is given the whole batch: each puts the rows of its devices.
+            if loss_mask is None:
+                loss_mask = np.ones((tokens.shape[0], tokens.shape[1] - 1), np.uint8)
+            loss_mask = np.asarray(loss_mask, np.uint8)
+            on_device = jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
+            on_device = on_device if on_device.dtype == jnp.int32 else self._widen(on_device)
+            mask = jax.make_array_from_callback(loss_mask.shape, self.batch_sharding, lambda index: loss_mask[index])
+            batch = MaskedBatch(on_device, mask, int(np.count_nonzero(loss_mask)))
+        else:
+            batch = self.put_batch(tokens, loss_mask)
         with activate_rules(self.mesh):
             ce, z = self._eval_step(self.params, self.base, batch.tokens, batch.loss_mask)
         return float(ce), batch.count

@@ -6,7 +6,8 @@ once. PodClient wraps the K hosts' WorkerClients behind the PodApi interface (ap
 of the controller uses (Cluster, the step loop, failover, the checkpointer), one method per RPC,
 and keeps the hosts' differences in one place:
 
-  * Step: host h gets row block h of the pod's shard (and of every extra shard);
+  * Step: host h gets row block h of the pod's shard (and of every extra shard, and of their
+    loss masks);
   * Configure: host h gets host_index=h, hosts_per_pod=K and host h's data-plane address of
     every pod (hosts exchange host to host);
   * SendState: host h streams to host h of the receiving pod;
@@ -230,17 +231,22 @@ class PodClient(PodApi):
 
     # -- what each host gets (see the module's docstring) ---------------------------------------
     def step_requests(self, request: pb.StepRequest) -> list[pb.StepRequest]:
-        """Host h's copy of a Step request: row block h of the pod's shard and of every extra one.
-        ConfigError naming data.global_batch if the rows do not split over the hosts."""
+        """Host h's copy of a Step request: row block h of the pod's shard and of every extra one
+        (and of their loss masks, a prompt-tuning run's). ConfigError naming data.global_batch if
+        the rows do not split over the hosts."""
         k = len(self.hosts)
-        own = _split_rows(request.tokens, k, f"{self.name}'s shard")
-        extra = [_split_rows(s.tokens, k, f"the shard of slot {s.slot} (computed by {self.name})")
-                 for s in request.extra_shards]
+
+        def blocks(shard, what: str) -> tuple[list[bytes], list[bytes] | None]:
+            masks = _split_rows(shard.loss_mask, k, f"the loss mask of {what}") if shard.loss_mask else None
+            return _split_rows(shard.tokens, k, what), masks
+        own = blocks(request, f"{self.name}'s shard")
+        extra = [blocks(s, f"the shard of slot {s.slot} (computed by {self.name})") for s in request.extra_shards]
         out = _copies(request, k)
         for h, copy in enumerate(out):
-            copy.tokens = own[h]
-            for shard, blocks in zip(copy.extra_shards, extra):
-                shard.tokens = blocks[h]
+            for shard, (tokens, masks) in zip([copy, *copy.extra_shards], [own, *extra]):
+                shard.tokens = tokens[h]
+                if masks is not None:
+                    shard.loss_mask = masks[h]
         return out
 
     def configure_requests(self, request: pb.ConfigureRequest) -> list[pb.ConfigureRequest]:

@@ -138,6 +138,22 @@ def test_step_gives_each_host_its_block_of_rows_of_every_shard():
     assert codec.decode(request.tokens).shape == (4, 9)     # the caller's request is left whole
 
 
+def test_step_gives_each_host_its_block_of_the_loss_masks_too():
+    # A prompt-tuning run's shards carry a loss mask per target: a host takes the mask of its rows.
+    pod = _pod(1)
+    mask, extra_mask = (np.random.default_rng(s).integers(0, 2, (4, 8), dtype=np.uint8) for s in (1, 2))
+    request = pb.StepRequest(step=0, tokens=codec.encode(_tokens(4)), loss_mask=codec.encode(mask),
+                             extra_shards=[pb.Shard(slot=0, tokens=codec.encode(_tokens(4)),
+                                                    loss_mask=codec.encode(extra_mask))])
+    pod.step_async(request, 10).result()
+    for h, host in enumerate(pod.hosts):
+        [(_, got)] = host.requests
+        np.testing.assert_array_equal(codec.decode(got.loss_mask), mask[2 * h:2 * h + 2])
+        np.testing.assert_array_equal(codec.decode(got.extra_shards[0].loss_mask), extra_mask[2 * h:2 * h + 2])
+    pod.step_async(pb.StepRequest(step=1, tokens=codec.encode(_tokens(4))), 10).result()
+    assert all(not host.requests[-1][1].loss_mask for host in pod.hosts)    # no mask: none sent
+
+
 def test_step_rows_that_do_not_split_over_the_hosts_are_refused_before_any_host_is_called():
     pod = _pod(1)
     with pytest.raises(ConfigError, match=r"3 rows.*2 equal blocks.*multiple of the hosts per pod \(2\)") as info:
