@@ -17,6 +17,7 @@ import grpc
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster, parallel
 from multipod.controller.core.errors import RunError
+from multipod.controller.observe.events import EventKind
 from multipod.controller.observe.metrics import out
 from multipod.protos import multipod_pb2 as pb
 
@@ -104,13 +105,13 @@ class Checkpointer:
             return
         wait = writer.wait_save_async(pb.WaitSaveRequest(step=step, directory=self.directory), CHECKPOINT_TIMEOUT_S)
         self.pending.append(PendingSave(step, reply.path, wait))
-        self.events.write("checkpoint_started", step=step, path=reply.path)
+        self.events.write(EventKind.CHECKPOINT_STARTED, step=step, path=reply.path)
 
     def _failed(self, step: int, why: str) -> None:
         self.failed += 1
         out(f"ERROR: checkpoint of step {step} FAILED: {why}. "
             f"The last good checkpoint is still {self.describe_last_good('none yet')}.")
-        self.events.write("checkpoint_failed", step=step, error=why)
+        self.events.write(EventKind.CHECKPOINT_FAILED, step=step, error=why)
 
     def collect(self, block: bool) -> None:
         """Collect finished background saves (every one if block): a success becomes the last
@@ -128,7 +129,7 @@ class Checkpointer:
             path = reply.path or save.path
             if self.last_good is None or save.step >= self.last_good.step:
                 self.last_good = Saved(save.step, path)
-            self.events.write("checkpoint_saved", step=save.step, path=path)
+            self.events.write(EventKind.CHECKPOINT_SAVED, step=save.step, path=path)
         self.pending = still
 
     # -- restoring --------------------------------------------------------------------------
@@ -168,6 +169,6 @@ class Checkpointer:
                                   f"this run reads {data_path or 'the default corpus'!r}")
             self.data_offset = int(meta.get("data_offset", 0))
         self.last_good = Saved(step, path)
-        self.events.write("restored", step=step, path=path, data_offset=self.data_offset,
+        self.events.write(EventKind.RESTORED, step=step, path=path, data_offset=self.data_offset,
                           fingerprint=replies[0].fingerprint)
         return step

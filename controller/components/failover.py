@@ -23,7 +23,7 @@ from multipod.controller.cluster.pods import Cluster
 from multipod.controller.core import fault_hooks
 from multipod.controller.core.errors import PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
-from multipod.controller.observe.events import EventLog
+from multipod.controller.observe.events import EventKind, EventLog
 from multipod.controller.observe.metrics import out
 
 REJOIN_ATTEMPTS = 3         # state transfers tried per failed pod before it is left out for the run
@@ -118,7 +118,7 @@ class Failover:
         have been handled, or if no pod is left."""
         run, cluster = self.run_config, self.cluster
         out(f"pod failure: {failure}")
-        self.events.write("pod_failure", error=str(failure), pods=list(failure.pods), mode=OnPodFailure.DEGRADE)
+        self.events.write(EventKind.POD_FAILURE, error=str(failure), pods=list(failure.pods), mode=OnPodFailure.DEGRADE)
         if self.failures >= run.max_restarts:
             raise RunError(f"{failure}. Giving up after {self.failures} pod failure(s) (--max-restarts "
                            f"{run.max_restarts})")
@@ -150,7 +150,8 @@ class Failover:
             self._watch(pod)
         shards = ", ".join(f"slot {s} -> pod {h}" for s, h in enumerate(cluster.hosts) if s != h)
         out(f"degraded: {len(live)}/{cluster.size} pods from step {step} ({shards})")
-        self.events.write("degraded", step=step, live_pods=live, hosts=list(cluster.hosts), failed=sorted(failed))
+        self.events.write(EventKind.DEGRADED, step=step, live_pods=live, hosts=list(cluster.hosts),
+                          failed=sorted(failed))
         return step
 
     def _align(self, live: list[int], replies) -> int:
@@ -179,8 +180,9 @@ class Failover:
         rate = got.bytes / seconds / 1e6 if seconds > 0 else 0.0
         out(f"state transfer: pod {donor} -> pod {receiver} ({why}): {got.bytes / 2**20:.1f} MiB in "
             f"{seconds:.2f}s ({rate:.0f} MB/s), step {got.step}, verified")
-        self.events.write("state_transfer", donor=donor, receiver=receiver, step=int(got.step), bytes=int(got.bytes),
-                          seconds=seconds, worker_seconds=float(got.seconds), fingerprint=got.fingerprint)
+        self.events.write(EventKind.STATE_TRANSFER, donor=donor, receiver=receiver, step=int(got.step),
+                          bytes=int(got.bytes), seconds=seconds, worker_seconds=float(got.seconds),
+                          fingerprint=got.fingerprint)
 
     # -- the step boundary: rejoins ---------------------------------------------------------------
     def on_step(self, step: int, drain) -> bool:
@@ -194,7 +196,7 @@ class Failover:
         for pod, watcher in list(self._rejoining.items()):
             if watcher.gave_up:
                 out(f"pod {pod} stays out: {watcher.error or 'it did not come back'}")
-                self.events.write("rejoin_failed", pod=pod, error=watcher.error or "it did not come back")
+                self.events.write(EventKind.REJOIN_FAILED, pod=pod, error=watcher.error or "it did not come back")
                 del self._rejoining[pod]
         if not ready:
             return False
@@ -210,7 +212,7 @@ class Failover:
             except (WorkerError, RunError) as exc:
                 watcher.attempts += 1
                 out(f"pod {pod} could not rejoin (attempt {watcher.attempts}/{REJOIN_ATTEMPTS}): {exc}")
-                self.events.write("rejoin_failed", pod=pod, error=str(exc), attempt=watcher.attempts)
+                self.events.write(EventKind.REJOIN_FAILED, pod=pod, error=str(exc), attempt=watcher.attempts)
                 if watcher.attempts >= REJOIN_ATTEMPTS:
                     del self._rejoining[pod]
                 else:   # its state is untouched: try again, from serving and configured
@@ -230,7 +232,7 @@ class Failover:
             self._degraded_since = None
         self.rejoins += len(joined)
         out(f"pod(s) {joined} rejoined at step {step}: {len(cluster.live)}/{cluster.size} pods")
-        self.events.write("rejoin", step=step, pods=joined, live_pods=cluster.live, hosts=list(cluster.hosts))
+        self.events.write(EventKind.REJOIN, step=step, pods=joined, live_pods=cluster.live, hosts=list(cluster.hosts))
         return True
 
     def _await_watchers(self) -> None:

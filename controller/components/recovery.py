@@ -7,7 +7,7 @@ from multipod.controller.cluster.pods import Cluster
 from multipod.controller.components.checkpointer import Checkpointer
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import PodFailure, RunError
-from multipod.controller.observe.events import EventLog
+from multipod.controller.observe.events import EventKind, EventLog
 from multipod.controller.observe.metrics import out
 
 
@@ -29,7 +29,7 @@ class Recovery:
         continue from. RunError once run.max_restarts recoveries have been used."""
         run = self.run_config
         out(f"pod failure: {failure}")
-        self.events.write("pod_failure", error=str(failure), pods=list(failure.pods))
+        self.events.write(EventKind.POD_FAILURE, error=str(failure), pods=list(failure.pods))
         self.checkpointer.collect(block=False)
         last = self.checkpointer.describe_last_good()
         if self.restarts >= run.max_restarts:
@@ -56,7 +56,7 @@ class Recovery:
         except (WorkerError, RunError) as exc:
             raise RunError(f"recovery from ({failure}) failed: {exc}; the last good checkpoint is {last}") from None
         out(f"recovered: every pod restored to step {step}; continuing")
-        self.events.write("recovered", step=step, restarts=self.restarts)
+        self.events.write(EventKind.RECOVERED, step=step, restarts=self.restarts)
         self.spike.restart_at(step)
         return step
 
@@ -76,7 +76,7 @@ class Recovery:
         offset = self.checkpointer.data_offset
         out(f"loss spike at {spike}: rewound to step {step}, skipping {run.skip_batches} batch(es) "
             f"(step {step} now trains on batch {step + offset})")
-        self.events.write("rewind", spike_step=spike.step, loss=spike.loss, mean=spike.mean, to_step=step,
+        self.events.write(EventKind.REWIND, spike_step=spike.step, loss=spike.loss, mean=spike.mean, to_step=step,
                           data_offset=offset)
         self.spike.restart_at(step)
         return step

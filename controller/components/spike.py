@@ -3,6 +3,7 @@ last run.spike_window losses is a spike (with run.on_spike = "rewind"; recovery.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from multipod.controller.core.policies import OnSpike
 
 if TYPE_CHECKING:
     from multipod.controller.core.run_config import RunConfig
+    from multipod.controller.observe.records import StepRecord
 
 
 # Judged steps remembered for restart_at (a few hundred KB): more than a checkpoint interval.
@@ -38,21 +40,25 @@ class SpikePolicy:
         # The test hook is read once, here (controller/core/fault_hooks.py).
         self._test_spike_batch = faults.spike_batch()
 
-    def check(self, record: dict) -> Spike | None:
+    def with_test_spike(self, record: StepRecord) -> StepRecord:
+        """The record as the test hook makes it (controller/core/fault_hooks.py): its loss inflated
+        when it trained on the hook's batch; else the record itself."""
+        if self._test_spike_batch is None or record.data_index != self._test_spike_batch:
+            return record
+        return dataclasses.replace(record, loss=record.loss * faults.SPIKE_FACTOR)
+
+    def check(self, record: StepRecord) -> Spike | None:
         """The Spike this record is (the caller raises it once the record is logged), or None.
-        The test hook inflates the record's loss in place when it trains on the hook's batch.
         Skipped and non-finite steps are ignored; nothing is judged until the window is full."""
-        if self._test_spike_batch is not None and record.get("data_index") == self._test_spike_batch:
-            record["loss"] *= faults.SPIKE_FACTOR
-        loss = record["loss"]
-        if record["skipped"] or not math.isfinite(loss):
+        loss = record.loss
+        if record.skipped or not math.isfinite(loss):
             return None
         if self.enabled and len(self.losses) == self.losses.maxlen:
             mean = sum(self.losses) / len(self.losses)
             if loss > self.threshold * mean:
-                return Spike(record["step"], loss, mean)
+                return Spike(record.step, loss, mean)
         self.losses.append(loss)
-        self._history.append((record["step"], loss))
+        self._history.append((record.step, loss))
         return None
 
     def restart_at(self, step: int) -> None:

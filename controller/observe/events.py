@@ -1,9 +1,66 @@
-"""events.jsonl: one JSON line per run event (checkpoints, failures, restarts, rewinds)."""
+"""events.jsonl: one JSON line per run event (checkpoints, failures, restarts, rewinds), an Event.
+
+A line is {"event": kind, "time": Unix seconds, **the kind's own fields}; EventKind lists the kinds
+and the fields each carries."""
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import pathlib
 import time
+from collections.abc import Mapping
+from typing import Any
+
+
+class EventKind(enum.StrEnum):
+    """What happened (a line's "event"), with the fields that kind carries."""
+    CHECKPOINT_STARTED = "checkpoint_started"   # step, path: a save began (written in the background)
+    CHECKPOINT_SAVED = "checkpoint_saved"       # step, path: that save is complete
+    CHECKPOINT_FAILED = "checkpoint_failed"     # step, error: that save failed (the last good one stays)
+    RESTORED = "restored"                       # step, path, data_offset, fingerprint: every pod restored it
+    POD_FAILURE = "pod_failure"                 # error, pods (those named), mode (degrade only)
+    RECOVERED = "recovered"                     # step, restarts: every pod is back, from a checkpoint
+    REWIND = "rewind"                           # spike_step, loss, mean, to_step, data_offset: a loss spike
+    DEGRADED = "degraded"                       # step, live_pods, hosts, failed: survivors take the shards
+    STATE_TRANSFER = "state_transfer"           # donor, receiver, step, bytes, seconds, worker_seconds, fingerprint
+    REJOIN = "rejoin"                           # step, pods, live_pods, hosts: failed pods are back
+    REJOIN_FAILED = "rejoin_failed"             # pod, error, attempt (when retried)
+    REATTACHED = "reattached"                   # step, data_offset, fingerprint: a new controller took live pods over
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One line of events.jsonl."""
+    kind: EventKind
+    time: float                                 # Unix time it was written
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # the kind's own (EventKind)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """One of the kind's fields, or `default`."""
+        return self.fields.get(name, default)
+
+    def to_json(self) -> str:
+        """The line (without its newline)."""
+        return json.dumps({"event": self.kind.value, "time": self.time, **self.fields})
+
+    @classmethod
+    def from_json(cls, line: str | Mapping[str, Any]) -> Event:
+        """An event from a line (text, or the parsed object); ValueError saying what is wrong."""
+        data = json.loads(line) if isinstance(line, str) else line
+        if not isinstance(data, Mapping):
+            raise ValueError(f"an event must be a JSON object, got {type(data).__name__}")
+        name = data.get("event")
+        if name not in KINDS:
+            raise ValueError(f"event {name!r} is not one of {', '.join(KINDS)}")
+        when = data.get("time")
+        if isinstance(when, bool) or not isinstance(when, (int, float)):
+            raise ValueError(f"event {name!r} has no number \"time\"")
+        fields = {k: v for k, v in data.items() if k not in ("event", "time")}
+        return cls(EventKind(name), float(when), fields)
+
+
+KINDS = tuple(kind.value for kind in EventKind)
 
 
 class EventLog:
@@ -13,9 +70,9 @@ class EventLog:
         self.path = path
         self._file = path.open("a")
 
-    def write(self, kind: str, **fields) -> None:
-        """One line: {"event": kind, "time": ..., **fields}."""
-        self._file.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+    def write(self, kind: EventKind, **fields: Any) -> None:
+        """One line: Event(kind, now, fields)."""
+        self._file.write(Event(EventKind(kind), time.time(), fields).to_json() + "\n")
         self._file.flush()
 
     def close(self) -> None:

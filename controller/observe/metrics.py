@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from multipod.controller.observe.records import PodTimings, StepRecord
+
 
 def peak_cache() -> pathlib.Path:
     """Where `multipod peak-flops` keeps its measurements (MULTIPOD_PEAK_FILE overrides)."""
@@ -45,12 +47,14 @@ def _shards(replies) -> list:
     return sorted(shards, key=lambda s: s.slot) if shards else list(replies)
 
 
-def step_record(step: int, replies, step_time_s: float, accounting: Accounting,
-                hosts: list[int] | None = None) -> dict:
-    """The metrics record of one step from every live pod's StepReply: the loss over all
-    shards' tokens (summed in slot order, so a degraded step reports the very loss a healthy one
-    would), the slowest pod's phase timings, throughput, MFU/HFU (None without a peak), and
-    which pod computed which shard (`hosts`, by slot)."""
+def step_record(step: int, replies, step_time_s: float, accounting: Accounting, *, hosts: list[int] | None = None,
+                data_index: int, epoch: float, skipped_steps: int, restarts: int,
+                partial_loss: bool = False) -> StepRecord:
+    """The record of one step from every live pod's StepReply: the loss over all shards' tokens
+    (summed in slot order, so a degraded step reports the very loss a healthy one would), the
+    slowest pod's phase timings, throughput, MFU/HFU (None without a peak), which pod computed
+    which shard (`hosts`, by slot; None: each pod its own), and where the step stands in the run
+    (data_index, epoch, skipped_steps, restarts, partial_loss: see StepRecord)."""
     shards = _shards(replies)
     tokens = sum(r.tokens for r in shards)
     tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
@@ -58,40 +62,29 @@ def step_record(step: int, replies, step_time_s: float, accounting: Accounting,
     # Hardware FLOPs: XLA's count of what the pods' compiled steps execute, recompute included.
     hw_step = accounting.hardware_flops_per_step
     hw_per_token = hw_step / tokens if hw_step and tokens else None
-    return {
-        "step": step, "loss": sum(r.loss_sum for r in shards) / tokens,
-        "z_loss": sum(r.z_loss_sum for r in shards) / tokens,
-        "hosts": list(hosts) if hosts is not None else list(range(len(replies))),
-        "live_pods": len(replies),
-        "grad_norm": replies[0].grad_norm, "learning_rate": replies[0].learning_rate,
-        "skipped": replies[0].skipped, "checksums": [r.checksum for r in replies],
-        # The fingerprints (BLAKE2b), on the steps that took them (run.fingerprint_every).
-        "fingerprints": [r.fingerprint for r in replies] if any(r.fingerprint for r in replies) else None,
-        "step_time_s": step_time_s,
+    pods = tuple(PodTimings(pod=r.pod_index, compute_s=r.timings.compute_s, exchange_s=r.timings.exchange_s,
+                            exposed_exchange_s=r.timings.exposed_exchange_s, update_s=r.timings.update_s,
+                            wait_s=r.timings.wait_s, checksum_s=r.timings.checksum_s,
+                            fingerprint_s=r.timings.fingerprint_s, idle_s=r.timings.idle_s,
+                            dcn_bytes_sent=r.dcn_bytes_sent) for r in replies)
+    return StepRecord(
+        step=step, loss=sum(r.loss_sum for r in shards) / tokens, z_loss=sum(r.z_loss_sum for r in shards) / tokens,
+        hosts=tuple(hosts) if hosts is not None else tuple(range(len(replies))), live_pods=len(replies),
+        grad_norm=replies[0].grad_norm, learning_rate=replies[0].learning_rate, skipped=replies[0].skipped,
+        checksums=tuple(r.checksum for r in replies),
+        fingerprints=tuple(r.fingerprint for r in replies) if any(r.fingerprint for r in replies) else None,
+        step_time_s=step_time_s,
         # The step waits for the slowest pod in each phase.
-        "compute_time_s": max(r.timings.compute_s for r in replies),
-        "exchange_time_s": max(r.timings.exchange_s for r in replies),
-        "update_time_s": max(r.timings.update_s for r in replies),
-        "idle_time_s": max(r.timings.idle_s for r in replies),
-        # The part of the exchange the step waits for: end of the backward pass -> summed leaves
-        # on the devices.
-        "exposed_exchange_s": max(r.timings.exposed_exchange_s for r in replies),
-        "checksum_time_s": max(r.timings.checksum_s for r in replies),
-        "fingerprint_time_s": max(r.timings.fingerprint_s for r in replies),
-        "pods": [{"pod": r.pod_index, "compute_s": r.timings.compute_s, "exchange_s": r.timings.exchange_s,
-                  "exposed_exchange_s": r.timings.exposed_exchange_s,
-                  "update_s": r.timings.update_s, "wait_s": r.timings.wait_s,
-                  "checksum_s": r.timings.checksum_s, "fingerprint_s": r.timings.fingerprint_s,
-                  "idle_s": r.timings.idle_s,
-                  "dcn_bytes_sent": r.dcn_bytes_sent} for r in replies],
-        "dcn_bytes_sent": sum(r.dcn_bytes_sent for r in replies),
-        "tokens": tokens, "tokens_per_s": tokens_per_s,
-        "model_flops_per_token": flops_per_token,
-        "mfu": mfu(tokens_per_s, flops_per_token, peak, devices),
-        "hardware_flops_per_token": hw_per_token,
-        "hfu": mfu(tokens_per_s, hw_per_token, peak, devices) if hw_per_token else None,
-        "time": time.time(),
-    }
+        compute_time_s=max(p.compute_s for p in pods), exchange_time_s=max(p.exchange_s for p in pods),
+        update_time_s=max(p.update_s for p in pods), idle_time_s=max(p.idle_s for p in pods),
+        exposed_exchange_s=max(p.exposed_exchange_s for p in pods),
+        checksum_time_s=max(p.checksum_s for p in pods), fingerprint_time_s=max(p.fingerprint_s for p in pods),
+        pods=pods, dcn_bytes_sent=sum(p.dcn_bytes_sent for p in pods),
+        tokens=tokens, tokens_per_s=tokens_per_s, model_flops_per_token=flops_per_token,
+        mfu=mfu(tokens_per_s, flops_per_token, peak, devices), hardware_flops_per_token=hw_per_token,
+        hfu=mfu(tokens_per_s, hw_per_token, peak, devices) if hw_per_token else None, time=time.time(),
+        data_index=data_index, epoch=epoch, skipped_steps=skipped_steps, restarts=restarts,
+        partial_loss=partial_loss)
 
 
 def load_measured_peak(device_kind: str, num_devices: int) -> float | None:
@@ -120,7 +113,8 @@ def store_measured_peak(device_kind: str, num_devices: int, per_device_flops: fl
 
 
 class MetricsLog:
-    """One JSON object per step in metrics.jsonl, mirrored as TensorBoard scalars.
+    """One JSON object per step (StepRecord.to_json) and per evaluation in metrics.jsonl, mirrored
+    as TensorBoard scalars.
 
     TensorBoard events are written on a thread of their own: tensorboardX hands them to a
     multiprocessing queue, and a Ctrl-C that lands inside that hand-off (it always lands on the
@@ -153,7 +147,15 @@ class MetricsLog:
         if writer is not None:
             writer.close()
 
-    def write(self, record: dict) -> None:
+    def write(self, record: StepRecord) -> None:
+        """One step's line."""
+        self._write(record.to_dict())
+
+    def write_eval(self, record: dict) -> None:
+        """One evaluation's line (controller/components/evaluation.py)."""
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self._queue.put(record)
@@ -170,11 +172,11 @@ class MetricsLog:
 class Recorder:
     """Where finished steps go: metrics.jsonl, the progress line, and the records by step (a step
     replayed after a recovery or rewind replaces its earlier record). `sink` and `progress` are
-    anything with write(record) / update(record) and close()."""
+    anything with write(record), write_eval(record) / update(record), note(record) and close()."""
 
     def __init__(self, sink, progress):
         self.sink, self.progress = sink, progress
-        self.records: dict[int, dict] = {}
+        self.records: dict[int, StepRecord] = {}
         self.skipped_steps: set[int] = set()
         self.steps_written = 0      # records written, replays included (lost steps = this - distinct steps)
 
@@ -184,19 +186,19 @@ class Recorder:
             self.skipped_steps.add(step)
         return len(self.skipped_steps)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: StepRecord) -> None:
         """Log, show and keep one step's record."""
         self.sink.write(record)
         self.steps_written += 1
-        self.records[record["step"]] = record
+        self.records[record.step] = record
         self.progress.update(record)
 
     def write_eval(self, record: dict) -> None:
         """Log and show an evaluation's record (it sits beside the step records, not among them)."""
-        self.sink.write(record)
+        self.sink.write_eval(record)
         self.progress.note(record)
 
-    def in_order(self) -> list[dict]:
+    def in_order(self) -> list[StepRecord]:
         """The latest record of every step, by step."""
         return [self.records[s] for s in sorted(self.records)]
 
@@ -226,21 +228,19 @@ class ProgressLine:
                                                  stats="compiling...")
             self._progress.start()
 
-    def update(self, record: dict) -> None:
-        hosts = record.get("hosts") or []
-        live = record.get("live_pods", len(hosts))
-        degraded = f"  degraded {live}/{len(hosts)} pods" if live < len(hosts) else ""
-        epoch = f"  epoch {record['epoch']:.2f}" if record.get("epoch") is not None else ""
-        stats = (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
-                 f"MFU {_fmt(record['mfu'], '.1%')}  HFU {_fmt(record.get('hfu'), '.1%')}  "
-                 f"step {record['step_time_s']:.2f}s{epoch}{degraded}")
+    def update(self, record: StepRecord) -> None:
+        live, slots = record.live_pods, len(record.hosts)
+        degraded = f"  degraded {live}/{slots} pods" if live < slots else ""
+        stats = (f"loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
+                 f"MFU {_fmt(record.mfu, '.1%')}  HFU {_fmt(record.hfu, '.1%')}  "
+                 f"step {record.step_time_s:.2f}s  epoch {record.epoch:.2f}{degraded}")
         changed = live != getattr(self, "_live", live)     # a pod failed or rejoined: say so at once
         self._live = live
         if self._progress is not None:
-            self._progress.update(self._task, completed=record["step"] + 1, stats=stats)
-        elif time.monotonic() - self._last_print > 5 or record["step"] + 1 == self.total or changed:
+            self._progress.update(self._task, completed=record.step + 1, stats=stats)
+        elif time.monotonic() - self._last_print > 5 or record.step + 1 == self.total or changed:
             self._last_print = time.monotonic()
-            print(f"step {record['step'] + 1}/{self.total}  {stats}", flush=True)
+            print(f"step {record.step + 1}/{self.total}  {stats}", flush=True)
 
     def note(self, record: dict) -> None:
         """An evaluation's result, as a line of its own above the live line."""

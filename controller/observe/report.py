@@ -2,8 +2,8 @@
 events.jsonl.
 
 Two halves, so that a test can check what is plotted without reading pixels:
-- `report_series(records, events)`: a pure function from the parsed lines to named series
-  (plain lists and dicts);
+- `report_series(records, evals, events)`: a pure function from the parsed lines (StepRecord,
+  evaluation records, Event) to named series (plain lists and dicts);
 - `draw(series, path)`: plots those series, and only those, into a PNG.
 
 matplotlib is imported inside `draw` only (Agg canvas, no display needed): building the
@@ -17,19 +17,22 @@ import math
 import pathlib
 import statistics
 
-# The phases a step's time splits into, per pod: (series name, key in a record's `pods` entry, label).
+from multipod.controller.observe.events import KINDS, Event, EventKind
+from multipod.controller.observe.records import StepRecord
+
+# The phases a step's time splits into, per pod: (series name, PodTimings field, label).
 PHASES = (("compute", "compute_s", "compute"),
           ("exposed_exchange", "exposed_exchange_s", "exposed exchange"),
           ("update", "update_s", "update"))
 
 # Events drawn as vertical lines: event name -> (marker kind, legend label, colour, line style).
 MARKERS = {
-    "pod_failure": ("pod_failure", "pod failure", "tab:red", "-"),
-    "recovered": ("restored", "restored from checkpoint", "tab:purple", "-."),
-    "rejoin": ("rejoin", "pod rejoined", "tab:green", "-"),
-    "rewind": ("rewind", "loss-spike rewind", "tab:orange", "--"),
-    "checkpoint_saved": ("checkpoint", "checkpoint saved", "tab:gray", ":"),
-    "checkpoint_failed": ("checkpoint_failed", "checkpoint FAILED", "black", "--"),
+    EventKind.POD_FAILURE: ("pod_failure", "pod failure", "tab:red", "-"),
+    EventKind.RECOVERED: ("restored", "restored from checkpoint", "tab:purple", "-."),
+    EventKind.REJOIN: ("rejoin", "pod rejoined", "tab:green", "-"),
+    EventKind.REWIND: ("rewind", "loss-spike rewind", "tab:orange", "--"),
+    EventKind.CHECKPOINT_SAVED: ("checkpoint", "checkpoint saved", "tab:gray", ":"),
+    EventKind.CHECKPOINT_FAILED: ("checkpoint_failed", "checkpoint FAILED", "black", "--"),
 }
 
 FIGSIZE = (14.0, 12.0)      # inches
@@ -44,6 +47,11 @@ class ReportError(ValueError):
 def read_jsonl(path: pathlib.Path, required: bool) -> list[dict]:
     """The JSON objects of a .jsonl file, one per non-blank line. ReportError, naming the file
     (and the line), if it is missing (when required), empty (when required) or malformed."""
+    return [value for _, value in _numbered(path, required)]
+
+
+def _numbered(path: pathlib.Path, required: bool) -> list[tuple[int, dict]]:
+    """read_jsonl's objects with their line numbers."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -62,12 +70,43 @@ def read_jsonl(path: pathlib.Path, required: bool) -> list[dict]:
             raise ReportError(f"{path}, line {number}: not valid JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ReportError(f"{path}, line {number}: expected a JSON object, got {type(value).__name__}")
-        if path.name == "metrics.jsonl" and not _is_int(value.get("step")):
-            raise ReportError(f"{path}, line {number}: no integer \"step\"")
-        lines.append(value)
+        lines.append((number, value))
     if required and not lines:
         raise ReportError(f"{path}: empty: the run wrote no step yet")
     return lines
+
+
+def read_metrics(path: pathlib.Path) -> tuple[list[StepRecord], list[dict]]:
+    """metrics.jsonl's step records (the lines with a "loss", read as StepRecord) and evaluation
+    records (those with an "eval_loss"), each in file order. ReportError naming the file and the
+    line if the file cannot be read (read_jsonl), or a line has no integer step or is not a valid
+    step record."""
+    records, evals = [], []
+    for number, value in _numbered(path, required=True):
+        if not _is_int(value.get("step")):
+            raise ReportError(f"{path}, line {number}: no integer \"step\"")
+        if "eval_loss" in value:
+            evals.append(value)
+        elif "loss" in value:
+            try:
+                records.append(StepRecord.from_json(value))
+            except ValueError as exc:
+                raise ReportError(f"{path}, line {number}: not a step record: {exc}") from None
+    return records, evals
+
+
+def read_events(path: pathlib.Path) -> list[Event]:
+    """events.jsonl's events, in file order (none if there is no file); kinds this version does
+    not know are left out. ReportError naming the file and the line if one is malformed."""
+    events = []
+    for number, value in _numbered(path, required=False):
+        if value.get("event") not in KINDS:
+            continue
+        try:
+            events.append(Event.from_json(value))
+        except ValueError as exc:
+            raise ReportError(f"{path}, line {number}: {exc}") from None
+    return events
 
 
 def _is_int(value) -> bool:
@@ -82,25 +121,26 @@ def _num(value) -> float | None:
 
 
 # -- the series ------------------------------------------------------------------------------------
-def latest_by_step(records: list[dict], key: str) -> list[dict]:
-    """The last record of each step among those that hold `key` (a step replayed after a restore
-    or rewind replaces its earlier record), in step order."""
-    by_step = {}
-    for record in records:
-        if _num(record.get(key)) is not None:
-            by_step[record["step"]] = record
+def latest_by_step(records: list[StepRecord]) -> list[StepRecord]:
+    """The last record of each step (a step replayed after a restore or rewind replaces its
+    earlier record), in step order."""
+    by_step = {record.step: record for record in records}
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _degraded_spans(train: list[dict]) -> list[list[int]]:
+def _latest_evals(evals: list[dict]) -> list[dict]:
+    """The last evaluation record of each step among those with a number eval_loss, in step order."""
+    by_step = {e["step"]: e for e in evals if _num(e.get("eval_loss")) is not None}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _degraded_spans(train: list[StepRecord]) -> list[list[int]]:
     """[first, last] step of every run of consecutive steps with fewer live pods than slots."""
     spans: list[list[int]] = []
     for record in train:
-        hosts = record.get("hosts") or []
-        live = record.get("live_pods", len(hosts))
-        if not (_is_int(live) and live < len(hosts)):
+        if record.live_pods >= len(record.hosts):
             continue
-        step = record["step"]
+        step = record.step
         if spans and spans[-1][1] == step - 1:
             spans[-1][1] = step
         else:
@@ -108,25 +148,22 @@ def _degraded_spans(train: list[dict]) -> list[list[int]]:
     return spans
 
 
-def _step_at(when, records: list[dict]) -> int | None:
+def _step_at(when: float, records: list[StepRecord]) -> int | None:
     """The step in flight at time `when`: the one after the last step whose record was written
     before it (records in file order, each stamped at the end of its step)."""
-    if _num(when) is None:
-        return None
-    before = [r["step"] for r in records if _num(r.get("time")) is not None and r["time"] <= when]
+    before = [r.step for r in records if r.time <= when]
     if before:
         return before[-1] + 1
-    return records[0]["step"] if records else None
+    return records[0].step if records else None
 
 
-def _markers(events: list[dict], records: list[dict]) -> list[dict]:
+def _markers(events: list[Event], records: list[StepRecord]) -> list[dict]:
     markers = []
     for event in events:
-        name = event.get("event")
-        if name not in MARKERS:
+        if event.kind not in MARKERS:
             continue
-        kind, label = MARKERS[name][:2]
-        if name == "rewind":
+        kind, label = MARKERS[event.kind][:2]
+        if event.kind == EventKind.REWIND:
             step = event.get("spike_step")
             detail = f"spike at step {step}, back to step {event.get('to_step')}"
         else:
@@ -134,12 +171,13 @@ def _markers(events: list[dict], records: list[dict]) -> list[dict]:
             detail = ""
         if not _is_int(step):
             # A pod failure names no step: place it at the step in flight when it was noticed.
-            step = _step_at(event.get("time"), records)
+            step = _step_at(event.time, records)
         if step is None:
             continue
-        if name in ("pod_failure", "rejoin") and event.get("pods") is not None:
-            detail = f"pods {event['pods']}"
-        markers.append({"kind": kind, "event": name, "step": int(step), "label": label, "detail": detail})
+        if event.kind in (EventKind.POD_FAILURE, EventKind.REJOIN) and event.get("pods") is not None:
+            detail = f"pods {event.get('pods')}"
+        markers.append({"kind": kind, "event": event.kind.value, "step": int(step), "label": label,
+                        "detail": detail})
     return markers
 
 
@@ -151,47 +189,46 @@ def _cumulative(values) -> list[float]:
     return out
 
 
-def report_series(records: list[dict], events: list[dict]) -> dict:
-    """Everything the report plots, by name, from the metrics records (file order) and the events.
+def report_series(records: list[StepRecord], evals: list[dict], events: list[Event]) -> dict:
+    """Everything the report plots, by name, from the step records and evaluation records
+    (read_metrics, file order) and the events (read_events).
 
     - steps, loss, tokens (cumulative tokens at the end of each step), step_time, tokens_per_s, mfu,
       hfu (None where unknown): one entry per step, the step's last record;
-    - eval: {steps, tokens, loss} of the records that carry eval_loss;
+    - eval: {steps, tokens, loss} of the evaluation records, the last of each step;
     - pods: {pod index: {steps, compute, exposed_exchange, update}}, from each record's `pods`
       (a pod that was out on a degraded step has no entry there);
     - degraded: [[first, last], ...] runs of steps with live_pods < len(hosts);
     - markers: [{kind, event, step, label, detail}] for failures, restores, rejoins, rewinds and
       checkpoints (saved or failed);
     - mfu_known, hfu_known: whether any step has the value (else the panel says n/a)."""
-    train = latest_by_step(records, "loss")
-    steps = [r["step"] for r in train]
-    tokens = _cumulative(_num(r.get("tokens")) or 0.0 for r in train)
-    evals = latest_by_step(records, "eval_loss")
+    train = latest_by_step(records)
+    steps = [r.step for r in train]
+    tokens = _cumulative(r.tokens for r in train)
+    evals = _latest_evals(evals)
 
     pods: dict[int, dict[str, list]] = {}
     for record in train:
-        for entry in record.get("pods") or []:
-            if not isinstance(entry, dict) or not _is_int(entry.get("pod")):
-                continue
-            pod = pods.setdefault(entry["pod"], {"steps": [], **{name: [] for name, _, _ in PHASES}})
-            pod["steps"].append(record["step"])
-            for name, key, _ in PHASES:
-                pod[name].append(_num(entry.get(key)) or 0.0)
+        for entry in record.pods:
+            pod = pods.setdefault(entry.pod, {"steps": [], **{name: [] for name, _, _ in PHASES}})
+            pod["steps"].append(record.step)
+            for name, field, _ in PHASES:
+                pod[name].append(getattr(entry, field))
 
-    mfu = [_num(r.get("mfu")) for r in train]
-    hfu = [_num(r.get("hfu")) for r in train]
+    mfu = [r.mfu for r in train]
+    hfu = [r.hfu for r in train]
     return {
         "steps": steps,
-        "loss": [_num(r["loss"]) for r in train],
+        "loss": [r.loss for r in train],
         "tokens": tokens,
-        "step_time": [_num(r.get("step_time_s")) for r in train],
-        "tokens_per_s": [_num(r.get("tokens_per_s")) for r in train],
+        "step_time": [r.step_time_s for r in train],
+        "tokens_per_s": [r.tokens_per_s for r in train],
         "mfu": mfu, "hfu": hfu,
         "mfu_known": any(v is not None for v in mfu), "hfu_known": any(v is not None for v in hfu),
         "eval": {"steps": [r["step"] for r in evals],
                  # An eval-only record between training steps sits at the tokens trained so far.
                  "tokens": [_tokens_until(r["step"], steps, tokens) for r in evals],
-                 "loss": [_num(r["eval_loss"]) for r in evals]},
+                 "loss": [float(r["eval_loss"]) for r in evals]},
         "pods": {p: pods[p] for p in sorted(pods)},
         "degraded": _degraded_spans(train),
         "markers": _markers(events, records),
@@ -327,9 +364,9 @@ def write_report(run_dir: pathlib.Path, out: pathlib.Path | None = None) -> path
     run_dir = pathlib.Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such run directory")
-    records = read_jsonl(run_dir / "metrics.jsonl", required=True)
-    events = read_jsonl(run_dir / "events.jsonl", required=False)
-    series = report_series(records, events)
+    records, evals = read_metrics(run_dir / "metrics.jsonl")
+    events = read_events(run_dir / "events.jsonl")
+    series = report_series(records, evals, events)
     if not series["steps"]:
         raise ReportError(f"{run_dir / 'metrics.jsonl'}: no record of a training step (none has a \"loss\")")
     path = pathlib.Path(out) if out is not None else run_dir / "report.png"

@@ -18,6 +18,7 @@ from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import RunError
 from multipod.controller.data.batches import Prefetcher, StepData, token_dtype
 from multipod.controller.observe.metrics import Accounting, Recorder, step_record
+from multipod.controller.observe.records import StepRecord
 from multipod.protos import multipod_pb2 as pb
 
 POLL_S = 0.2          # how often a wait for a step checks the watchdog and the progress deadline
@@ -148,15 +149,16 @@ class StepLoop:
         """The record of a step the survivors finished while a failed pod did not: its loss
         counts the shards whose results came back (partial_loss), its state is checked as any."""
         check_agreement(step, clients, replies)
-        record = step_record(step, replies, 0.0, self.accounting, hosts=hosts)
-        record.update(partial_loss=True, skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
-                      restarts=self._restarts, **self._position(step))
-        self.recorder.write(record)
+        self.recorder.write(self._record(step, replies, 0.0, hosts, partial_loss=True))
 
-    def _position(self, step: int) -> dict:
-        """Where in the data step `step` trained: the batch index, and the epochs done after it."""
+    def _record(self, step: int, replies, step_time_s: float, hosts, partial_loss: bool = False) -> StepRecord:
+        """The step's record, with where it stands in the run: the batch it trained on, the epochs
+        done after it, the steps skipped so far and the restarts before it."""
         index = step + self._data_offset
-        return {"data_index": index, "epoch": self.batches.epoch(index)}
+        return step_record(step, replies, step_time_s, self.accounting, hosts=hosts, data_index=index,
+                           epoch=self.batches.epoch(index),
+                           skipped_steps=self.recorder.note_skipped(step, replies[0].skipped),
+                           restarts=self._restarts, partial_loss=partial_loss)
 
     def _complete(self, step: int, who: tuple, calls: list) -> None:
         """Wait for one step's replies (watching the pods meanwhile), check and record it."""
@@ -188,10 +190,8 @@ class StepLoop:
             raise self.cluster.diagnose(f"step {step} failed: " + "; ".join(str(e) for _, e in errors), suspects)
         check_agreement(step, clients, results)
         now = time.perf_counter()
-        record = step_record(step, results, now - self._last_done, self.accounting, hosts=hosts)
+        record = self.spike.with_test_spike(self._record(step, results, now - self._last_done, hosts))
         self._last_done, self._last_progress = now, time.monotonic()
-        record.update(skipped_steps=self.recorder.note_skipped(step, record["skipped"]),
-                      restarts=self._restarts, **self._position(step))
         spike = self.spike.check(record)
         self.recorder.write(record)     # a spike's record is kept too: it shows what was rewound
         if spike is not None:

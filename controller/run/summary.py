@@ -6,10 +6,14 @@ import json
 import pathlib
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from multipod.controller.data.batches import narrow
 from multipod.controller.observe.metrics import out
 from multipod.protos import codec, multipod_pb2 as pb
+
+if TYPE_CHECKING:
+    from multipod.controller.observe.records import StepRecord
 
 
 @dataclass
@@ -44,22 +48,22 @@ def sample(client, run, tokenizer) -> str | None:
     return tokenizer.decode(list(prompt) + list(codec.decode(reply.tokens)))
 
 
-def finish(run, client, run_dir: pathlib.Path, tokenizer, last_eval: dict | None, records: list[dict],
+def finish(run, client, run_dir: pathlib.Path, tokenizer, last_eval: dict | None, records: list[StepRecord],
            extra: dict | None = None) -> Summary:
     """Sample on `client` (one pod: every pod holds the same parameters), then summarise the step
     records and the last evaluation into summary.json; `extra` adds fields to the file."""
     text = sample(client, run, tokenizer)
     timed = records[1:] or records   # the first step includes warm-up
-    mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
-    hfus = [r["hfu"] for r in timed if r.get("hfu") is not None]
+    mfus = [r.mfu for r in timed if r.mfu is not None]
+    hfus = [r.hfu for r in timed if r.hfu is not None]
     summary = Summary(
-        steps=len(records), first_loss=records[0]["loss"] if records else float("nan"),
-        final_loss=records[-1]["loss"] if records else float("nan"),
+        steps=len(records), first_loss=records[0].loss if records else float("nan"),
+        final_loss=records[-1].loss if records else float("nan"),
         eval_loss=last_eval["eval_loss"] if last_eval else None,
         eval_bits_per_byte=last_eval["eval_bits_per_byte"] if last_eval else None,
-        checksum=records[-1]["checksums"][0] if records else "",
-        median_step_time_s=statistics.median(r["step_time_s"] for r in timed) if timed else 0.0,
-        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed) if timed else 0.0,
+        checksum=records[-1].checksums[0] if records else "",
+        median_step_time_s=statistics.median(r.step_time_s for r in timed) if timed else 0.0,
+        median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed) if timed else 0.0,
         median_mfu=statistics.median(mfus) if mfus else None,
         median_hfu=statistics.median(hfus) if hfus else None, sample=text, run_dir=str(run_dir))
     (run_dir / "summary.json").write_text(json.dumps({**summary.__dict__, **(extra or {})}, indent=2) + "\n")

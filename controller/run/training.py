@@ -19,9 +19,10 @@ from multipod.controller.core.errors import PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
 from multipod.controller.core.run_config import Config, ConfigError
 from multipod.controller.data.corpus import RunData, prepare, write_beside_checkpoints
-from multipod.controller.observe.events import EventLog
+from multipod.controller.observe.events import EventKind, EventLog
 from multipod.controller.observe.metrics import Accounting, MetricsLog, ProgressLine, Recorder, out
 from multipod.controller.observe.peak import resolve_peak
+from multipod.controller.observe.records import StepRecord
 from multipod.controller.run.loop import StepLoop
 from multipod.controller.run.summary import Summary, finish, print_summary
 
@@ -93,9 +94,11 @@ def _reattach(cluster: Cluster, run_dir: pathlib.Path):
     offset = 0
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        # The last step record (evaluation records sit between them and carry no data position).
-        last = next((r for r in map(json.loads, reversed(lines)) if "data_index" in r), {})
-        offset = int(last.get("data_index", last.get("step", 0))) - int(last.get("step", 0))
+        # The last step record (evaluation records sit between them and have no "loss").
+        last = next((r for r in map(json.loads, reversed(lines)) if "loss" in r), None)
+        if last is not None:
+            record = StepRecord.from_json(last)
+            offset = record.data_index - record.step
     except (OSError, ValueError):
         pass
     return replies, offset
@@ -130,7 +133,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         if reattached is not None:
             start = int(replies[0].step)
             checkpointer.data_offset = offset
-            events.write("reattached", step=start, data_offset=offset, fingerprint=replies[0].fingerprint)
+            events.write(EventKind.REATTACHED, step=start, data_offset=offset, fingerprint=replies[0].fingerprint)
             if start > run.steps:
                 raise ConfigError("run.steps", f"{run.steps} is behind the pods' step {start}; "
                                   f"resume with --steps {start} or more")

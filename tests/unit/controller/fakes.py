@@ -14,6 +14,7 @@ import numpy as np
 from multipod import protos
 from multipod.controller.cluster.client import Probe, Verdict, WorkerError
 from multipod.controller.core.run_config import Config, DataConfig, RunConfig
+from multipod.controller.observe.records import PodTimings, StepRecord
 from multipod.model.config import ModelConfig
 from multipod.protos import codec, multipod_pb2 as pb
 
@@ -86,6 +87,20 @@ def step_reply(pod: int, step: int, *, checksum: str | None = None, skipped: boo
                         timings=pb.StepTimings(compute_s=0.01 * (pod + 1)))
 
 
+def a_step_record(step: int, loss: float = 2.0, pods=(0, 1), **fields) -> StepRecord:
+    """A StepRecord of `pods` (all live, each computing its own shard) with plausible values, its
+    checksum c{step} on every pod; `fields` override any field."""
+    timings = tuple(PodTimings(pod=p, compute_s=0.5, exchange_s=0.3, exposed_exchange_s=0.1, update_s=0.2,
+                               wait_s=0.0, checksum_s=0.01, idle_s=0.05, dcn_bytes_sent=100) for p in pods)
+    values = dict(step=step, loss=loss, z_loss=loss / 100, hosts=tuple(range(len(pods))), live_pods=len(pods),
+                  grad_norm=1.0, learning_rate=1e-3, skipped=False, checksums=(f"c{step}",) * len(pods),
+                  step_time_s=1.0, compute_time_s=0.5, exchange_time_s=0.3, update_time_s=0.2, idle_time_s=0.05,
+                  exposed_exchange_s=0.1, checksum_time_s=0.01, pods=timings, dcn_bytes_sent=100 * len(pods),
+                  tokens=64, tokens_per_s=64.0, model_flops_per_token=6.0, mfu=None, hardware_flops_per_token=None,
+                  hfu=None, time=1000.0 + step, data_index=step, epoch=(step + 1) / 100, skipped_steps=0, restarts=0)
+    return StepRecord(**{**values, **fields})
+
+
 def configure_reply(pod: int, **fields) -> pb.ConfigureReply:
     values = dict(protocol_version=protos.PROTOCOL_VERSION, pod_index=pod, mesh_shape=[1, 1], num_devices=1,
                   config_hash="hash", fingerprint="init", step=0, device_kind="cpu")
@@ -154,20 +169,24 @@ class ListSink:
     """A MetricsLog stand-in that keeps the records (and logs them to a shared event list)."""
 
     def __init__(self, log: list | None = None):
-        self.records: list[dict] = []
+        self.records: list[StepRecord] = []
+        self.evals: list[dict] = []
         self.log = log if log is not None else []
         self.closed = False
 
-    def write(self, record: dict) -> None:
+    def write(self, record: StepRecord) -> None:
         self.records.append(record)
-        self.log.append(("record", record["step"]))
+        self.log.append(("record", record.step))
+
+    def write_eval(self, record: dict) -> None:
+        self.evals.append(record)
 
     def close(self) -> None:
         self.closed = True
 
 
 class NoProgress:
-    def update(self, record: dict) -> None:
+    def update(self, record: StepRecord) -> None:
         pass
 
     def note(self, record: dict) -> None:

@@ -43,8 +43,8 @@ def test_live_pods_get_the_failed_pods_shards_as_extra_shards_in_their_slots():
     own, extra = codec.decode(request.tokens), codec.decode(request.extra_shards[0].tokens)
     assert own.shape == extra.shape == (2, 9)       # slot 1's rows of the batch, as pod 1 would get them
     assert pods[2].step_requests[0].extra_shards == []
-    assert [r["hosts"] for r in sink.records] == [[0, 0, 2]] * 2
-    assert [r["live_pods"] for r in sink.records] == [2, 2]
+    assert [r.hosts for r in sink.records] == [(0, 0, 2)] * 2
+    assert [r.live_pods for r in sink.records] == [2, 2]
 
 
 def test_a_degraded_step_reports_the_loss_of_the_healthy_step_bit_for_bit():
@@ -58,10 +58,11 @@ def test_a_degraded_step_reports_the_loss_of_the_healthy_step_bit_for_bit():
     degraded_0.shards.add(slot=1, loss_sum=healthy[1].loss_sum, tokens=10)
     degraded_0.loss_sum = healthy[0].loss_sum + healthy[1].loss_sum
     accounting = Accounting(model_flops_per_token=1.0)
-    a = step_record(0, healthy, 1.0, accounting)
-    b = step_record(0, [degraded_0, healthy[2]], 1.0, accounting, hosts=[0, 0, 2])
-    assert a["loss"] == b["loss"] and a["tokens"] == b["tokens"] == 30
-    assert b["hosts"] == [0, 0, 2] and b["live_pods"] == 2
+    position = dict(data_index=0, epoch=0.1, skipped_steps=0, restarts=0)
+    a = step_record(0, healthy, 1.0, accounting, **position)
+    b = step_record(0, [degraded_0, healthy[2]], 1.0, accounting, hosts=[0, 0, 2], **position)
+    assert a.loss == b.loss and a.tokens == b.tokens == 30
+    assert b.hosts == (0, 0, 2) and b.live_pods == 2
 
 
 class MemberPod(FakePod):

@@ -6,10 +6,11 @@ import math
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core import fault_hooks as faults
 from multipod.controller.core.run_config import RunConfig
+from tests.unit.controller.fakes import a_step_record
 
 
 def _record(step, loss, skipped=False, data_index=None):
-    return {"step": step, "loss": loss, "skipped": skipped, "data_index": step if data_index is None else data_index}
+    return a_step_record(step, loss, skipped=skipped, data_index=step if data_index is None else data_index)
 
 
 def _policy(**fields):
@@ -71,7 +72,7 @@ def test_the_test_hook_inflates_the_loss_of_its_batch_only(monkeypatch):
     policy = _policy()
     for step in range(3):
         policy.check(_record(step, 2.0))
-    record = _record(3, 2.0, data_index=5)
-    spike = policy.check(record)
-    assert record["loss"] == 2.0 * faults.SPIKE_FACTOR and spike is not None
-    assert policy.check(_record(5, 2.0, data_index=7)) is None
+    record = policy.with_test_spike(_record(3, 2.0, data_index=5))
+    assert record.loss == 2.0 * faults.SPIKE_FACTOR and policy.check(record) is not None
+    other = _record(5, 2.0, data_index=7)
+    assert policy.with_test_spike(other) is other and policy.check(other) is None

@@ -2,6 +2,7 @@
 and its errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import struct
@@ -10,32 +11,44 @@ import pytest
 
 from multipod.cli import main
 from multipod.controller.commands.train import write_report_quietly
-from multipod.controller.observe.report import ReportError, draw, read_jsonl, report_series, write_report
+from multipod.controller.observe.events import Event
+from multipod.controller.observe.records import PodTimings, StepRecord
+from multipod.controller.observe.report import (
+    ReportError,
+    draw,
+    read_events,
+    read_jsonl,
+    read_metrics,
+    report_series,
+    write_report,
+)
+from tests.unit.controller.fakes import a_step_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENS = 64
 
 
-def _record(step: int, loss: float, pods=(0, 1), hosts=(0, 1), time: float | None = None, mfu=None, **extra) -> dict:
-    """A metrics record shaped like controller/observe/metrics.py step_record's (the fields the report reads)."""
-    return {
-        "step": step, "loss": loss, "hosts": list(hosts), "live_pods": len(pods), "skipped": False,
-        "step_time_s": 1.0 + step / 100, "tokens": TOKENS, "tokens_per_s": TOKENS / (1.0 + step / 100),
-        "mfu": mfu, "hfu": None if mfu is None else mfu * 1.2,
-        "pods": [{"pod": p, "compute_s": 0.5 + p / 10 + step / 1000, "exchange_s": 0.3,
-                  "exposed_exchange_s": 0.1 + p / 100, "update_s": 0.2 + step / 1000} for p in pods],
-        "time": 1000.0 + step if time is None else time, **extra,
-    }
+def _record(step: int, loss: float, pods=(0, 1), hosts=(0, 1), time: float | None = None, mfu=None) -> StepRecord:
+    """A step record with per-pod timings that tell the pods and the steps apart."""
+    timings = tuple(PodTimings(pod=p, compute_s=0.5 + p / 10 + step / 1000, exchange_s=0.3,
+                               exposed_exchange_s=0.1 + p / 100, update_s=0.2 + step / 1000, wait_s=0.0,
+                               checksum_s=0.01, idle_s=0.0, dcn_bytes_sent=100) for p in pods)
+    record = a_step_record(step, loss, pods=pods, hosts=tuple(hosts), step_time_s=1.0 + step / 100, tokens=TOKENS,
+                           tokens_per_s=TOKENS / (1.0 + step / 100), mfu=mfu, hfu=None if mfu is None else mfu * 1.2,
+                           time=1000.0 + step if time is None else time)
+    return dataclasses.replace(record, pods=timings)
 
 
 def _run():
     """Ten steps of a 2-pod run: pod 1 fails during step 6, steps 6-7 run degraded on pod 0 alone,
     pod 1 rejoins at step 8; steps 4-5 were first trained, then replayed after a rewind to the
-    checkpoint of step 4 (the replayed records win); eval loss at steps 4 (in the step's record)
-    and 9 (a record of its own)."""
+    checkpoint of step 4 (the replayed records win); evaluations after steps 4 (a first one, then
+    again after the replay: the later wins) and 9. Returns the lines of metrics.jsonl (step records
+    and evaluation records, in file order) and of events.jsonl."""
     records = [_record(s, 5.0 - s * 0.1) for s in range(6)]
-    records += [_record(4, 4.55, time=1006.5), _record(5, 4.45, time=1007.5)]   # replayed after the rewind
-    records[-2]["eval_loss"] = 4.7
+    records += [{"step": 4, "eval_loss": 4.9, "time": 1004.6}]     # before the rewind: replaced
+    records += [_record(4, 4.55, time=1006.5), {"step": 4, "eval_loss": 4.7, "time": 1006.6},
+                _record(5, 4.45, time=1007.5)]   # replayed after the rewind
     records += [_record(6, 4.4, pods=(0,), hosts=(0, 0), time=1020.0),
                 _record(7, 4.3, pods=(0,), hosts=(0, 0), time=1021.0),
                 _record(8, 4.2, time=1022.0), _record(9, 4.1, time=1023.0),
@@ -56,9 +69,20 @@ def _run():
     return records, events
 
 
+def _series(lines, events=()) -> dict:
+    """report_series of metrics.jsonl's lines (StepRecord or evaluation dicts) and event dicts."""
+    steps = [r for r in lines if isinstance(r, StepRecord)]
+    evals = [r for r in lines if not isinstance(r, StepRecord)]
+    return report_series(steps, evals, [Event.from_json(e) for e in events])
+
+
+def _line(record) -> str:
+    return (record.to_json() if isinstance(record, StepRecord) else json.dumps(record)) + "\n"
+
+
 def _write_run(run_dir: pathlib.Path, records, events=None) -> pathlib.Path:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "metrics.jsonl").write_text("".join(_line(r) for r in records))
     if events is not None:
         (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return run_dir
@@ -75,19 +99,19 @@ def _png_size(path: pathlib.Path) -> tuple[int, int]:
 
 def test_series_take_the_last_record_of_each_step_and_count_tokens():
     records, events = _run()
-    series = report_series(records, events)
+    series = _series(records, events)
     assert series["steps"] == list(range(10))
     assert series["loss"][4:6] == [4.55, 4.45]          # the replays, not the first tries
     assert series["loss"][:4] == [5.0, 4.9, 4.8, 4.7] and series["loss"][6:] == [4.4, 4.3, 4.2, 4.1]
     assert series["tokens"] == [TOKENS * (s + 1) for s in range(10)]
     assert series["step_time"] == [1.0 + s / 100 for s in range(10)]
-    # Eval loss from a step's own record and from an eval-only record, which does not replace step 9.
+    # The last evaluation of each step (step 4's after the replay), beside the step records.
     assert series["eval"] == {"steps": [4, 9], "loss": [4.7, 4.25], "tokens": [5 * TOKENS, 10 * TOKENS]}
 
 
 def test_series_split_each_pods_step_time_and_leave_out_a_pod_that_was_out():
     records, events = _run()
-    pods = report_series(records, events)["pods"]
+    pods = _series(records, events)["pods"]
     assert list(pods) == [0, 1]
     assert pods[0]["steps"] == list(range(10))
     assert pods[1]["steps"] == [0, 1, 2, 3, 4, 5, 8, 9]      # out on the degraded steps 6 and 7
@@ -99,7 +123,7 @@ def test_series_split_each_pods_step_time_and_leave_out_a_pod_that_was_out():
 
 def test_series_mark_failures_checkpoints_rewinds_rejoins_and_shade_degraded_steps():
     records, events = _run()
-    series = report_series(records, events)
+    series = _series(records, events)
     assert series["degraded"] == [[6, 7]]
     marks = [(m["kind"], m["step"]) for m in series["markers"]]
     assert marks == [("checkpoint", 0), ("checkpoint", 4), ("rewind", 5), ("pod_failure", 6), ("rejoin", 8),
@@ -112,13 +136,13 @@ def test_series_mark_failures_checkpoints_rewinds_rejoins_and_shade_degraded_ste
 
 def test_degraded_spans_are_runs_of_consecutive_steps():
     records = [_record(s, 1.0, pods=(0,) if s in (2, 3, 4, 7) else (0, 1)) for s in range(9)]
-    assert report_series(records, [])["degraded"] == [[2, 4], [7, 7]]
+    assert _series(records)["degraded"] == [[2, 4], [7, 7]]
 
 
 def test_draw_writes_a_png_of_the_expected_size_and_says_when_mfu_is_unknown(tmp_path):
     records, events = _run()
     path = tmp_path / "report.png"
-    titles = draw(report_series(records, events), path)
+    titles = draw(_series(records, events), path)
     width, height = _png_size(path)
     assert 1000 <= width <= 3000 and 800 <= height <= 3000, (width, height)
     assert path.stat().st_size > 20_000          # six panels of lines, not a blank canvas
@@ -130,8 +154,8 @@ def test_draw_writes_a_png_of_the_expected_size_and_says_when_mfu_is_unknown(tmp
 
 def test_mfu_and_hfu_are_plotted_when_known(tmp_path):
     records = [_record(s, 3.0 - s / 10, mfu=0.2 + s / 100) for s in range(5)]
-    records[0]["step_time_s"] = 30.0      # compilation: kept off the step-time panel's scale
-    series = report_series(records, [])
+    records[0] = dataclasses.replace(records[0], step_time_s=30.0)   # compilation: kept off the panel's scale
+    series = _series(records)
     assert series["mfu"] == pytest.approx([0.2, 0.21, 0.22, 0.23, 0.24])
     assert series["hfu"] == pytest.approx([0.24, 0.252, 0.264, 0.276, 0.288])
     titles = draw(series, tmp_path / "r.png")
@@ -168,6 +192,9 @@ def test_the_report_command_prints_the_path(tmp_path, capsys):
     ('{"step": 0, "loss": 1.0}\n[1, 2]\n', "line 2: expected a JSON object"),
     ('{"loss": 1.0}\n', "line 1: no integer \"step\""),
     ('{"step": 0, "eval_loss": 1.0}\n', "no record of a training step"),
+    ('{"step": 0, "loss": 1.0}\n', "line 1: not a step record: a StepRecord without z_loss"),
+    (a_step_record(0, 1.0).to_json() + "\n" + a_step_record(1, 1.0, tokens=1.5).to_json() + "\n",
+     "line 2: not a step record: tokens is float 1.5, not int"),
 ])
 def test_bad_metrics_get_an_error_that_names_the_file(tmp_path, capsys, content, expected):
     run_dir = tmp_path / "run"
@@ -185,10 +212,28 @@ def test_bad_metrics_get_an_error_that_names_the_file(tmp_path, capsys, content,
     assert err.startswith("error: ") and str(metrics) in err and expected in err
 
 
+def test_the_report_reads_step_records_evaluations_and_events_from_the_run_directory(tmp_path):
+    records, events = _run()
+    old = a_step_record(10, 4.0).to_dict()       # a line of a run from before the checksum renaming
+    old["fingerprints"], old["full_fingerprints"] = old.pop("checksums"), old.pop("fingerprints")
+    old["fingerprint_time_s"] = old.pop("checksum_time_s")
+    old["pods"] = [{**p, "fingerprint_s": p.pop("checksum_s")} for p in old["pods"]]
+    run_dir = _write_run(tmp_path / "run", records + [old], events + [{"event": "lunch", "time": 1.0}])
+    steps, evals = read_metrics(run_dir / "metrics.jsonl")
+    assert steps == [r for r in records if isinstance(r, StepRecord)] + [a_step_record(10, 4.0)]
+    assert evals == [r for r in records if not isinstance(r, StepRecord)]
+    read = read_events(run_dir / "events.jsonl")          # the kind it does not know is left out
+    assert [e.kind.value for e in read] == [e["event"] for e in events]
+    assert read[3].get("to_step") == 4 and read[3].time == 1005.6
+
+
 def test_a_malformed_event_line_is_named_too(tmp_path):
     run_dir = _write_run(tmp_path / "run", [_record(0, 1.0)])
     (run_dir / "events.jsonl").write_text('{"event": "checkpoint_saved", "step": 0}\nnot json\n')
     with pytest.raises(ReportError, match=r"events\.jsonl, line 2: not valid JSON"):
+        write_report(run_dir)
+    (run_dir / "events.jsonl").write_text('{"event": "checkpoint_saved", "step": 0}\n')
+    with pytest.raises(ReportError, match=r"events\.jsonl, line 1: event 'checkpoint_saved' has no number \"time\""):
         write_report(run_dir)
     assert read_jsonl(run_dir / "nothing.jsonl", required=False) == []
 

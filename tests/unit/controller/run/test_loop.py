@@ -53,8 +53,8 @@ def test_happy_path_records_every_step_in_order_with_two_steps_in_flight():
     pods = [FakePod(0, log=log), FakePod(1, log=[])]
     loop, sink = _loop(pods, log, steps=5, dispatch_depth=2)
     loop.run(0)
-    assert [r["step"] for r in sink.records] == [0, 1, 2, 3, 4]
-    assert all(r["loss"] == 2.0 and r["data_index"] == r["step"] for r in sink.records)
+    assert [r.step for r in sink.records] == [0, 1, 2, 3, 4]
+    assert all(r.loss == 2.0 and r.data_index == r.step for r in sink.records)
     # Depth 2: step s+1 is dispatched before step s is recorded; the last step is completed at
     # once; the final boundary (the end-of-run checkpoint) comes after every record.
     events = [(e[0], e[2]) if e[0] == "dispatch" else e for e in log]
@@ -72,7 +72,7 @@ def test_depth_one_completes_each_step_before_the_next_and_data_offset_shifts_ba
     events = [(e[0], e[2], e[3]) if e[0] == "dispatch" else e for e in log]
     assert events == [("boundary", 1), ("dispatch", 1, 6), ("record", 1), ("boundary", 2), ("dispatch", 2, 7),
                       ("record", 2), ("boundary", 3)]
-    assert [(r["data_index"], r["restarts"]) for r in sink.records] == [(6, 2), (7, 2)]
+    assert [(r.data_index, r.restarts) for r in sink.records] == [(6, 2), (7, 2)]
 
 
 def test_a_checkpoint_boundary_drains_the_steps_in_flight_first():
@@ -95,7 +95,7 @@ def test_a_pod_that_fails_a_step_is_named_in_a_pod_failure():
         loop.run(0)
     assert info.value.pods == (1,) and info.value.hung == ()
     assert "pod 1 (fake:1) is not responding" in str(info.value) and "step 2 failed" in str(info.value)
-    assert [r["step"] for r in sink.records] == [0, 1]
+    assert [r.step for r in sink.records] == [0, 1]
 
 
 def test_a_hung_pod_is_named_by_the_watchdog_within_seconds():
@@ -132,7 +132,7 @@ def test_diverged_pods_stop_the_run_naming_the_step_and_the_pods():
         loop.run(0)
     assert not isinstance(info.value, PodFailure)
     assert "pod 0 (fake:0): fp3" in str(info.value) and "pod 1 (fake:1): odd" in str(info.value)
-    assert [r["step"] for r in sink.records] == [0, 1, 2]
+    assert [r.step for r in sink.records] == [0, 1, 2]
 
 
 def test_a_nan_step_skipped_on_every_pod_is_recorded_and_the_run_goes_on():
@@ -140,8 +140,8 @@ def test_a_nan_step_skipped_on_every_pod_is_recorded_and_the_run_goes_on():
         return step_reply(pod, s, skipped=s == 2, loss=math.nan if s == 2 else 2.0)
     loop, sink = _loop([FakePod(0, step), FakePod(1, step)], steps=5)
     loop.run(0)
-    assert [r["skipped"] for r in sink.records] == [False, False, True, False, False]
-    assert [r["skipped_steps"] for r in sink.records] == [0, 0, 1, 1, 1]
+    assert [r.skipped for r in sink.records] == [False, False, True, False, False]
+    assert [r.skipped_steps for r in sink.records] == [0, 0, 1, 1, 1]
 
 
 def test_pods_that_disagree_on_skipping_a_step_stop_the_run():
@@ -162,7 +162,7 @@ def test_a_spike_is_raised_after_its_record_and_the_steps_in_flight_finish():
     with pytest.raises(Spike) as info:
         loop.run(0)
     assert info.value.step == 4 and info.value.loss == 50.0
-    assert sink.records[-1]["step"] == 4
+    assert sink.records[-1].step == 4
     assert not any(e == ("boundary", 6) for e in log)
 
 
@@ -179,7 +179,7 @@ def test_the_fingerprint_is_asked_for_every_n_steps_and_compared_across_pods():
     # Asked after 3 and 6 steps (steps 2 and 5), of every pod, and recorded where taken.
     for pod in pods:
         assert [r.step for r in pod.step_requests if r.take_fingerprint] == [2, 5]
-    assert [r["fingerprints"] for r in sink.records[:3]] == [None, None, ["full2", "full2"]]
+    assert [r.fingerprints for r in sink.records[:3]] == [None, None, ("full2", "full2")]
 
 
 def test_shards_travel_as_the_narrowest_dtype_of_the_vocabulary():
