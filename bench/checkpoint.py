@@ -42,7 +42,7 @@ def main() -> None:
                         help="TOML config (default: configs/bench.toml, the model docs/benchmarks.md measures)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    config = load_config(args.config, ["run.sample_tokens=0"])
+    config = load_config(args.config, ["sample.tokens=0"])
     rows, cols = config.data.global_batch, config.data.seq_len + 1
     server, service, _, port = start_server(0, "127.0.0.1:0", Security())
     address = f"127.0.0.1:{port}"

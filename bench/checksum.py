@@ -37,7 +37,7 @@ def main() -> None:
     from multipod.controller.data.batches import token_dtype
     from multipod.pod_worker.trainer import PodTrainer
 
-    config = load_config(args.config, ["run.sample_tokens=0"])
+    config = load_config(args.config, ["sample.tokens=0"])
     worker = config.worker_config()
     trainer = PodTrainer(worker)
     rows, cols = config.data.global_batch, config.data.seq_len + 1

@@ -3,7 +3,7 @@ mode, and the state-transfer rate against the data plane's exchange, in one invo
 
     python bench/failover.py [--quick]       # prints one JSON object
 
-1. Degrade (the default, run.on_pod_failure = "degrade"): `multipod local --pods 3` on
+1. Degrade (the default, recovery.on_pod_failure = "degrade"): `multipod local --pods 3` on
    configs/tiny.toml with a slightly bigger model (MODEL below: a step takes ~0.1 s here) and
    the watchdog settings of tests/e2e/test_failover.py (HEALTH below; why: see HEALTH).
    Pod 1 is killed with SIGKILL once step --kill-step is recorded; the supervisor restarts it and
@@ -15,8 +15,8 @@ mode, and the state-transfer rate against the data plane's exchange, in one invo
 2. Degrade, pod not restarted: the same on 3 workers this script starts itself (`multipod
    train --workers`), pod 1 killed and never started again, so that the degraded throughput is
    measured without a replacement worker starting and compiling on the same cores.
-3. Restore (run.on_pod_failure = "restore"): the same kill under `multipod local`; every pod goes
-   back to the last checkpoint (run.checkpoint_every = --checkpoint-every), so the steps after it
+3. Restore (recovery.on_pod_failure = "restore"): the same kill under `multipod local`; every pod goes
+   back to the last checkpoint (checkpoint.every = --checkpoint-every), so the steps after it
    are trained twice.
 4. State transfer vs exchange, in this process: two Listeners on 127.0.0.1 sharing one secret.
    send_state streams a state with the leaf shapes of bench/dcn.py's gradient (25.7M float32
@@ -63,12 +63,12 @@ KILLED = 1
 # lost in the per-step overhead; 4 sequences of 64 tokens per pod.
 MODEL = ["model.d_model=128", "model.mlp_dim=512", "model.head_dim=32", "model.max_seq_len=64", "data.seq_len=64",
          f"data.global_batch={4 * PODS}"]
-COMMON = ["run.sample_tokens=0", "run.eval_batches=0"]
+COMMON = ["sample.tokens=0", "eval.batches=0"]
 # The watchdog settings of tests/e2e/test_failover.py. With the defaults (2 s / 5 s) the
 # supervisor of `multipod local` can restart the killed worker on its port before the watchdog's
 # second check: the new, unconfigured worker answers its health checks, the survivors wait out
 # the DCN deadline (dcn.timeout_s) and degraded mode then fails (see docs/benchmarks.md).
-HEALTH = ["run.health_interval_s=0.5", "run.health_timeout_s=2"]
+HEALTH = ["health.interval_s=0.5", "health.timeout_s=2"]
 
 
 class RunFailed(RuntimeError):
@@ -285,8 +285,8 @@ def analyse(run: dict, warmup: int) -> dict:
     report["seconds_after_kill"] = timeline
 
     # the watchdog: a pod is declared failed after `misses` checks in a row that fail, one every
-    # health_interval_s, each waiting up to health_timeout_s for its answer
-    interval, timeout, misses = config["run"]["health_interval_s"], config["run"]["health_timeout_s"], 2
+    # health.interval_s, each waiting up to health.timeout_s for its answer
+    interval, timeout, misses = config["health"]["interval_s"], config["health"]["timeout_s"], 2
     deadline = misses * (interval + timeout)
     detect = timeline.get("first_degraded_step_record_s")
     report["watchdog"] = {
@@ -443,13 +443,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps of the degrade run (default 700; --quick 380)")
     parser.add_argument("--kill-step", type=int, help="kill pod 1 once this step is recorded (default 150; --quick 70)")
     parser.add_argument("--checkpoint-every", type=int,
-                        help="run.checkpoint_every of every run (default 40; --quick 25)")
+                        help="checkpoint.every of every run (default 40; --quick 25)")
     parser.add_argument("--warmup", type=int, default=20, help="first steps left out of the healthy median")
     parser.add_argument("--repeats", type=int, help="transfer/exchange rounds after a warm-up (default 7; --quick 3)")
     parser.add_argument("--only", choices=("degrade", "no_restart", "restore", "transfer"), action="append",
                         help="run only these parts (repeatable; default all)")
     parser.add_argument("--set", dest="settings", action="append", default=[],
-                        help="extra config override for every run, e.g. run.health_interval_s=0.5")
+                        help="extra config override for every run, e.g. health.interval_s=0.5")
     parser.add_argument("--keep", help="keep the runs' directories (metrics, events, logs) in this folder")
     args = parser.parse_args()
     quick = args.quick
@@ -477,7 +477,7 @@ def main() -> None:
 
         def restore(sub):
             got = analyse(run_local(sub, env, kill_step + (80 if quick else 150), kill_step, every,
-                                    [*args.settings, 'run.on_pod_failure="restore"']), args.warmup)
+                                    [*args.settings, 'recovery.on_pod_failure="restore"']), args.warmup)
             for key in ("throughput", "watchdog"):
                 got.pop(key, None)
             return got

@@ -120,7 +120,7 @@ def compute(args) -> dict:
 def _local_run(args, run_dir: pathlib.Path, settings: list[str]) -> list[dict]:
     cmd = [sys.executable, "-m", "multipod.cli", "local", "--pods", "2", "--devices-per-pod",
            str(args.devices_per_pod), "--config", str(args.config), "--steps", str(args.steps),
-           "--run-dir", str(run_dir), "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
+           "--run-dir", str(run_dir), "--set", "sample.tokens=0", "--set", "eval.batches=0",
            "--checkpoint-every", "0"]
     for s in settings:
         cmd += ["--set", s]

@@ -119,7 +119,7 @@ def run(cores: list[int], batch: int, seq_len: int, steps: int, settings: list[s
         procs, addresses = start_workers(cores, folder, hosts_per_pod, devices_per_host)
         try:
             overrides = [*MODEL, f"data.seq_len={seq_len}", f"data.global_batch={batch * len(cores)}",
-                         "optimizer.warmup_steps=2", "run.sample_tokens=0", "run.eval_batches=0",
+                         "optimizer.warmup_steps=2", "sample.tokens=0", "eval.batches=0",
                          "run.step_timeout_s=600", *settings]
             workers = (";" if hosts_per_pod > 1 else ",").join(addresses)
             cmd = [sys.executable, "-m", "multipod.cli", "train", "--workers", workers,

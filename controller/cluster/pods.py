@@ -168,7 +168,7 @@ class Cluster:
     def collect_dcn_addresses(self) -> list[str]:
         """Ask every pod (Status) where its data plane listens (and note its process, to tell a
         restarted one later)."""
-        timeout = self.config.run.health_timeout_s
+        timeout = self.config.health.timeout_s
         statuses = parallel(lambda c: c.status(timeout), self.clients)
         self.pids = {c.pod_index: s.pid for c, s in zip(self.clients, statuses)}
         return [s.dcn_address for s in statuses]
@@ -177,7 +177,7 @@ class Cluster:
         """Those of `pods` that serve but were restarted since they were configured (another
         process, or not configured): a restart quicker than the watchdog's two missed checks
         still counts as a failure. {pod: why}"""
-        timeout = self.config.run.health_timeout_s
+        timeout = self.config.health.timeout_s
         found = {}
         for pod in pods:
             try:
@@ -250,7 +250,7 @@ class Cluster:
 
     def probe_all(self) -> list[Probe]:
         """One health check of every live pod, in parallel, each with the health deadline."""
-        timeout = self.config.run.health_timeout_s
+        timeout = self.config.health.timeout_s
         return parallel(lambda c: c.probe(timeout), self.live_clients)
 
     def diagnose(self, message: str, suspects: list[int] = ()) -> PodFailure:
@@ -269,8 +269,8 @@ class Cluster:
 
     def watchdog(self) -> Watchdog:
         """A watchdog over every live pod, started."""
-        run = self.config.run
-        return Watchdog(self.live_clients, run.health_interval_s, run.health_timeout_s)
+        health = self.config.health
+        return Watchdog(self.live_clients, health.interval_s, health.timeout_s)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Wait until every pod serves again (WorkerError naming one that does not)."""
@@ -293,7 +293,7 @@ class Cluster:
 
     def unconfigured(self) -> list[int]:
         """The pods that are not configured (restarted since the last configure)."""
-        timeout = self.config.run.health_timeout_s
+        timeout = self.config.health.timeout_s
         statuses = parallel(lambda c: c.status(timeout), self.clients)
         return [c.pod_index for c, s in zip(self.clients, statuses) if not s.configured]
 

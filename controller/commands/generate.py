@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.jsonl", help="where the jsonl of --prompts goes (default: stdout)")
     parser.add_argument("--max-tokens", type=int,
                         help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS}, or what fits the model's context)")
-    parser.add_argument("--temperature", type=float, help="0: greedy (default: the run's run.sample_temperature)")
+    parser.add_argument("--temperature", type=float, help="0: greedy (default: the run's sample.temperature)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="then among the most likely tokens holding this much probability, (0, 1] (1: all)")
@@ -120,13 +120,15 @@ def find_checkpoint(text: str) -> Checkpoint:
 
 def load_run(root: pathlib.Path):
     """The run's resolved Config (its data section is not checked: the corpus need not exist
-    here) and its tokenizer, from beside the checkpoints."""
-    from multipod.controller.core.run_config import Config, ConfigError
+    here) and its tokenizer, from beside the checkpoints. A config an older version wrote (the
+    components' keys still under [run]) is read as its sections hold them now."""
+    from multipod.controller.core.run_config import Config, ConfigError, upgrade
     from multipod.controller.data.corpus import RUN_CONFIG, TOKENIZER_FILES
     from multipod.controller.data.tokenizer import ByteTokenizer, load_tokenizer
     file = root / RUN_CONFIG
     try:
         raw = json.loads(file.read_text())
+        raw = upgrade(raw) if isinstance(raw, dict) else raw
         data = raw.get("data", {}) if isinstance(raw, dict) else None
         if not isinstance(data, dict):
             raise ValueError("not a JSON object with a data section")
@@ -321,7 +323,7 @@ def main(args) -> int:
     prompts = read_prompts(args, tokenizer)
     num_tokens = plan(args, config, prompts)
     config = _worker_config(config, args.model_parallel)
-    temperature = config.run.sample_temperature if args.temperature is None else args.temperature
+    temperature = config.sample.temperature if args.temperature is None else args.temperature
     eos_id = None if args.ignore_eos else tokenizer.eos_id
     _say(f"checkpoint {checkpoint.path or checkpoint.root} ({'newest step' if checkpoint.path is None else 'this step'}"
          f"): {config.model.param_count():,} parameters, context {config.model.max_seq_len} tokens, tokenizer "

@@ -26,7 +26,7 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="bytes | bpe:N (trained on the corpus, cached) | a tokenizer.json | a "
                         "SentencePiece model (data.tokenizer)")
     parser.add_argument("--eval-every", type=int, help="evaluate the held-out split on every pod every N steps "
-                        "(run.eval_every; 0: only at the end)")
+                        "(eval.every; 0: only at the end)")
     parser.add_argument("--peak-flops", type=float,
                         help="peak FLOP/s of one device, for MFU (default: measured once on this machine and cached)")
     parser.add_argument("--no-peak", action="store_true",
@@ -35,14 +35,14 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     # Runs that survive (docs/reliability.md).
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in the checkpoint directory")
-    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (run.checkpoint_every)")
-    parser.add_argument("--checkpoint-dir", help="checkpoint directory, readable by every pod (run.checkpoint_dir; "
+    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (checkpoint.every)")
+    parser.add_argument("--checkpoint-dir", help="checkpoint directory, readable by every pod (checkpoint.dir; "
                         "required by train; local defaults to RUN_DIR/checkpoints)")
     parser.add_argument("--max-restarts", type=int,
-                        help="recoveries from failed pods before giving up (run.max_restarts)")
+                        help="recoveries from failed pods before giving up (recovery.max_restarts)")
     parser.add_argument("--on-spike", choices=[policy.value for policy in OnSpike],
-                        help="on a loss spike, rewind to the checkpoint before it (run.on_spike)")
-    parser.add_argument("--skip-batches", type=int, help="batches to skip after a rewind (run.skip_batches)")
+                        help="on a loss spike, rewind to the checkpoint before it (spike.policy)")
+    parser.add_argument("--skip-batches", type=int, help="batches to skip after a rewind (spike.skip_batches)")
     add_security_arguments(parser)
 
 
@@ -66,14 +66,14 @@ def resolve_config(args: argparse.Namespace, given: set | None = None):
     if getattr(args, "no_peak", False):
         overrides.append("run.measure_peak=false")
     for flag, key in (("steps", "run.steps"), ("seed", "run.seed"), ("peak_flops", "run.peak_flops"),
-                      ("checkpoint_every", "run.checkpoint_every"), ("max_restarts", "run.max_restarts"),
-                      ("on_spike", "run.on_spike"), ("skip_batches", "run.skip_batches"),
-                      ("eval_every", "run.eval_every"), ("tokenizer", "data.tokenizer")):
+                      ("checkpoint_every", "checkpoint.every"), ("max_restarts", "recovery.max_restarts"),
+                      ("on_spike", "spike.policy"), ("skip_batches", "spike.skip_batches"),
+                      ("eval_every", "eval.every"), ("tokenizer", "data.tokenizer")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value) if isinstance(value, str) else value}")
     if getattr(args, "checkpoint_dir", None) is not None:
-        overrides.append(f"run.checkpoint_dir={json.dumps(str(pathlib.Path(args.checkpoint_dir).absolute()))}")
+        overrides.append(f"checkpoint.dir={json.dumps(str(pathlib.Path(args.checkpoint_dir).absolute()))}")
     if args.data is not None:
         overrides.append(f"data.path={json.dumps(args.data)}")
     return load_config(args.config, overrides, given)

@@ -78,8 +78,8 @@ def derived_overrides(args) -> list[str]:
         "data.tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
         "data.input_field": args.input_field, "data.output_field": args.output_field,
         "optimizer.learning_rate": 3e-2, "optimizer.weight_decay": 0.0, "optimizer.warmup_steps": 10,
-        "run.steps": 100, "run.eval_every": 25, "run.sample_temperature": 0.0,
-        "run.sample_prompt": held_out.input, "run.sample_tokens": min(32, room - 1),
+        "run.steps": 100, "eval.every": 25, "sample.temperature": 0.0,
+        "sample.prompt": held_out.input, "sample.tokens": min(32, room - 1),
         "prompt.kind": args.kind, "prompt.virtual_tokens": args.virtual_tokens, "prompt.hidden": args.hidden,
         "prompt.base_checkpoint": str(folder),
     })

@@ -33,13 +33,13 @@ def train_run(args, addresses_fn) -> int:
     given: set = set()
     config = resolve_config(args, given)
     mode = _mode(args)
-    if mode == "train" and not config.run.checkpoint_dir:
+    if mode == "train" and not config.checkpoint.dir:
         # Pod 0 writes the checkpoints: the default, under the controller's run directory, would
         # land on pod 0's own disk, where the other pods cannot read it when they restore.
-        raise ConfigError("run.checkpoint_dir", "multipod train with --workers needs a checkpoint directory "
+        raise ConfigError("checkpoint.dir", "multipod train with --workers needs a checkpoint directory "
                           "that every pod can read (shared storage): pass --checkpoint-dir DIR or "
-                          "--set run.checkpoint_dir=DIR")
-    if args.resume and not (args.run_dir or config.run.checkpoint_dir):
+                          "--set checkpoint.dir=DIR")
+    if args.resume and not (args.run_dir or config.checkpoint.dir):
         raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
     security = security_from_args(args)
     launched = mode in LAUNCHERS     # we start the workers (local, ray), not the user
@@ -108,10 +108,10 @@ class Local:
     """`multipod local`'s pods: started on enter, stopped on exit."""
     def __init__(self, args, run_dir, config):
         from multipod.controller.launch.local import LocalPods
-        # Supervised: a worker that dies is started again on its port (run.max_restarts in all);
+        # Supervised: a worker that dies is started again on its port (recovery.max_restarts in all);
         # a pod of several hosts is restarted as a whole.
         self.pods = LocalPods(args.pods, local_devices(args), run_dir, supervise=True,
-                              max_restarts=config.run.max_restarts, dcn_encrypt=config.dcn.encrypt,
+                              max_restarts=config.recovery.max_restarts, dcn_encrypt=config.dcn.encrypt,
                               hosts_per_pod=args.hosts_per_pod)
 
     def __enter__(self):

@@ -22,6 +22,7 @@ from multipod.controller.observe.metrics import out
 from multipod.protos import multipod_pb2 as pb
 
 if TYPE_CHECKING:
+    from multipod.controller.core.run_config import CheckpointConfig
     from multipod.controller.observe.events import EventLog
 
 CHECKPOINT_TIMEOUT_S = 3600.0   # deadline of the wait for one background checkpoint write
@@ -43,12 +44,13 @@ class PendingSave:
 
 
 class Checkpointer:
-    """Saves every run.checkpoint_every steps, a baseline at the first step boundary and one at
-    the end (run.steps); keeps the last good checkpoint; restores the pods from it."""
+    """Saves every checkpoint.every steps, a baseline at the first step boundary and one at the
+    end (run.steps); keeps the newest checkpoint.keep; keeps the last good checkpoint; restores
+    the pods from it. `directory`: checkpoint.dir resolved (training.checkpoint_dir)."""
 
-    def __init__(self, cluster: Cluster, directory: str, events: EventLog):
+    def __init__(self, config: CheckpointConfig, cluster: Cluster, directory: str, events: EventLog):
+        self.config = config
         self.cluster = cluster
-        self.config = cluster.config
         self.directory = directory
         self.events = events
         self.last_good: Saved | None = None
@@ -60,8 +62,8 @@ class Checkpointer:
     # -- when to save -----------------------------------------------------------------------
     def due(self, step: int) -> bool:
         """Whether the boundary before `step` wants a checkpoint (saved or not yet)."""
-        every = self.config.run.checkpoint_every
-        return (not self._baseline_taken or step == self.config.run.steps
+        every = self.config.every
+        return (not self._baseline_taken or step == self.cluster.config.run.steps
                 or bool(every and step % every == 0))
 
     def covers(self, step: int) -> bool:
@@ -89,12 +91,12 @@ class Checkpointer:
         """Start a background checkpoint of the state after `step` steps on the first live pod
         (pod 0 unless it failed). A pod that does not answer is a PodFailure; a refused save is
         reported and the run goes on."""
-        run = self.config.run
+        run = self.cluster.config.run
         meta = {"data_offset": self.data_offset, "data_position": step + self.data_offset,
-                "data_path": self.config.data.path, "seed": run.seed, "run_id": self.cluster.base_run_id,
+                "data_path": self.cluster.config.data.path, "seed": run.seed, "run_id": self.cluster.base_run_id,
                 "num_pods": self.cluster.size, "saved_at": time.time()}
         request = pb.SaveRequest(step=step, directory=self.directory, metadata_json=json.dumps(meta),
-                                 background=True, keep=run.keep_checkpoints)
+                                 background=True, keep=self.config.keep)
         writer = self.cluster.live_clients[0]
         try:
             reply = writer.save(request, run.step_timeout_s)
@@ -148,7 +150,7 @@ class Checkpointer:
         from multipod.controller.core.run_config import ConfigError  # here: importing config imports jax
         clients = self.cluster.live_clients       # in degraded mode the failed pods rejoin later
         run_id = self.cluster.next_generation()    # the pods' DCN links start afresh
-        timeout = self.config.run.step_timeout_s + self.config.dcn.timeout_s + 60.0
+        timeout = self.cluster.config.run.step_timeout_s + self.cluster.config.dcn.timeout_s + 60.0
         first = []
         if directory:   # pod 0 finds the newest checkpoint; the others restore that one
             first = [clients[0].restore(pb.RestoreRequest(directory=directory, run_id=run_id), timeout)]
@@ -162,7 +164,7 @@ class Checkpointer:
         meta = json.loads(replies[0].metadata_json)
         step = int(replies[0].step)
         if directory:
-            data_path = self.config.data.path
+            data_path = self.cluster.config.data.path
             if meta.get("data_path", "") != data_path:
                 raise ConfigError("data.path", f"checkpoint {path} was trained on "
                                   f"{meta.get('data_path') or 'the default corpus'!r}, "

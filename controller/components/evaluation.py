@@ -1,6 +1,6 @@
 """Held-out evaluation on every pod: a component of the step loop that decides when it runs.
 
-Every run.eval_every steps (and once at the end), at a step boundary with no step in flight, each
+Every eval.every steps (and once at the end), at a step boundary with no step in flight, each
 held-out batch is cut into the run's slots exactly like a training batch, each slot's rows go to
 the pod that computes that slot (its own, or a failed pod's in degraded mode), and the controller
 adds the pods' loss sums in slot order. So the number is the same whichever pods are live, and
@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.data.batches import step_data, token_dtype
 from multipod.protos import multipod_pb2 as pb
+
+if TYPE_CHECKING:
+    from multipod.controller.core.run_config import EvalConfig
 
 
 def eval_metrics(loss_sum: float, tokens: int, bytes_per_token: float | None) -> dict:
@@ -28,16 +32,15 @@ def eval_metrics(loss_sum: float, tokens: int, bytes_per_token: float | None) ->
 
 
 class Evaluator:
-    """Evaluates run.eval_batches held-out batches every run.eval_every steps and at run.steps.
+    """Evaluates eval.batches held-out batches every eval.every steps and at run.steps.
 
-    cluster: the pods (live_clients, hosts, size, diagnose); dataset: a dataset.TokenDataset (or
-    anything with eval_batch(i), eval_loss_mask(i), num_eval_batches, eval_bytes_per_token and
-    epoch(index)); write:
-    where the record goes (Recorder.write_eval)."""
+    config: the run's [eval]; cluster: the pods (live_clients, hosts, size, diagnose); dataset: a
+    dataset.TokenDataset (or anything with eval_batch(i), eval_loss_mask(i), num_eval_batches,
+    eval_bytes_per_token and epoch(index)); write: where the record goes (Recorder.write_eval)."""
 
-    def __init__(self, cluster, dataset, write, data_offset: int = 0):
-        self.cluster, self.dataset, self.write = cluster, dataset, write
-        self.run = cluster.config.run
+    def __init__(self, config: EvalConfig, cluster, dataset, write, data_offset: int = 0):
+        self.config, self.cluster, self.dataset, self.write = config, cluster, dataset, write
+        self.run = cluster.config.run       # its length and deadlines
         self.data_offset = data_offset
         self.last: dict | None = None       # the latest evaluation's record
         self._done_at: int | None = None    # the boundary last evaluated (a replayed segment skips it)
@@ -45,13 +48,13 @@ class Evaluator:
 
     @property
     def batches(self) -> int:
-        return min(self.run.eval_batches, self.dataset.num_eval_batches)
+        return min(self.config.batches, self.dataset.num_eval_batches)
 
     def on_step(self, step: int, drain) -> bool:
         """At the boundary before `step` (after `step` steps have trained): evaluate if it is a
-        multiple of run.eval_every or the end of the run; drain() first finishes the steps in
+        multiple of eval.every or the end of the run; drain() first finishes the steps in
         flight. Returns whether it evaluated."""
-        every = self.run.eval_every
+        every = self.config.every
         due = step == self.run.steps or (every and step > 0 and step % every == 0)
         if not due or not self.batches or step == self._done_at:
             return False

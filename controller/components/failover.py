@@ -1,4 +1,4 @@
-"""Degraded mode (run.on_pod_failure = "degrade", the default): a failed pod's shard goes to the
+"""Degraded mode (recovery.on_pod_failure = "degrade", the default): a failed pod's shard goes to the
 survivors and the run goes on, bitwise as if nothing had happened; the pod rejoins from a live
 peer when it serves again.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster
@@ -25,6 +26,9 @@ from multipod.controller.core.errors import PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
 from multipod.controller.observe.events import EventKind, EventLog
 from multipod.controller.observe.metrics import out
+
+if TYPE_CHECKING:
+    from multipod.controller.core.run_config import RecoveryConfig
 
 REJOIN_ATTEMPTS = 3         # state transfers tried per failed pod before it is left out for the run
 REJOIN_POLL_S = 1.0         # how often a watcher checks a failed pod
@@ -68,10 +72,10 @@ class _Rejoin:
                 if left <= 0:
                     self.error = f"{client.name} did not serve again within {timeout_s:g}s"
                     return
-                if not client.probe(self.cluster.config.run.health_timeout_s).serving:
+                if not client.probe(self.cluster.config.health.timeout_s).serving:
                     self._stop.wait(REJOIN_POLL_S)
                     continue
-                if not client.status(self.cluster.config.run.health_timeout_s).configured:
+                if not client.status(self.cluster.config.health.timeout_s).configured:
                     out(f"{client.name} serves again: configuring it")
                     self.cluster.configure_restarted([self.pod])
                 self.ready.set()
@@ -92,12 +96,13 @@ class _Rejoin:
 
 
 class Failover:
-    """Counts pod failures (within run.max_restarts), runs degraded mode and rejoins. supervisor:
-    an object with kill(pod) that gets a hung pod restarted (LocalPods), or None."""
+    """Counts pod failures (within recovery.max_restarts), runs degraded mode and rejoins (a
+    failed pod is waited for recovery.restart_timeout_s). config: the run's [recovery];
+    supervisor: an object with kill(pod) that gets a hung pod restarted (LocalPods), or None."""
 
-    def __init__(self, cluster: Cluster, events: EventLog, supervisor=None):
+    def __init__(self, config: RecoveryConfig, cluster: Cluster, events: EventLog, supervisor=None):
+        self.config = config
         self.cluster, self.events, self.supervisor = cluster, events, supervisor
-        self.run_config = cluster.config.run
         self.failures = 0
         self.rejoins = 0
         self.transfer_bytes = 0
@@ -108,20 +113,19 @@ class Failover:
 
     @property
     def timeout_s(self) -> float:
-        run = self.run_config
-        return run.step_timeout_s + self.cluster.config.dcn.timeout_s
+        return self.cluster.config.run.step_timeout_s + self.cluster.config.dcn.timeout_s
 
     # -- a failure -------------------------------------------------------------------------------
     def degrade(self, failure: PodFailure) -> int:
         """Take the failed pods out, hand their shards to the survivors, and return the step to
-        continue from (no step is lost or run twice). RunError once run.max_restarts failures
+        continue from (no step is lost or run twice). RunError once recovery.max_restarts failures
         have been handled, or if no pod is left."""
-        run, cluster = self.run_config, self.cluster
+        cluster = self.cluster
         out(f"pod failure: {failure}")
         self.events.write(EventKind.POD_FAILURE, error=str(failure), pods=list(failure.pods), mode=OnPodFailure.DEGRADE)
-        if self.failures >= run.max_restarts:
+        if self.failures >= self.config.max_restarts:
             raise RunError(f"{failure}. Giving up after {self.failures} pod failure(s) (--max-restarts "
-                           f"{run.max_restarts})")
+                           f"{self.config.max_restarts})")
         self.failures += 1
         failed = set(failure.pods)
         if self.supervisor is not None:
@@ -169,7 +173,7 @@ class Failover:
 
     def _watch(self, pod: int) -> None:
         if pod not in self._rejoining:
-            self._rejoining[pod] = _Rejoin(self.cluster, pod, self.run_config.restart_timeout_s)
+            self._rejoining[pod] = _Rejoin(self.cluster, pod, self.config.restart_timeout_s)
 
     def _transfer(self, donor: int, receiver: int, why: str) -> None:
         start = time.monotonic()
@@ -216,7 +220,7 @@ class Failover:
                 if watcher.attempts >= REJOIN_ATTEMPTS:
                     del self._rejoining[pod]
                 else:   # its state is untouched: try again, from serving and configured
-                    self._rejoining[pod] = _Rejoin(cluster, pod, self.run_config.restart_timeout_s)
+                    self._rejoining[pod] = _Rejoin(cluster, pod, self.config.restart_timeout_s)
                     self._rejoining[pod].attempts = watcher.attempts
         if not joined:
             return False

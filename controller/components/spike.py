@@ -1,5 +1,6 @@
-"""The loss-spike policy: a step whose loss exceeds run.spike_threshold times the mean of the
-last run.spike_window losses is a spike (with run.on_spike = "rewind"; recovery.py rewinds)."""
+"""The loss-spike policy: a step whose loss exceeds spike.threshold times the mean of the last
+spike.window losses is a spike (with spike.policy = "rewind"; recovery.py rewinds, skipping
+spike.skip_batches)."""
 from __future__ import annotations
 
 import collections
@@ -11,7 +12,7 @@ from multipod.controller.core import fault_hooks as faults
 from multipod.controller.core.policies import OnSpike
 
 if TYPE_CHECKING:
-    from multipod.controller.core.run_config import RunConfig
+    from multipod.controller.core.run_config import SpikeConfig
     from multipod.controller.observe.records import StepRecord
 
 
@@ -28,12 +29,14 @@ class Spike(Exception):
 
 
 class SpikePolicy:
-    """Judges each step's record against a window of recent finite, unskipped losses."""
+    """Judges each step's record against a window of recent finite, unskipped losses. config:
+    the run's [spike] (recovery.py reads its skip_batches when it rewinds)."""
 
-    def __init__(self, run: RunConfig):
-        self.enabled = run.on_spike == OnSpike.REWIND
-        self.threshold = run.spike_threshold
-        self.losses: collections.deque[float] = collections.deque(maxlen=run.spike_window)
+    def __init__(self, config: SpikeConfig):
+        self.config = config
+        self.enabled = config.policy == OnSpike.REWIND
+        self.threshold = config.threshold
+        self.losses: collections.deque[float] = collections.deque(maxlen=config.window)
         # (step, loss) of the judged steps of this timeline, newest last: after a restore to step s
         # the window is rebuilt from the steps before s, as the uninterrupted run holds it there.
         self._history: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)

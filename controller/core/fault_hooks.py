@@ -6,7 +6,7 @@ batch N (a "bad batch": a rewind that skips batches does not meet it again), so 
 the loss-spike policy.
 
 MULTIPOD_TEST_REJOIN_BY_STEP=N makes degraded mode wait, at every step boundary from step N on,
-for each failed pod on its way back to be ready to rejoin (within run.restart_timeout_s), instead
+for each failed pod on its way back to be ready to rejoin (within recovery.restart_timeout_s), instead
 of training on without it. A test of a rejoin then waits for the event it checks rather than
 hoping the run is long enough for a restarted worker to come back on a loaded machine.
 """

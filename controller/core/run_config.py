@@ -1,10 +1,11 @@
 """The run's typed configuration: dataclasses split by concern, loaded from TOML + overrides.
 
 The controller resolves a Config from defaults, an optional TOML file (`--config`) and
-`--set section.key=value` overrides. The sections the workers use (model, optimizer, mesh, dcn)
-are the worker's published schema (pod_worker/schema.py); `worker_config()` projects out what a
-worker gets in Configure. The controller validates only what it uses: data, run and the
-cross-section rules. Every error names the offending field.
+`--set section.key=value` overrides. The sections the workers use (model, optimizer, mesh, dcn,
+prompt) are the worker's published schema (pod_worker/schema.py); `worker_config()` projects out
+what a worker gets in Configure. The controller's own sections: data, run (the step loop), one
+per component of the loop (checkpoint, eval, sample, recovery, health, spike: each component
+gets its own) and generate. Every error names the offending field.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ MAX_BPE_VOCAB = 1 << 20
 
 # The worker's sections (ModelConfig, OptimizerConfig, MeshConfig, DcnConfig, PromptConfig) are
 # imported from where they live (model/config.py, pod_worker/schema.py), not from here.
-__all__ = ["Config", "ConfigError", "DataConfig", "GenerateConfig", "RunConfig", "load_config", "parse_override"]
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "GenerateConfig", "HealthConfig",
+           "RecoveryConfig", "RunConfig", "SampleConfig", "SpikeConfig", "load_config", "parse_override", "upgrade"]
 
 
 @dataclass(frozen=True)
@@ -90,65 +92,144 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The step loop: length, seed, deadlines, reporting."""
+    """The step loop itself: its length and seed, its deadlines, what it measures."""
     steps: int = TrainShape.total_steps
     seed: int = TrainShape.seed
     peak_flops: float = 0.0       # per-device peak FLOP/s for MFU; 0 = unknown (MFU is null)
-    step_timeout_s: float = 120.0     # deadline of one Step RPC
-    connect_timeout_s: float = 30.0   # how long to wait for a worker to answer at start
-    configure_timeout_s: float = 300.0  # configure compiles the step: allow for it
-    dispatch_depth: int = 2       # steps in flight at once (2: next shards travel during compute)
-    sample_tokens: int = 200      # length of the sample printed at the end (0: none)
-    sample_prompt: str = "def "
-    sample_temperature: float = 0.5   # 0: greedy
-    eval_batches: int = 2         # held-out batches per evaluation (0: none)
-    eval_every: int = 50          # evaluate every N steps, on every pod (0: only at the end)
     # With no run.peak_flops and none cached for these devices, `multipod local` measures this
     # machine's peak once (a few seconds) and caches it for MFU; false: MFU stays unknown.
     measure_peak: bool = True
     # Every step's state checksum is taken on the devices; the fingerprint (BLAKE2b of a host copy
     # of the state) at every checkpoint and after every N steps (0: only at checkpoints).
     fingerprint_every: int = 100
-    # Checkpoints and recovery (docs/reliability.md).
-    checkpoint_every: int = 100   # save every N steps and at the end (0: only at the end)
-    keep_checkpoints: int = 3     # keep the newest k checkpoints
-    checkpoint_dir: str = ""      # "" = <run dir>/checkpoints; must be readable by every pod
-    # A failed pod: "degrade" (its shard goes to the survivors, bitwise as if nothing happened,
-    # and it rejoins from a live peer) or "restore" (every pod back to the last checkpoint).
-    on_pod_failure: OnPodFailure = OnPodFailure.DEGRADE
-    max_restarts: int = 3         # pod failures (either mode) before the run gives up
-    restart_timeout_s: float = 120.0  # how long to wait for a failed pod to serve again
-    health_interval_s: float = 2.0    # the watchdog probes every pod's health this often
-    health_timeout_s: float = 5.0     # a pod whose health check takes longer is hung
-    progress_timeout_s: float = 0.0   # no step finished for this long: probe the pods (0: step_timeout_s)
-    # Training-health policy: non-finite steps are always skipped (on every pod alike).
-    on_spike: OnSpike = OnSpike.NONE  # rewind: restore the checkpoint before a loss spike
-    spike_threshold: float = 3.0  # a spike: loss > threshold x mean of the last spike_window losses
-    spike_window: int = 10
-    skip_batches: int = 0         # on rewind, skip this many batches after the checkpoint
-
-    def __post_init__(self):
-        object.__setattr__(self, "on_pod_failure", to_enum("run.on_pod_failure", OnPodFailure, self.on_pod_failure))
-        object.__setattr__(self, "on_spike", to_enum("run.on_spike", OnSpike, self.on_spike))
+    step_timeout_s: float = 120.0     # deadline of one Step RPC
+    connect_timeout_s: float = 30.0   # how long to wait for a worker to answer at start
+    configure_timeout_s: float = 300.0  # configure compiles the step: allow for it
+    dispatch_depth: int = 2       # steps in flight at once (2: next shards travel during compute)
 
     def validate(self) -> None:
         positive("run.steps", self.steps)
-        for name in ("checkpoint_every", "max_restarts", "skip_batches", "fingerprint_every"):
-            non_negative(f"run.{name}", getattr(self, name))
-        for name in ("keep_checkpoints", "restart_timeout_s", "health_interval_s", "health_timeout_s",
-                     "spike_threshold", "spike_window"):
-            positive(f"run.{name}", getattr(self, name))
-        non_negative("run.progress_timeout_s", self.progress_timeout_s)
         non_negative("run.seed", self.seed)
         non_negative("run.peak_flops", self.peak_flops)
+        non_negative("run.fingerprint_every", self.fingerprint_every)
         for name in ("step_timeout_s", "connect_timeout_s", "configure_timeout_s"):
             positive(f"run.{name}", getattr(self, name))
         if self.dispatch_depth not in (1, 2):
             raise ConfigError("run.dispatch_depth", f"must be 1 or 2, got {self.dispatch_depth}")
-        non_negative("run.sample_tokens", self.sample_tokens)
-        non_negative("run.sample_temperature", self.sample_temperature)
-        non_negative("run.eval_batches", self.eval_batches)
-        non_negative("run.eval_every", self.eval_every)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints (components/checkpointer.py, docs/reliability.md)."""
+    every: int = 100              # save every N steps, at the start and at the end (0: only start and end)
+    keep: int = 3                 # keep the newest k checkpoints
+    dir: str = ""                 # "" = <run dir>/checkpoints; must be readable by every pod
+
+    def validate(self) -> None:
+        non_negative("checkpoint.every", self.every)
+        positive("checkpoint.keep", self.keep)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation on every pod (components/evaluation.py)."""
+    every: int = 50               # evaluate every N steps (0: only at the end)
+    batches: int = 2              # held-out batches per evaluation (0: none)
+
+    def validate(self) -> None:
+        non_negative("eval.every", self.every)
+        non_negative("eval.batches", self.batches)
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """The sample the model writes at the end of a run (run/summary.py)."""
+    tokens: int = 200             # its length (0: none)
+    prompt: str = "def "
+    temperature: float = 0.5      # 0: greedy
+
+    def validate(self) -> None:
+        non_negative("sample.tokens", self.tokens)
+        non_negative("sample.temperature", self.temperature)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """What a failed pod costs (components/failover.py, components/recovery.py)."""
+    on_pod_failure: OnPodFailure = OnPodFailure.DEGRADE
+    max_restarts: int = 3         # pod failures (either way) before the run gives up
+    restart_timeout_s: float = 120.0  # how long to wait for a failed pod to serve again
+
+    def __post_init__(self):
+        object.__setattr__(self, "on_pod_failure",
+                           to_enum("recovery.on_pod_failure", OnPodFailure, self.on_pod_failure))
+
+    def validate(self) -> None:
+        non_negative("recovery.max_restarts", self.max_restarts)
+        positive("recovery.restart_timeout_s", self.restart_timeout_s)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """How a dead or hung pod is found (cluster/pods.py's watchdog, the step loop)."""
+    interval_s: float = 2.0       # the watchdog probes every pod's health this often
+    timeout_s: float = 5.0        # a pod whose health check takes longer is hung
+    progress_timeout_s: float = 0.0   # no step finished for this long: probe the pods (0: run.step_timeout_s)
+
+    def validate(self) -> None:
+        positive("health.interval_s", self.interval_s)
+        positive("health.timeout_s", self.timeout_s)
+        non_negative("health.progress_timeout_s", self.progress_timeout_s)
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    """The loss-spike policy (components/spike.py); non-finite steps are always skipped, on every
+    pod alike. A spike: a loss above threshold x the mean of the last `window` losses."""
+    policy: OnSpike = OnSpike.NONE
+    threshold: float = 3.0
+    window: int = 10
+    skip_batches: int = 0         # on rewind, skip this many batches after the checkpoint
+
+    def __post_init__(self):
+        object.__setattr__(self, "policy", to_enum("spike.policy", OnSpike, self.policy))
+
+    def validate(self) -> None:
+        positive("spike.threshold", self.threshold)
+        positive("spike.window", self.window)
+        non_negative("spike.skip_batches", self.skip_batches)
+
+
+# [run] keys of configs written before the run's components got sections of their own (a
+# run_config.json beside old checkpoints): where each lives now.
+MOVED_RUN_KEYS = {
+    "checkpoint_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep", "checkpoint_dir": "checkpoint.dir",
+    "eval_every": "eval.every", "eval_batches": "eval.batches",
+    "sample_tokens": "sample.tokens", "sample_prompt": "sample.prompt", "sample_temperature": "sample.temperature",
+    "on_pod_failure": "recovery.on_pod_failure", "max_restarts": "recovery.max_restarts",
+    "restart_timeout_s": "recovery.restart_timeout_s",
+    "health_interval_s": "health.interval_s", "health_timeout_s": "health.timeout_s",
+    "progress_timeout_s": "health.progress_timeout_s",
+    "on_spike": "spike.policy", "spike_threshold": "spike.threshold", "spike_window": "spike.window",
+    "skip_batches": "spike.skip_batches",
+    "full_fingerprint_every": "run.fingerprint_every",
+}
+
+
+def upgrade(data: dict) -> dict:
+    """A config (nested dicts) written by an older version, its moved [run] keys put where they
+    live now; anything else as it was. For files runs wrote (run_config.json, config.json): a
+    config the user writes gets an error naming the new key instead (load_config)."""
+    run = data.get("run")
+    if not isinstance(run, dict):
+        return data
+    data = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
+    for old, new in MOVED_RUN_KEYS.items():
+        if old in run:
+            section, key = new.split(".")
+            data.setdefault(section, {}).setdefault(key, run[old])
+            del data["run"][old]
+    return data
 
 
 @dataclass(frozen=True)
@@ -176,6 +257,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     dcn: DcnConfig = field(default_factory=DcnConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
 
@@ -263,6 +350,10 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = (), g
         if not isinstance(table, dict):
             raise ConfigError(section, "is not a table")
         table[key] = value
+    run = data.get("run")
+    for key in run if isinstance(run, dict) else ():
+        if key in MOVED_RUN_KEYS:     # a config written for an older version
+            raise ConfigError(f"run.{key}", f"is {MOVED_RUN_KEYS[key]} now")
     if given is not None:
         given.update(f"{section}.{key}" for section, table in data.items() if isinstance(table, dict)
                      for key in table)

@@ -341,14 +341,14 @@ class RayContext:
         try:
             self.pods = RayPods(self._ray, args.pods, args.hosts_per_pod, resources, self.run_dir,
                                 strategy=args.placement_strategy, devices_per_host=args.devices_per_host,
-                                max_restarts=config.run.max_restarts, place_timeout_s=args.place_timeout,
+                                max_restarts=config.recovery.max_restarts, place_timeout_s=args.place_timeout,
                                 dcn_encrypt=config.dcn.encrypt, insecure=args.insecure)
             out(f"placing {args.pods} pod(s) x {args.hosts_per_pod} host(s) of {fmt(resources)} on the Ray cluster "
                 f"({args.placement_strategy})")
             self.pods.__enter__()
-            if not self.pods.on_this_machine and not config.run.checkpoint_dir:
+            if not self.pods.on_this_machine and not config.checkpoint.dir:
                 from multipod.controller.core.run_config import ConfigError
-                raise ConfigError("run.checkpoint_dir", "the pods run on other nodes than the controller: pass "
+                raise ConfigError("checkpoint.dir", "the pods run on other nodes than the controller: pass "
                                   "--checkpoint-dir DIR on storage every node mounts at the same path")
         except BaseException:
             self.__exit__()

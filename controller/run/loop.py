@@ -163,7 +163,7 @@ class StepLoop:
     def _complete(self, step: int, who: tuple, calls: list) -> None:
         """Wait for one step's replies (watching the pods meanwhile), check and record it."""
         clients, hosts = who
-        progress_timeout = self.run_config.progress_timeout_s or self.run_config.step_timeout_s
+        progress_timeout = self.cluster.config.health.progress_timeout_s or self.run_config.step_timeout_s
         results, errors = [], []
         for client, call in zip(clients, calls):
             while not call.wait(POLL_S):

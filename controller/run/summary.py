@@ -13,6 +13,7 @@ from multipod.controller.observe.metrics import out
 from multipod.protos import codec, multipod_pb2 as pb
 
 if TYPE_CHECKING:
+    from multipod.controller.core.run_config import Config
     from multipod.controller.observe.records import StepRecord
 
 
@@ -33,26 +34,28 @@ class Summary:
     run_dir: str
 
 
-def sample(client, run, tokenizer) -> str | None:
-    """run.sample_tokens tokens the model writes after run.sample_prompt (None if none asked)."""
-    if not run.sample_tokens:
+def sample(client, config: Config, tokenizer) -> str | None:
+    """sample.tokens tokens the model writes after sample.prompt at sample.temperature, drawn with
+    run.seed (None if none asked); `config` is the run's Config."""
+    run, asked = config.run, config.sample
+    if not asked.tokens:
         return None
-    prompt = tokenizer.encode(run.sample_prompt or " ")
+    prompt = tokenizer.encode(asked.prompt or " ")
     if prompt.size == 0:
         prompt = tokenizer.encode(" ")
     # shift_context: a sample longer than the model's context goes on from the last half of it.
     reply = client.generate(pb.GenerateRequest(
-        prompt=codec.encode(narrow(prompt)), num_tokens=run.sample_tokens, temperature=run.sample_temperature,
+        prompt=codec.encode(narrow(prompt)), num_tokens=asked.tokens, temperature=asked.temperature,
         seed=run.seed, shift_context=True),
         run.step_timeout_s)
     return tokenizer.decode(list(prompt) + list(codec.decode(reply.tokens)))
 
 
-def finish(run, client, run_dir: pathlib.Path, tokenizer, last_eval: dict | None, records: list[StepRecord],
-           extra: dict | None = None) -> Summary:
+def finish(config: Config, client, run_dir: pathlib.Path, tokenizer, last_eval: dict | None,
+           records: list[StepRecord], extra: dict | None = None) -> Summary:
     """Sample on `client` (one pod: every pod holds the same parameters), then summarise the step
     records and the last evaluation into summary.json; `extra` adds fields to the file."""
-    text = sample(client, run, tokenizer)
+    text = sample(client, config, tokenizer)
     timed = records[1:] or records   # the first step includes warm-up
     mfus = [r.mfu for r in timed if r.mfu is not None]
     hfus = [r.hfu for r in timed if r.hfu is not None]

@@ -31,7 +31,7 @@ __all__ = ["PodFailure", "RunError", "Summary", "checkpoint_dir", "print_summary
 
 def checkpoint_dir(config: Config, run_dir: pathlib.Path) -> str:
     """Where the run's checkpoints go (absolute: the workers may run in another directory)."""
-    return str(pathlib.Path(config.run.checkpoint_dir or run_dir / "checkpoints").absolute())
+    return str(pathlib.Path(config.checkpoint.dir or run_dir / "checkpoints").absolute())
 
 
 def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
@@ -106,11 +106,12 @@ def _reattach(cluster: Cluster, run_dir: pathlib.Path):
 
 def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: ProgressLine | None = None,
           resume: bool = False, supervisor=None, local: bool = False) -> Summary:
-    """Configure `cluster`, then train to run.steps on `data`, evaluating every run.eval_every
+    """Configure `cluster`, then train to run.steps on `data`, evaluating every eval.every
     steps, recovering from pod failures (degraded mode or a checkpoint restore,
-    run.on_pod_failure) and rewinding loss spikes; returns the run summary. With resume,
+    recovery.on_pod_failure) and rewinding loss spikes; returns the run summary. With resume,
     reattach to workers that still hold a consistent state, else restore the newest checkpoint."""
     config, run = cluster.config, cluster.config.run
+    degrade = config.recovery.on_pod_failure == OnPodFailure.DEGRADE
     reattached, offset = _reattach(cluster, run_dir) if resume else (None, 0)
     if reattached is not None:
         replies = reattached
@@ -125,10 +126,10 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         out(f"tuning a {config.prompt.kind} of {config.prompt.virtual_tokens} virtual tokens on the frozen base "
             f"{config.prompt.base_checkpoint} (fingerprint {base_fingerprint} on every pod)")
     events = EventLog(run_dir / "events.jsonl")
-    checkpointer = Checkpointer(cluster, checkpoint_dir(config, run_dir), events)
-    spike = SpikePolicy(run)
-    recovery = Recovery(cluster, checkpointer, spike, events, supervisor)
-    failover = Failover(cluster, events, supervisor)
+    checkpointer = Checkpointer(config.checkpoint, cluster, checkpoint_dir(config, run_dir), events)
+    spike = SpikePolicy(config.spike)
+    recovery = Recovery(config.recovery, cluster, checkpointer, spike, events, supervisor)
+    failover = Failover(config.recovery, cluster, events, supervisor)
     try:
         if reattached is not None:
             start = int(replies[0].step)
@@ -147,9 +148,9 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         else:
             start = int(replies[0].step)   # the checkpointer takes a baseline at this first boundary
         recorder = Recorder(MetricsLog(run_dir, append=resume), progress or ProgressLine(run.steps, start))
-        evaluator = Evaluator(cluster, data.dataset, recorder.write_eval)
+        evaluator = Evaluator(config.eval, cluster, data.dataset, recorder.write_eval)
         loop = StepLoop(cluster, data.dataset, checkpointer, spike, recorder, accounting,
-                        failover if run.on_pod_failure == OnPodFailure.DEGRADE else None, evaluator)
+                        failover if degrade else None, evaluator)
         first_step = start
         try:
             while True:
@@ -159,7 +160,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
                     checkpointer.collect(block=True)
                     break
                 except PodFailure as failure:
-                    if run.on_pod_failure == OnPodFailure.DEGRADE:
+                    if degrade:
                         start = failover.degrade(failure)
                     else:
                         start = recovery.recover(failure)
@@ -177,12 +178,12 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
     extra = {"skipped_steps": len(recorder.skipped_steps), "restarts": recovery.restarts,
              "rewinds": recovery.rewinds, "failed_checkpoints": checkpointer.failed,
              "last_checkpoint": checkpointer.last_good.path if checkpointer.last_good else None,
-             "on_pod_failure": run.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
+             "on_pod_failure": config.recovery.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
              "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
              "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
              "first_step": first_step, "reattached": reattached is not None, "base_fingerprint": base_fingerprint}
     if extra["pod_failures"]:
-        out(f"pod failures: {extra['pod_failures']} ({run.on_pod_failure} mode); steps trained more than once: "
-            f"{lost}; {failover.degraded_s:.1f}s degraded; {failover.rejoins} rejoin(s), "
+        out(f"pod failures: {extra['pod_failures']} ({config.recovery.on_pod_failure} mode); steps trained more "
+            f"than once: {lost}; {failover.degraded_s:.1f}s degraded; {failover.rejoins} rejoin(s), "
             f"{failover.transfer_bytes / 2**20:.1f} MiB of state transferred")
-    return finish(run, cluster.live_clients[0], run_dir, data.tokenizer, evaluator.last, records, extra=extra)
+    return finish(config, cluster.live_clients[0], run_dir, data.tokenizer, evaluator.last, records, extra=extra)

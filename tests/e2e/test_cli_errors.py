@@ -45,7 +45,7 @@ def test_train_without_a_checkpoint_dir_is_refused_before_contacting_a_worker(tm
         with pytest.raises(BlockingIOError):
             worker.accept()             # no connection is waiting: the controller never dialled
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "error: config: run.checkpoint_dir:" in result.stderr and "--checkpoint-dir" in result.stderr
+    assert "error: config: checkpoint.dir:" in result.stderr and "--checkpoint-dir" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
 
@@ -54,7 +54,7 @@ def test_unreachable_worker_is_reported_by_address_within_the_deadline(tmp_path)
     address = f"127.0.0.1:{_free_port()}"
     start = time.monotonic()
     result = run_cli("train", "--workers", address, "--config", TINY, "--set", "run.connect_timeout_s=2",
-                     "--set", f"run.checkpoint_dir={tmp_path / 'checkpoints'}", "--run-dir", str(tmp_path / "run"),
+                     "--set", f"checkpoint.dir={tmp_path / 'checkpoints'}", "--run-dir", str(tmp_path / "run"),
                      timeout=60)
     assert result.returncode == 1
     assert f"pod 0 ({address}) is unreachable" in result.stderr

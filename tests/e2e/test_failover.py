@@ -1,4 +1,4 @@
-"""End to end: degraded mode (run.on_pod_failure = "degrade", the default) under `multipod local`.
+"""End to end: degraded mode (recovery.on_pod_failure = "degrade", the default) under `multipod local`.
 
 Each run is compared with an uninterrupted run of the same config: the final state checksum
 and every step's loss must be bitwise equal, every step is recorded exactly once (none is lost or
@@ -31,10 +31,10 @@ STEPS_2 = 250
 def _args(pods: int, *extra: str) -> tuple[str, ...]:
     steps = STEPS if pods > 2 else STEPS_2
     return ("--pods", str(pods), "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
-            "--checkpoint-every", "50", "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
+            "--checkpoint-every", "50", "--set", "sample.tokens=0", "--set", "eval.batches=0",
             "--set", f"data.global_batch={2 * pods}", "--set", "dcn.timeout_s=30",
-            "--set", "run.step_timeout_s=90", "--set", "run.health_interval_s=0.5",
-            "--set", "run.health_timeout_s=2", *extra)
+            "--set", "run.step_timeout_s=90", "--set", "health.interval_s=0.5",
+            "--set", "health.timeout_s=2", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_two_pods_one_stays_dead_and_the_survivor_finishes_alone(remote_pods, tm
     run finishes on pod 0 alone, bitwise equal to the uninterrupted run. (Runs last: it kills a
     worker of the shared pair.)"""
     pods, env, reference = remote_pods
-    run = _train(pods, tmp_path, env, "--set", "run.restart_timeout_s=1")
+    run = _train(pods, tmp_path, env, "--set", "recovery.restart_timeout_s=1")
     code = kill_and_finish(run, tmp_path, lambda: pods.procs[1].pid, "degraded: 1/2 pods")
     assert code == 0, "".join(run.out) + "".join(run.err)
     records = _check_same_as(tmp_path, reference, steps=range(STEPS_2))

@@ -19,8 +19,8 @@ from tests.helpers import TINY, read_metrics, run_cli, run_param_count
 
 STEPS = 8
 COMMON = ("--config", TINY, "--steps", str(STEPS), "--checkpoint-every", "4",
-          "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", "--set", "dcn.timeout_s=30",
-          "--set", "run.step_timeout_s=90", "--set", "run.health_interval_s=0.5", "--set", "run.health_timeout_s=3")
+          "--set", "sample.tokens=0", "--set", "eval.batches=0", "--set", "dcn.timeout_s=30",
+          "--set", "run.step_timeout_s=90", "--set", "health.interval_s=0.5", "--set", "health.timeout_s=3")
 TWO_HOSTS = ("--pods", "2", "--hosts-per-pod", "2", "--devices-per-host", "1")
 ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
 

@@ -105,7 +105,7 @@ def test_the_first_local_run_measures_the_peak_and_reports_mfu_and_hfu(tmp_path)
     formula with the given number)."""
     cache = tmp_path / "peak.json"
     result = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "3",
-                     "--set", "run.measure_peak=true", "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
+                     "--set", "run.measure_peak=true", "--set", "sample.tokens=0", "--set", "eval.batches=0",
                      "--run-dir", str(tmp_path / "run"), env={"MULTIPOD_PEAK_FILE": str(cache)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "measuring this machine's peak FLOP/s" in result.stdout and "HFU" in result.stdout

@@ -26,8 +26,8 @@ def files(tmp_path_factory):
     base = folder / "base"
     # On 2 devices: the pods below tune and generate on 1, reading the base resharded.
     result = run_cli("local", "--config", TINY, "--pods", "1", "--devices-per-pod", "2", "--steps", "300",
-                     "--data", str(corpus), "--run-dir", str(base), "--set", "run.sample_tokens=0",
-                     "--set", "run.eval_batches=0")
+                     "--data", str(corpus), "--run-dir", str(base), "--set", "sample.tokens=0",
+                     "--set", "eval.batches=0")
     assert result.returncode == 0, result.stdout + result.stderr
     return folder, base / "checkpoints", task
 

@@ -54,7 +54,7 @@ def _pod_on(node_id: str) -> int:
 def test_a_pod_whose_node_is_gone_is_reported_and_the_survivor_finishes(two_nodes, env, tmp_path):
     cluster, node = two_nodes
     ray_env = dict(env, RAY_AUTH_MODE="disabled")
-    extra = ("--set", "run.restart_timeout_s=8")    # how long the controller waits for the pod to serve again
+    extra = ("--set", "recovery.restart_timeout_s=8")    # how long the controller waits for the pod to serve again
     reference = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--run-dir", str(tmp_path / "ref"),
                         *_args(STEPS, *extra), env=ray_env, timeout=600)
     assert reference.returncode == 0, reference.stdout + reference.stderr

@@ -33,11 +33,11 @@ from tests.helpers import ROOT, TINY, pid_alive, read_metrics
 STEPS = 10
 COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
           "--checkpoint-every", "3", "--on-spike", "rewind", "--skip-batches", "2",
-          "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", "--set", "run.keep_checkpoints=3",
-          "--set", "run.spike_window=3", "--set", "dcn.timeout_s=10", "--set", "run.step_timeout_s=60",
-          "--set", "run.health_interval_s=1", "--set", "run.health_timeout_s=5",
+          "--set", "sample.tokens=0", "--set", "eval.batches=0", "--set", "checkpoint.keep=3",
+          "--set", "spike.window=3", "--set", "dcn.timeout_s=10", "--set", "run.step_timeout_s=60",
+          "--set", "health.interval_s=1", "--set", "health.timeout_s=5",
           # These tests are about checkpoint rollback; degraded mode has tests/e2e/test_failover.py.
-          "--set", 'run.on_pod_failure="restore"')
+          "--set", 'recovery.on_pod_failure="restore"')
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +245,10 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
         run = _Live("train", "--workers", ",".join(pods.addresses), "--config", TINY, "--steps", "60",
                     "--checkpoint-every", "3", "--max-restarts", "1", "--run-dir", str(run_dir),
                     "--checkpoint-dir", str(checkpoints),
-                    "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0",
-                    "--set", "run.health_interval_s=0.5", "--set", "run.health_timeout_s=2",
+                    "--set", "sample.tokens=0", "--set", "eval.batches=0",
+                    "--set", "health.interval_s=0.5", "--set", "health.timeout_s=2",
                     "--set", "run.step_timeout_s=120", "--set", "dcn.timeout_s=120",
-                    "--set", "run.restart_timeout_s=300", "--set", 'run.on_pod_failure="restore"', env=env)
+                    "--set", "recovery.restart_timeout_s=300", "--set", 'recovery.on_pod_failure="restore"', env=env)
         hung = None
         try:
             _wait_for_step(run.proc, run_dir, 4)
@@ -286,7 +286,7 @@ def test_failed_checkpoints_are_reported_at_once_and_the_run_goes_on(tmp_path, e
     run_dir = tmp_path / "run"
     result = _run("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "4",
                   "--checkpoint-every", "2", "--checkpoint-dir", str(blocker / "checkpoints"),
-                  "--set", "run.sample_tokens=0", "--set", "run.eval_batches=0", "--run-dir", str(run_dir), env=env)
+                  "--set", "sample.tokens=0", "--set", "eval.batches=0", "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     for step in (0, 2, 4):
         assert f"ERROR: checkpoint of step {step} FAILED" in result.stdout, result.stdout

@@ -32,7 +32,7 @@ def test_a_worker_where_the_data_path_does_not_exist_trains_normally(tmp_path, m
                 time.sleep(0.1)
             address = f"127.0.0.1:{port_file.read_text().strip()}"
             result = run_cli("train", "--workers", address, "--config", TINY, "--data", "corpus", "--steps", "3",
-                             "--set", "run.sample_tokens=0", "--set", "run.eval_batches=1", "--run-dir", "run",
+                             "--set", "sample.tokens=0", "--set", "eval.batches=1", "--run-dir", "run",
                              "--checkpoint-dir", str(tmp_path / "shared-checkpoints"), cwd=controller_home,
                              timeout=300)
         finally:

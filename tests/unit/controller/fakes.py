@@ -6,6 +6,7 @@ Its Step answers from an `on_step` function of (pod, step, data index); a behavi
 WorkerError or hang (never finish)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import grpc
@@ -13,7 +14,7 @@ import numpy as np
 
 from multipod import protos
 from multipod.controller.cluster.client import Probe, Verdict, WorkerError
-from multipod.controller.core.run_config import Config, DataConfig, RunConfig
+from multipod.controller.core.run_config import Config, DataConfig
 from multipod.controller.observe.records import PodTimings, StepRecord
 from multipod.model.config import ModelConfig
 from multipod.protos import codec, multipod_pb2 as pb
@@ -24,12 +25,18 @@ DEAD = Probe(Verdict.DEAD, "health check failed: UNAVAILABLE (dead or restarting
 HANG = object()     # a step behaviour: the call never finishes
 
 
-def make_config(**run) -> Config:
-    """A small config with fast health checks; `run` overrides RunConfig fields."""
-    defaults = dict(steps=5, health_interval_s=0.05, health_timeout_s=0.05, step_timeout_s=30.0,
-                    checkpoint_every=0, sample_tokens=0, eval_batches=0)
-    return Config(model=ModelConfig(vocab_size=256), data=DataConfig(seq_len=8, global_batch=4),
-                  run=RunConfig(**{**defaults, **run}))
+# The fakes' config: a short run, fast health checks, no periodic checkpoints, no sample or evaluation.
+DEFAULTS = {"run": {"steps": 5, "step_timeout_s": 30.0}, "health": {"interval_s": 0.05, "timeout_s": 0.05},
+            "checkpoint": {"every": 0}, "sample": {"tokens": 0}, "eval": {"batches": 0}}
+
+
+def make_config(**sections: dict) -> Config:
+    """A small config (DEFAULTS); each keyword is a section and the fields it sets, e.g.
+    make_config(run={"steps": 10}, checkpoint={"every": 3})."""
+    config = Config(model=ModelConfig(vocab_size=256), data=DataConfig(seq_len=8, global_batch=4))
+    tables = {name: {**DEFAULTS.get(name, {}), **sections.get(name, {})} for name in {*DEFAULTS, *sections}}
+    return dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **fields)
+                                          for name, fields in tables.items()})
 
 
 class FakeBatches:

@@ -72,3 +72,22 @@ def test_a_prompt_checkpoint_as_the_base_and_too_many_virtual_tokens_are_refused
     from multipod.controller.data.batches import DataError
     with pytest.raises(DataError, match="room for 8"):
         derived_overrides(_args("--checkpoint", str(root2), "--data", str(task2), "--virtual-tokens", "25"))
+
+
+def test_a_base_written_before_the_components_had_sections_still_loads(tmp_path):
+    """A run_config.json of an older version holds the checkpoint, eval, sample, recovery, health
+    and spike keys under [run]: generate and ptune read it as the sections hold them now."""
+    from multipod.controller.commands.generate import load_run
+    root, task = _base(tmp_path)
+    raw = json.loads((root / "run_config.json").read_text())
+    for section in ("checkpoint", "eval", "sample", "recovery", "health", "spike"):
+        del raw[section]
+    del raw["run"]["fingerprint_every"]
+    raw["run"].update(checkpoint_every=7, eval_every=9, sample_temperature=0.25, on_spike="rewind",
+                      health_timeout_s=4.0, full_fingerprint_every=11)
+    (root / "run_config.json").write_text(json.dumps(raw))
+    config, _ = load_run(root)
+    assert (config.checkpoint.every, config.eval.every, config.sample.temperature, config.spike.policy,
+            config.health.timeout_s, config.run.fingerprint_every) == (7, 9, 0.25, "rewind", 4.0, 11)
+    tuned = _config(derived_overrides(_args("--checkpoint", str(root), "--data", str(task))))
+    assert tuned.prompt.base_checkpoint == str(root / "5") and tuned.eval.every == 25

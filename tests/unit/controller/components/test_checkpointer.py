@@ -44,10 +44,12 @@ class WriterPod(FakePod):
         return self.waits[request.step]
 
 
-def _checkpointer(tmp_path, pods=None, **run):
+def _checkpointer(tmp_path, pods=None, steps: int = 5, every: int = 0):
+    """A Checkpointer of a run of `steps` steps saving every `every` (checkpoint.every)."""
     pods = pods or [WriterPod(), WriterPod(1)]
-    config = make_config(**run)
-    return Checkpointer(Cluster(pods, config), "ckpt", EventLog(tmp_path / "events.jsonl")), pods[0]
+    config = make_config(run={"steps": steps}, checkpoint={"every": every})
+    return (Checkpointer(config.checkpoint, Cluster(pods, config), "ckpt", EventLog(tmp_path / "events.jsonl")),
+            pods[0])
 
 
 def _events(tmp_path):
@@ -62,7 +64,7 @@ def _boundaries(checkpointer, steps):
 
 
 def test_saves_a_baseline_every_n_steps_and_at_the_end_draining_first(tmp_path):
-    checkpointer, writer = _checkpointer(tmp_path, steps=10, checkpoint_every=3)
+    checkpointer, writer = _checkpointer(tmp_path, steps=10, every=3)
     drained = _boundaries(checkpointer, range(0, 11))
     assert drained == [0, 3, 6, 9, 10]
     assert [r.step for m, r in writer.calls if m == "Save"] == [0, 3, 6, 9, 10]
@@ -70,15 +72,15 @@ def test_saves_a_baseline_every_n_steps_and_at_the_end_draining_first(tmp_path):
 
 
 def test_a_resumed_or_restored_start_is_not_saved_again(tmp_path):
-    checkpointer, writer = _checkpointer(tmp_path, steps=8, checkpoint_every=3)
+    checkpointer, writer = _checkpointer(tmp_path, steps=8, every=3)
     checkpointer.last_good = Saved(6, "ckpt/6")       # as after a restore of step 6
     assert _boundaries(checkpointer, range(6, 9)) == [8]
-    checkpointer, writer = _checkpointer(tmp_path, steps=8, checkpoint_every=0)
+    checkpointer, writer = _checkpointer(tmp_path, steps=8, every=0)
     assert _boundaries(checkpointer, range(2, 9)) == [2, 8]   # only the baseline and the end
 
 
 def test_last_good_is_set_only_by_a_finished_save_and_pending_saves_are_collected(tmp_path):
-    checkpointer, writer = _checkpointer(tmp_path, steps=10, checkpoint_every=3)
+    checkpointer, writer = _checkpointer(tmp_path, steps=10, every=3)
     _boundaries(checkpointer, range(0, 4))
     assert [p.step for p in checkpointer.pending] == [0, 3] and checkpointer.last_good is None
     writer.waits[0].finish(pb.SaveReply(path="ckpt/0"))
@@ -91,7 +93,7 @@ def test_last_good_is_set_only_by_a_finished_save_and_pending_saves_are_collecte
 
 
 def test_a_failed_save_is_reported_at_once_and_never_replaces_the_last_good(tmp_path, capsys):
-    checkpointer, writer = _checkpointer(tmp_path, steps=10, checkpoint_every=3)
+    checkpointer, writer = _checkpointer(tmp_path, steps=10, every=3)
     _boundaries(checkpointer, range(0, 4))
     writer.waits[0].finish(pb.SaveReply(path="ckpt/0"))
     writer.waits[3].finish(error=WorkerError("pod 0: WaitSave failed: INTERNAL: disk full", grpc.StatusCode.INTERNAL))
@@ -107,7 +109,7 @@ def test_a_failed_save_is_reported_at_once_and_never_replaces_the_last_good(tmp_
 
 
 def test_the_newest_finished_save_wins(tmp_path):
-    checkpointer, writer = _checkpointer(tmp_path, steps=10, checkpoint_every=3)
+    checkpointer, writer = _checkpointer(tmp_path, steps=10, every=3)
     _boundaries(checkpointer, range(0, 7))
     writer.waits[6].finish(pb.SaveReply(path="ckpt/6"))
     checkpointer.collect(block=False)

@@ -34,8 +34,8 @@ class EvalPod:
 
 
 class EvalCluster:
-    def __init__(self, pods, hosts=None, **run):
-        self.config = make_config(**{"eval_batches": 2, **run})
+    def __init__(self, pods, hosts=None, steps: int = 5, every: int = 0, batches: int = 2):
+        self.config = make_config(run={"steps": steps}, eval={"every": every, "batches": batches})
         self.clients = pods
         self.hosts = hosts or [p.pod_index for p in pods]
         self.diagnosed = []
@@ -70,7 +70,7 @@ class Held:
 
 def _evaluate(cluster, step=4):
     records = []
-    evaluator = Evaluator(cluster, Held(), records.append)
+    evaluator = Evaluator(cluster.config.eval, cluster, Held(), records.append)
     evaluator.evaluate(step)
     return records[0]
 
@@ -106,9 +106,9 @@ def test_eval_metrics_without_a_byte_count():
 
 
 def test_it_runs_every_n_steps_and_at_the_end_after_draining_once_per_boundary():
-    cluster = EvalCluster([EvalPod(0)], hosts=[0], eval_every=3, steps=7)
+    cluster = EvalCluster([EvalPod(0)], hosts=[0], every=3, steps=7)
     records, drains = [], []
-    evaluator = Evaluator(cluster, Held(), records.append)
+    evaluator = Evaluator(cluster.config.eval, cluster, Held(), records.append)
     evaluated = [step for step in [0, 1, 2, 3, 4, 5, 6, 6, 7]     # boundary 6 again: a replayed segment
                  if evaluator.on_step(step, lambda s=step: drains.append(s))]
     assert evaluated == [3, 6, 7]
@@ -118,17 +118,17 @@ def test_it_runs_every_n_steps_and_at_the_end_after_draining_once_per_boundary()
 
 
 def test_eval_batches_zero_never_evaluates_and_the_dataset_caps_the_count():
-    cluster = EvalCluster([EvalPod(0)], hosts=[0], eval_every=1, steps=3, eval_batches=0)
-    evaluator = Evaluator(cluster, Held(), lambda r: pytest.fail("evaluated"))
+    cluster = EvalCluster([EvalPod(0)], hosts=[0], every=1, steps=3, batches=0)
+    evaluator = Evaluator(cluster.config.eval, cluster, Held(), lambda r: pytest.fail("evaluated"))
     for step in range(4):
         evaluator.on_step(step, lambda: None)
     pod = EvalPod(0)
-    _evaluate(EvalCluster([pod], hosts=[0], eval_batches=10))
+    _evaluate(EvalCluster([pod], hosts=[0], batches=10))
     assert len(pod.rows) == Held.num_eval_batches
 
 
 def test_a_pod_failing_its_evaluation_is_a_pod_failure_naming_it():
     cluster = EvalCluster([EvalPod(0), EvalPod(1, fail=True)])
     with pytest.raises(PodFailure, match="evaluation at step 4 failed on slot 1"):
-        Evaluator(cluster, Held(), lambda r: None).evaluate(4)
+        Evaluator(cluster.config.eval, cluster, Held(), lambda r: None).evaluate(4)
     assert cluster.diagnosed[0][1] == [1]

@@ -30,11 +30,11 @@ def test_a_failed_pod_s_slot_goes_to_the_live_pod_with_the_fewest_shards():
 
 def test_live_pods_get_the_failed_pods_shards_as_extra_shards_in_their_slots():
     pods = [FakePod(i) for i in range(3)]
-    config = make_config(steps=2)
+    config = make_config(run={"steps": 2})
     cluster = Cluster(pods, config)
     cluster.hosts = [0, 0, 2]
     sink = ListSink()
-    loop = StepLoop(cluster, FakeBatches(rows=6), NoCheckpoints(), SpikePolicy(config.run),
+    loop = StepLoop(cluster, FakeBatches(rows=6), NoCheckpoints(), SpikePolicy(config.spike),
                     Recorder(sink, NoProgress()), Accounting(model_flops_per_token=1.0))
     loop.run(0)
     assert pods[1].step_requests == []                       # the failed pod gets nothing
@@ -91,9 +91,9 @@ class Events:
 
 def test_degrade_gives_the_survivors_the_new_hosts_and_continues_where_they_are():
     pods = [MemberPod(0), MemberPod(1), MemberPod(2)]
-    cluster = Cluster(pods, make_config(max_restarts=3, restart_timeout_s=0.1))
+    cluster = Cluster(pods, make_config(recovery={"max_restarts": 3, "restart_timeout_s": 0.1}))
     events = Events()
-    failover = Failover(cluster, events)
+    failover = Failover(cluster.config.recovery, cluster, events)
     try:
         step = failover.degrade(PodFailure("pod 1 died", [1]))
     finally:
@@ -108,7 +108,8 @@ def test_degrade_gives_the_survivors_the_new_hosts_and_continues_where_they_are(
 
 def test_degrade_refuses_survivors_that_diverged_and_counts_failures():
     pods = [MemberPod(0, state="a"), MemberPod(1), MemberPod(2, state="b")]
-    failover = Failover(Cluster(pods, make_config(max_restarts=1, restart_timeout_s=0.1)), Events())
+    config = make_config(recovery={"max_restarts": 1, "restart_timeout_s": 0.1})
+    failover = Failover(config.recovery, Cluster(pods, config), Events())
     try:
         with pytest.raises(RunError, match="diverged"):
             failover.degrade(PodFailure("pod 1 died", [1]))

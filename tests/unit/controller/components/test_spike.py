@@ -5,7 +5,7 @@ import math
 
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core import fault_hooks as faults
-from multipod.controller.core.run_config import RunConfig
+from multipod.controller.core.run_config import SpikeConfig
 from tests.unit.controller.fakes import a_step_record
 
 
@@ -14,7 +14,7 @@ def _record(step, loss, skipped=False, data_index=None):
 
 
 def _policy(**fields):
-    return SpikePolicy(RunConfig(**{"on_spike": "rewind", "spike_window": 3, "spike_threshold": 3.0, **fields}))
+    return SpikePolicy(SpikeConfig(**{"policy": "rewind", "window": 3, "threshold": 3.0, **fields}))
 
 
 def test_nothing_is_judged_until_the_window_is_full():
@@ -61,7 +61,7 @@ def test_a_restore_rebuilds_the_window_the_uninterrupted_run_has_at_that_step():
 
 
 def test_without_rewind_no_spike_is_reported():
-    policy = _policy(on_spike="none")
+    policy = _policy(policy="none")
     for step in range(3):
         policy.check(_record(step, 2.0))
     assert policy.check(_record(3, 100.0)) is None

@@ -44,6 +44,15 @@ def test_shipped_configs_load():
     (["data.seq_len=4096"], "data.seq_len"),
     (["data.path=/no/such/place"], "data.path"),
     (["run.fingerprint_every=-1"], "run.fingerprint_every"),
+    (["checkpoint.keep=0"], "checkpoint.keep"),
+    (["checkpoint.every=-1"], "checkpoint.every"),
+    (["eval.batches=-1"], "eval.batches"),
+    (["sample.temperature=-0.5"], "sample.temperature"),
+    (["recovery.max_restarts=-1"], "recovery.max_restarts"),
+    (["health.interval_s=0"], "health.interval_s"),
+    (["health.progress_timeout_s=-1"], "health.progress_timeout_s"),
+    (["spike.window=0"], "spike.window"),
+    (["spike.skip_batches=-2"], "spike.skip_batches"),
 ])
 def test_bad_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as info:
@@ -111,9 +120,9 @@ def test_tokenizer_kinds_and_eval_every(tmp_path):
     for value in ("bytes", "bpe:4096", str(tokenizer)):
         assert load_config(None, [f"data.tokenizer={value!r}".replace("'", '"')]).data.tokenizer == value
     assert load_config(None, ["data.tokenizer=\"bpe:300\""]).data.bpe_size() == 300
-    assert load_config(None, ["run.eval_every=50"]).run.eval_every == 50
-    with pytest.raises(ConfigError, match="run.eval_every"):
-        load_config(None, ["run.eval_every=-1"])
+    assert load_config(None, ["eval.every=50"]).eval.every == 50
+    with pytest.raises(ConfigError, match="eval.every"):
+        load_config(None, ["eval.every=-1"])
 
 
 def test_load_config_reports_the_keys_the_user_gave(tmp_path):
@@ -126,13 +135,13 @@ def test_load_config_reports_the_keys_the_user_gave(tmp_path):
 
 def test_run_policies_load_as_enum_members_and_an_unknown_one_lists_the_choices():
     from multipod.controller.core.policies import OnPodFailure, OnSpike
-    config = load_config(None, ['run.on_spike="rewind"', 'run.on_pod_failure="restore"'])
-    assert config.run.on_spike is OnSpike.REWIND and config.run.on_pod_failure is OnPodFailure.RESTORE
+    config = load_config(None, ['spike.policy="rewind"', 'recovery.on_pod_failure="restore"'])
+    assert config.spike.policy is OnSpike.REWIND and config.recovery.on_pod_failure is OnPodFailure.RESTORE
     assert Config.from_json(config.to_json()) == config
-    with pytest.raises(ConfigError, match=r"^run.on_spike: must be one of none, rewind, got 'sometimes'$"):
-        load_config(None, ['run.on_spike="sometimes"'])
-    with pytest.raises(ConfigError, match=r"^run.on_pod_failure: must be one of degrade, restore, got 'retry'$"):
-        load_config(None, ['run.on_pod_failure="retry"'])
+    with pytest.raises(ConfigError, match=r"^spike.policy: must be one of none, rewind, got 'sometimes'$"):
+        load_config(None, ['spike.policy="sometimes"'])
+    with pytest.raises(ConfigError, match=r"^recovery.on_pod_failure: must be one of degrade, restore, got 'retry'$"):
+        load_config(None, ['recovery.on_pod_failure="retry"'])
 
 
 def test_default_toml_is_the_built_in_defaults():
@@ -158,3 +167,51 @@ def test_the_workers_sections_are_imported_from_where_they_live():
                 if isinstance(node, ast.ImportFrom) and node.module == "multipod.controller.core.run_config":
                     found += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name in shared]
     assert not found, found
+
+
+def test_each_component_has_its_section_and_run_keeps_the_loop_s_own():
+    from multipod.controller.core.run_config import CheckpointConfig, EvalConfig, SpikeConfig
+    config = load_config(None, ["checkpoint.every=7", "checkpoint.keep=2", 'checkpoint.dir="/shared/c"',
+                                "eval.every=5", "spike.window=4", "health.timeout_s=1.5", "run.steps=9"])
+    assert config.checkpoint == CheckpointConfig(every=7, keep=2, dir="/shared/c")
+    assert config.eval == EvalConfig(every=5) and config.spike == SpikeConfig(window=4)
+    assert (config.health.timeout_s, config.run.steps) == (1.5, 9)
+    run_keys = {name for name in Config().to_dict()["run"]}
+    assert run_keys == {"steps", "seed", "peak_flops", "measure_peak", "fingerprint_every", "step_timeout_s",
+                        "connect_timeout_s", "configure_timeout_s", "dispatch_depth"}
+
+
+@pytest.mark.parametrize("old, new", [("checkpoint_every", "checkpoint.every"), ("on_spike", "spike.policy"),
+                                      ("health_timeout_s", "health.timeout_s")])
+def test_a_run_key_that_moved_is_refused_naming_where_it_lives_now(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=rf"^run.{old}: is {new} now$"):
+        load_config(None, [f"run.{old}=1"])
+    path = tmp_path / "old.toml"
+    path.write_text(f"[run]\nsteps = 3\n{old} = 1\n")
+    with pytest.raises(ConfigError, match=rf"^run.{old}: is {new} now$"):
+        load_config(str(path))
+
+
+def test_upgrade_moves_an_older_version_s_run_keys_to_their_sections():
+    from multipod.controller.core.policies import OnPodFailure, OnSpike
+    from multipod.controller.core.run_config import upgrade
+    old = Config().to_dict()
+    for section in ("checkpoint", "eval", "sample", "recovery", "health", "spike"):
+        del old[section]
+    del old["run"]["fingerprint_every"]
+    old["run"].update(checkpoint_every=7, keep_checkpoints=2, checkpoint_dir="/c", eval_every=9, eval_batches=1,
+                      sample_tokens=5, sample_prompt="x", sample_temperature=0.25, on_pod_failure="restore",
+                      max_restarts=4, restart_timeout_s=9.0, health_interval_s=1.0, health_timeout_s=4.0,
+                      progress_timeout_s=3.0, on_spike="rewind", spike_threshold=2.0, spike_window=6, skip_batches=2,
+                      full_fingerprint_every=11)
+    config = Config.from_dict(upgrade(old))
+    assert (config.checkpoint.every, config.checkpoint.keep, config.checkpoint.dir) == (7, 2, "/c")
+    assert (config.eval.every, config.eval.batches) == (9, 1)
+    assert (config.sample.tokens, config.sample.prompt, config.sample.temperature) == (5, "x", 0.25)
+    assert config.recovery.on_pod_failure is OnPodFailure.RESTORE
+    assert (config.recovery.max_restarts, config.recovery.restart_timeout_s) == (4, 9.0)
+    assert (config.health.interval_s, config.health.timeout_s, config.health.progress_timeout_s) == (1.0, 4.0, 3.0)
+    assert config.spike == type(config.spike)(policy=OnSpike.REWIND, threshold=2.0, window=6, skip_batches=2)
+    assert config.run.fingerprint_every == 11
+    current = Config().to_dict()
+    assert upgrade(current) == current       # a current config is left as it is

@@ -39,11 +39,12 @@ class BoundaryLog:
         return step in self.drain_at
 
 
-def _loop(pods, log=None, drain_at=(), **run):
+def _loop(pods, log=None, drain_at=(), health=None, spike=None, **run):
+    """A StepLoop on `pods`; `run` sets [run] fields, `health` and `spike` those sections'."""
     log = log if log is not None else []
-    config = make_config(**run)
+    config = make_config(run=run, health=health or {}, spike=spike or {})
     sink = ListSink(log)
-    loop = StepLoop(Cluster(pods, config), FakeBatches(), BoundaryLog(log, drain_at), SpikePolicy(config.run),
+    loop = StepLoop(Cluster(pods, config), FakeBatches(), BoundaryLog(log, drain_at), SpikePolicy(config.spike),
                     Recorder(sink, NoProgress()), Accounting(model_flops_per_token=1.0))
     return loop, sink
 
@@ -117,7 +118,8 @@ def test_a_step_that_never_finishes_hits_the_progress_deadline():
     # The pods answer their health checks, yet no step finishes: the progress deadline fires.
     def step(pod, s, data):
         return HANG if s == 1 else step_reply(pod, s)
-    loop, _ = _loop([FakePod(0, step), FakePod(1, step)], steps=4, step_timeout_s=300.0, progress_timeout_s=0.5)
+    loop, _ = _loop([FakePod(0, step), FakePod(1, step)], steps=4, step_timeout_s=300.0,
+                    health={"progress_timeout_s": 0.5})
     started = time.monotonic()
     with pytest.raises(PodFailure, match=r"step 1: no step finished for 0.5s"):
         loop.run(0)
@@ -157,8 +159,8 @@ def test_a_spike_is_raised_after_its_record_and_the_steps_in_flight_finish():
     def step(pod, s, data):
         return step_reply(pod, s, loss=50.0 if s == 4 else 2.0)
     log: list = []
-    loop, sink = _loop([FakePod(0, step, log=log), FakePod(1, step)], log, steps=8, on_spike="rewind",
-                       spike_window=3, spike_threshold=3.0)
+    loop, sink = _loop([FakePod(0, step, log=log), FakePod(1, step)], log, steps=8,
+                       spike={"policy": "rewind", "window": 3, "threshold": 3.0})
     with pytest.raises(Spike) as info:
         loop.run(0)
     assert info.value.step == 4 and info.value.loss == 50.0

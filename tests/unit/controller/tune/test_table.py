@@ -62,7 +62,7 @@ def test_json_report_names_the_best_rank(tmp_path):
 
 def test_written_toml_round_trips(tmp_path):
     config = load_config(TINY, ["model.remat=\"selective\"", "mesh.model=2"])
-    config = dataclasses.replace(config, run=dataclasses.replace(config.run, sample_prompt='say "hi"\n\tend'))
+    config = dataclasses.replace(config, sample=dataclasses.replace(config.sample, prompt='say "hi"\n\tend'))
     path = tmp_path / "c.toml"
     path.write_text(config_toml(config, ["a header"]))
     assert load_config(str(path)) == config
