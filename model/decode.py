@@ -32,12 +32,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multipod.model.config import ModelConfig
+from multipod.model.config import ModelConfig, RematPolicy
 from multipod.model.layers import CACHE
 from multipod.model.transformer import Transformer
 
@@ -79,7 +80,7 @@ class Chunk:
 def decoding_config(config: ModelConfig) -> ModelConfig:
     """The config decoding runs the model with: the same parameters and math, without the
     training-only layout choices (remat, sequence parallelism, microbatches)."""
-    return dataclasses.replace(config, remat="none", sequence_parallel=False, microbatches=1)
+    return dataclasses.replace(config, remat=RematPolicy.NONE, sequence_parallel=False, microbatches=1)
 
 
 def cache_axes(config: ModelConfig) -> list[dict]:
@@ -94,6 +95,14 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> list[dict]:
             for _ in range(config.n_layers)]
 
 
+def _run(model: Transformer, params, tokens: jax.Array, cache: list, start: jax.Array,
+         prefix: jax.Array | None = None) -> tuple[jax.Array, list]:
+    """The model with a cache: (logits, the updated cache)."""
+    # cast: flax types apply() as the output or an (output, variables) pair; without `mutable`
+    # it is the output alone, here the model's (logits, cache).
+    return cast(tuple[jax.Array, list], model.apply({"params": params}, tokens, cache, start, prefix=prefix))
+
+
 def prefill(params, config: ModelConfig, cache: list, tokens: jax.Array, lengths: jax.Array,
             prefix: jax.Array | None = None):
     """Run the prompts tokens [B, P] (row b's real tokens: the first lengths[b]) into `cache` from
@@ -102,7 +111,7 @@ def prefill(params, config: ModelConfig, cache: list, tokens: jax.Array, lengths
     positions N ..."""
     model = Transformer(decoding_config(config))
     start = jnp.zeros(tokens.shape[:1], jnp.int32)
-    logits, cache = model.apply({"params": params}, tokens, cache, start, prefix=prefix)
+    logits, cache = _run(model, params, tokens, cache, start, prefix=prefix)
     before = 0 if prefix is None else prefix.shape[0]
     last = jnp.take_along_axis(logits, (lengths + before - 1)[:, None, None], axis=1)[:, 0]
     return last, cache
@@ -112,7 +121,7 @@ def decode_step(params, config: ModelConfig, cache: list, tokens: jax.Array, pos
     """One token per row (tokens int32 [B]) at row b's position positions[b]; returns (float32
     logits [B, vocab] for the token after it, cache)."""
     model = Transformer(decoding_config(config))
-    logits, cache = model.apply({"params": params}, tokens[:, None], cache, positions)
+    logits, cache = _run(model, params, tokens[:, None], cache, positions)
     return logits[:, 0], cache
 
 
@@ -324,7 +333,7 @@ class Decoder:
     def generate(self, params, prompts, num_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
                  shift_context: bool = False) -> list[np.ndarray]:
         """Every prompt's completion (int32 [n_i], n_i <= num_tokens: shorter if it ended at eos_id)."""
-        out = [[] for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
         for chunk in self.stream(params, prompts, num_tokens, sampling, eos_id, shift_context):
             for row, token in zip(chunk.rows.tolist(), chunk.tokens.tolist()):
                 out[row].append(token)

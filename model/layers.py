@@ -55,7 +55,7 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
 def _param(module: nn.Module, name: str, shape, names, std: float, config: ModelConfig):
     """A normal(std)-initialised weight annotated with logical axis names."""
     init = nn.with_logical_partitioning(nn.initializers.normal(std), names)
-    return module.param(name, init, shape, config.weight_dtype).astype(config.compute_dtype)
+    return module.param(name, init, shape, config.weight_dtype, unbox=True).astype(config.compute_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
-        scale = self.param("scale", init, (x.shape[-1],), self.config.weight_dtype)
+        scale = self.param("scale", init, (x.shape[-1],), self.config.weight_dtype, unbox=True)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(self.config.compute_dtype)
@@ -140,6 +140,8 @@ class Attention(nn.Module):
         batch, length = x.shape[:2]
         if cache is None:
             visible = jnp.tril(jnp.ones((length, length), dtype=bool))
+        elif start is None:
+            raise ValueError("attention with a cache needs `start`, each row's first position")
         else:
             cache = {"key": write_cache(cache["key"], key, start), "value": write_cache(cache["value"], value, start)}
             key, value = cache["key"].astype(key.dtype), cache["value"].astype(value.dtype)

@@ -1,6 +1,8 @@
 """Next-token cross-entropy and PaLM's auxiliary z-loss."""
 from __future__ import annotations
 
+from typing import cast
+
 import jax
 import jax.numpy as jnp
 
@@ -33,7 +35,9 @@ def loss_sums(params, tokens: jax.Array, config: ModelConfig) -> tuple[jax.Array
     divide by the global token count once.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = Transformer(config).apply({"params": params}, inputs)
+    # cast: flax types apply() as the output or an (output, variables) pair; without `mutable`
+    # it is the output alone.
+    logits = cast(jax.Array, Transformer(config).apply({"params": params}, inputs))
     ce, z_loss = token_losses(logits, targets, config.z_loss_weight)
     return jnp.sum(ce), jnp.sum(z_loss)
 
@@ -46,7 +50,7 @@ def prompted_loss_sums(params, prefix: jax.Array, tokens: jax.Array, loss_mask: 
     tokens: int32 [B, T+1] as in loss_sums; the logits of the N virtual positions predict nothing.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = Transformer(config).apply({"params": params}, inputs, prefix=prefix)[:, prefix.shape[0]:]
+    logits = cast(jax.Array, Transformer(config).apply({"params": params}, inputs, prefix=prefix))[:, prefix.shape[0]:]
     ce, z_loss = token_losses(logits, targets, config.z_loss_weight)
     if loss_mask is not None:
         weight = loss_mask.astype(jnp.float32)

@@ -127,6 +127,7 @@ def param_shardings(abstract_params, mesh: Mesh):
 
 def _sharding_for(mesh: Mesh, logical_axes: tuple[str, ...]) -> NamedSharding:
     spec = nn.logical_to_mesh_axes(logical_axes, _RULES)
+    assert spec is not None     # None only for axis names None
     return NamedSharding(mesh, spec)
 
 

@@ -13,6 +13,7 @@ that Transformer.__call__ puts before every sequence (its `prefix`):
 from __future__ import annotations
 
 import enum
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -71,4 +72,6 @@ def sampled_vocab_init(embedding: jax.Array, virtual_tokens: int, seed: int) -> 
 def prompt_embeddings(prompt_params: dict, kind: PromptKind, d_model: int, hidden: int) -> jax.Array:
     """The virtual-token embeddings [N, d] the encoder makes of `prompt_params`."""
     virtual_tokens = prompt_params["virtual"].shape[0]
-    return PromptEncoder(kind, virtual_tokens, d_model, hidden).apply({"params": prompt_params})
+    # cast: flax types apply() as the output or an (output, variables) pair; without `mutable`
+    # it is the output alone.
+    return cast(jax.Array, PromptEncoder(kind, virtual_tokens, d_model, hidden).apply({"params": prompt_params}))

@@ -40,7 +40,7 @@ class Transformer(nn.Module):
         # "repeat the input" bias (initial loss 12 for d=256) and make Adam's absolute steps tiny
         # relative to the embedding. sigma = 1/sqrt(d_model) keeps that logit O(1).
         init = nn.with_logical_partitioning(nn.initializers.normal(c.d_model ** -0.5), ("vocab", "embed"))
-        embedding = self.param("embedding", init, (c.vocab_size, c.d_model), c.weight_dtype)
+        embedding = self.param("embedding", init, (c.vocab_size, c.d_model), c.weight_dtype, unbox=True)
         embedding = embedding.astype(c.compute_dtype)
 
         x = embed_tokens(embedding, tokens)
@@ -113,7 +113,8 @@ def init_params(config: ModelConfig, seed: int, shardings=None) -> dict:
     unsharded init because jax's threefry RNG is partitionable.
     """
     config.validate()
-    treedef, leaves = None, ()
+    treedef: jax.tree_util.PyTreeDef | None = None
+    leaves: list = []
     if shardings is not None:
         leaves, treedef = jax.tree_util.tree_flatten(shardings)
     return _jitted_init(config, treedef, tuple(leaves))(jax.random.PRNGKey(seed))

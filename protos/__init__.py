@@ -18,10 +18,11 @@ KEEPALIVE_TIMEOUT_MS = 20_000
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
-                    keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int]]:
+                    keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int | str]]:
     """gRPC options for servers and channels alike (one list, so both ends agree): the same
     message limits, keepalive pings, a server that accepts those pings, and a listening port that
-    no second process can bind. Options of the other side are ignored by each side."""
+    no second process can bind. Options of the other side are ignored by each side. The values
+    are integers; a caller may add string-valued ones (a TLS name override)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -68,7 +68,7 @@ def encode(array) -> bytes:
     name = dtype_name(arr.dtype)
     # memoryview over the raw bytes: msgpack packs it without a tobytes() copy. A 0-d or empty
     # array is reshaped to 1-d first because memoryview.cast needs a non-zero-dim view.
-    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
+    data = arr.reshape(-1).view(np.uint8).data if arr.size else b""
     return msgpack.packb({"dtype": name, "shape": list(arr.shape), "data": data}, use_bin_type=True)
 
 

@@ -236,14 +236,15 @@ class PodClient(PodApi):
         the rows do not split over the hosts."""
         k = len(self.hosts)
 
-        def blocks(shard, what: str) -> tuple[list[bytes], list[bytes] | None]:
+        def blocks(shard: pb.StepRequest | pb.Shard, what: str) -> tuple[list[bytes], list[bytes] | None]:
             masks = _split_rows(shard.loss_mask, k, f"the loss mask of {what}") if shard.loss_mask else None
             return _split_rows(shard.tokens, k, what), masks
         own = blocks(request, f"{self.name}'s shard")
         extra = [blocks(s, f"the shard of slot {s.slot} (computed by {self.name})") for s in request.extra_shards]
         out = _copies(request, k)
         for h, copy in enumerate(out):
-            for shard, (tokens, masks) in zip([copy, *copy.extra_shards], [own, *extra]):
+            shards: list[pb.StepRequest | pb.Shard] = [copy, *copy.extra_shards]   # each with tokens, loss_mask
+            for shard, (tokens, masks) in zip(shards, [own, *extra]):
                 shard.tokens = tokens[h]
                 if masks is not None:
                     shard.loss_mask = masks[h]

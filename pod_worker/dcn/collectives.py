@@ -50,6 +50,12 @@ class _Collective:
         finally:
             stats.idle_s += time.monotonic() - start
 
+    def _put(self, step: int, deadline: float, peer: int, phase: int, leaf: int, offset: int, payload) -> int:
+        """Queue one chunk for `peer`; the bytes it takes on the wire."""
+        if self.outbox is None:     # a pod has an outbox whenever it has peers
+            raise RuntimeError(f"pod {self.me} has no outbox to send pod {peer} a chunk")
+        return self.outbox.put(step, deadline, peer, phase, leaf, offset, payload)
+
     def _send(self, step, deadline, stats, peers, phase, leaf, values, start, stop, decoded=None):
         """Encode values[0:stop-start] (the leaf's values [start, stop)) chunk by chunk, queue each
         chunk for `peers` and, if given, decode it into `decoded` (what this pod uses itself)."""
@@ -57,7 +63,7 @@ class _Collective:
         for a, b in self.plan.chunks(leaf, start, stop):
             payload = codec.encode(values[a - start:b - start])
             for p in peers:
-                stats.bytes_sent += self.outbox.put(step, deadline, p, phase, leaf, a, payload)
+                stats.bytes_sent += self._put(step, deadline, p, phase, leaf, a, payload)
             if decoded is not None:
                 codec.decode_into(payload, decoded[a - start:b - start])
 
@@ -65,7 +71,7 @@ class _Collective:
 class WholeGradient(_Collective):
     def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats, extra=None) -> list:
         plan, state = self.plan, self.inbox.state(step)
-        own: list[np.ndarray | None] = [None] * len(plan.leaves)
+        own: dict[int, np.ndarray] = {}     # by leaf
         for i in order:
             values = _values(leaves[i])
             if plan.codec.compression == "none":
@@ -73,9 +79,9 @@ class WholeGradient(_Collective):
                 self.inbox.set_own(step, i, values)
                 self._send(step, deadline, stats, self.peers, PHASE_WHOLE, i, values, 0, values.size)
             else:
-                own[i] = np.empty(values.size, values.dtype)
-                self._send(step, deadline, stats, self.peers, PHASE_WHOLE, i, values, 0, values.size, own[i])
-                self.inbox.set_own(step, i, own[i])
+                own[i] = decoded = np.empty(values.size, values.dtype)
+                self._send(step, deadline, stats, self.peers, PHASE_WHOLE, i, values, 0, values.size, decoded)
+                self.inbox.set_own(step, i, decoded)
         (peer,) = self.peers
         results: list = [None] * len(plan.leaves)
         for i in order:
@@ -91,16 +97,16 @@ class ReduceScatterAllGather(_Collective):
     def run(self, step: int, leaves, order: list[int], on_leaf, deadline: float, stats, extra=None) -> list:
         plan, me, state = self.plan, self.me, self.inbox.state(step)
         compressed = plan.codec.compression != "none"
-        own: list[np.ndarray | None] = [None] * len(plan.leaves)
+        own: dict[int, np.ndarray] = {}     # by leaf: this pod's slice
         for i in order:         # reduce-scatter: slice p of every leaf to pod p
             values = _values(leaves[i])
             for p, (a, b) in enumerate(plan.ranges[i]):
                 if p != me:
                     self._send(step, deadline, stats, [p], PHASE_REDUCE, i, values[a:b], a, b)
                 elif compressed:
-                    own[i] = np.empty(b - a, values.dtype)
+                    own[i] = decoded = np.empty(b - a, values.dtype)
                     for ca, cb in plan.chunks(i, a, b):
-                        plan.codec.decode_into(plan.codec.encode(values[ca:cb]), own[i][ca - a:cb - a])
+                        plan.codec.decode_into(plan.codec.encode(values[ca:cb]), decoded[ca - a:cb - a])
                 else:
                     own[i] = values[a:b]
         for i in order:         # sum the owned slice in pod order; all-gather it
@@ -133,7 +139,7 @@ class SlotGather(_Collective):
                 for a, b in plan.slot_grid(i):
                     payload = codec.encode(values[a:b])
                     for p in self.peers:
-                        stats.bytes_sent += self.outbox.put(step, deadline, p, slot_phase(s), i, a, payload)
+                        stats.bytes_sent += self._put(step, deadline, p, slot_phase(s), i, a, payload)
                     if out is not None:
                         codec.decode_into(payload, out[a:b])
                 decoded[s][i] = values if out is None else out

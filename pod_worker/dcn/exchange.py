@@ -106,10 +106,8 @@ class Exchange:
                 self.outbox = Outbox(pod_index, run_id, peers, streams, secret,
                                      Pacer(link_gbps, link_latency_ms / 1e3), self.inbox.fail)
             listener.attach(self.inbox)
-        if self.plan.degraded:
-            algorithm = SlotGather
-        else:
-            algorithm = WholeGradient if self.plan.whole else ReduceScatterAllGather
+        algorithm = (SlotGather if self.plan.degraded
+                     else WholeGradient if self.plan.whole else ReduceScatterAllGather)
         self.collective = algorithm(self.plan, pod_index, self.inbox, self.outbox)
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ class _Slot:
     def __init__(self, spans: list[tuple[int, int]], targets: list[np.ndarray], counts: list[int]):
         self.spans = spans
         self.targets = targets
-        self.seen = [set() for _ in spans]
+        self.seen: list[set[int]] = [set() for _ in spans]
         self.missing = list(counts)         # chunks still to come, by leaf
         self.bytes = 0
         self.unfused: list[list[tuple[int, int]]] = [[] for _ in spans]   # 2 pods: ranges still to add
@@ -202,7 +202,9 @@ class Inbox:
         with self._cond:
             for step in steps:
                 state = self._steps.get(step)
-                slots = [s for (_, p), s in state.slots.items() if p == pod] if state is not None else []
+                if state is None:
+                    continue
+                slots = [s for (_, p), s in state.slots.items() if p == pod]
                 if any(any(s.missing) for s in slots):
                     state.errors.setdefault(pod, f"{why} after {sum(s.bytes for s in slots)} bytes")
             self._cond.notify_all()

@@ -91,9 +91,11 @@ class Plan:
         self.whole = num_pods <= 2
         self.ranges = [owned_ranges(l.size, num_pods) for l in leaves]
         self.total_bytes = sum(l.nbytes for l in leaves)
-        self.hosts = check_hosts(hosts, num_pods)      # None: healthy
-        self.degraded = self.hosts is not None
-        self.live = sorted(set(self.hosts)) if self.degraded else list(range(num_pods))
+        assigned = check_hosts(hosts, num_pods)        # None: healthy
+        self.degraded = assigned is not None
+        # hosts[slot]: the live pod that computes slot's shard (each pod its own when healthy).
+        self.hosts: tuple[int, ...] = assigned if assigned is not None else tuple(range(num_pods))
+        self.live = sorted(set(self.hosts))
         # Degraded: the slot grid of every leaf, and each chunk's (index, stop) by its offset.
         self._grids: list[list[tuple[int, int]]] = []
         self._grid_at: list[dict[int, tuple[int, int]]] = []

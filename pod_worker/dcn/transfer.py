@@ -238,6 +238,7 @@ class StateReceiver:
                     raise TransferError(f"state transfer {self.run_id} from pod {self.from_pod} failed: "
                                         f"{self._error}{self._last_refusal()}")
                 if self.complete:
+                    assert self._manifest is not None     # complete: the manifest came
                     step, fingerprint = self._manifest
                     leaves = [buf.reshape(spec.shape) for buf, spec in zip(self._staging, self.specs)]
                     return step, fingerprint, leaves, self._bytes

@@ -36,6 +36,8 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -56,6 +58,12 @@ PLAIN, CURVE = "tcp://", "curve://"
 
 class LinkError(RuntimeError):
     """A connection to a peer could not be set up or broke."""
+
+
+def _event_name(event: Mapping[str, Any]) -> str:
+    """A socket monitor event's name, e.g. "disconnected" (its number if zmq has no name for it)."""
+    name = zmq.Event(event["event"]).name
+    return name.lower() if name else f"event {event['event']}"
 
 
 # -- addresses and keys -----------------------------------------------------------------------------
@@ -202,7 +210,7 @@ class Listener:
         if sink is not None and peer is not None and peer.pod is not None and peer.run_id == sink.run_id:
             sink.refused_chunk(peer.pod, why)
 
-    def _on_event(self, event: dict) -> None:
+    def _on_event(self, event: Mapping[str, Any]) -> None:
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
         ident = self._by_fd.pop(int(event["value"]), None)
@@ -337,11 +345,11 @@ class Connection:
                     raise LinkError(f"{doing} pod {self.peer} at {self.address} timed out")
                 if self.stop.is_set():
                     raise LinkError(f"{doing} pod {self.peer}: the exchange was closed")
-                ready = dict(self._poller.poll(min(remaining, 0.2) * 1000))
+                ready = dict(self._poller.poll(int(min(remaining, 0.2) * 1000)))
                 if self._monitor in ready:
                     event = parse_monitor_message(self._monitor.recv_multipart())
                     raise LinkError(f"{doing} pod {self.peer} at {self.address}: connection "
-                                    f"{zmq.Event(event['event']).name.lower()}")
+                                    f"{_event_name(event)}")
                 if ready.get(self.socket, 0) & flag:
                     return
         finally:
@@ -392,12 +400,12 @@ def receive_any(connections: list[Connection], until: float, deadline: float,
         if any(c.stop.is_set() for c in connections):
             raise LinkError(f"{doing} pod {peer.peer}: stopped")
         now = time.monotonic()
-        ready = dict(poller.poll(max(0.0, min(until - now, deadline - now, 0.2)) * 1000))
+        ready = dict(poller.poll(int(max(0.0, min(until - now, deadline - now, 0.2)) * 1000)))
         for c in connections:
             if c._monitor in ready:
                 event = parse_monitor_message(c._monitor.recv_multipart())
                 raise LinkError(f"{doing} pod {c.peer} at {c.address}: connection "
-                                f"{zmq.Event(event['event']).name.lower()}")
+                                f"{_event_name(event)}")
             if c.socket in ready:
                 return c, c.socket.recv_multipart()
         now = time.monotonic()

@@ -53,9 +53,9 @@ class WireCodec:
         payload = np.empty(blocks * _SCALE.itemsize + count, np.uint8)
         scales = payload[:blocks * _SCALE.itemsize].view(_SCALE)
         quantised = payload[blocks * _SCALE.itemsize:].view(np.int8)
-        padded = np.zeros(blocks * BLOCK, np.float32)
-        padded[:count] = values
-        padded = padded.reshape(blocks, BLOCK)
+        flat = np.zeros(blocks * BLOCK, np.float32)
+        flat[:count] = values
+        padded = flat.reshape(blocks, BLOCK)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             # A block holding a non-finite value gets a non-finite scale: it decodes to NaN on
             # every pod alike, and every pod skips the update.
