@@ -149,6 +149,17 @@ class PromptConfig:
             raise ConfigError("prompt.base_checkpoint", "prompt tuning needs the base model's checkpoint")
 
 
+def validate_sections(config, seq_len_field: str, seq_len: int) -> None:
+    """Validate every section of a config dataclass (the worker's, or the controller's whole one),
+    then the rules that span the sections the worker uses: the sequences fit the model's context
+    (with a prompt's virtual tokens), and overlap and prompt tuning accept the rest."""
+    for section in dataclasses.fields(config):
+        getattr(config, section.name).validate()
+    check_fits(seq_len_field, seq_len, config.model, config.prompt)
+    check_overlap(config.dcn, config.model)
+    check_prompt(config.prompt, config.dcn, config.model)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a pod worker uses: model, optimizer, mesh, DCN link and the run's shape."""
@@ -160,11 +171,7 @@ class WorkerConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
 
     def validate(self) -> WorkerConfig:
-        for section in dataclasses.fields(self):
-            getattr(self, section.name).validate()
-        check_fits("train.seq_len", self.train.seq_len, self.model, self.prompt)
-        check_overlap(self.dcn, self.model)
-        check_prompt(self.prompt, self.dcn, self.model)
+        validate_sections(self, "train.seq_len", self.train.seq_len)
         return self
 
     @property

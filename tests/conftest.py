@@ -1,8 +1,24 @@
-"""Test-wide setup: simulate 4 CPU devices in the test process.
+"""Test-wide setup, before any test module imports jax:
 
-XLA reads the flag when jax initialises its backend, so it must be set before any test module
-imports jax. Worker subprocesses started by tests set their own device count.
+- simulate 4 CPU devices in the test process (worker subprocesses set their own count);
+- one persistent JAX compilation cache for the whole test session, in this process and in every
+  process a test starts (they inherit the environment; `multipod local` keeps a cache it is
+  given): a program compiled once, in any test, is loaded by every later test that compiles the
+  same program. It starts empty each session, so no test depends on an earlier session.
 """
+import atexit
+import os
+import shutil
+import tempfile
+
 from multipod.pod_worker.devices import simulate_cpu_devices
 
 simulate_cpu_devices(4, overwrite=False)
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="multipod-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    # Every program, however quick to compile: the tiny test models compile in well under the
+    # default 1 s threshold, and there are hundreds of them.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

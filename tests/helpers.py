@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
 
@@ -41,6 +43,18 @@ def run_param_count(run_dir: pathlib.Path) -> int:
     vocab_size followed the tokenizer)."""
     from multipod.model import ModelConfig
     return ModelConfig(**json.loads((run_dir / "config.json").read_text())["model"]).param_count()
+
+
+def same_losses(records: list[dict], reference: list[dict], rel: float = 1e-5) -> None:
+    """Assert that two runs' step losses agree (to `rel`) at every step both report whole. A step
+    recorded with partial_loss (a pod failed during it: a loaded machine can miss a health check,
+    and degraded mode carries on bitwise) holds the loss of the shards that came back only, so it
+    is left out; its state is checked like any other by the run itself (checksums)."""
+    whole = {r["step"]: r for r in reference if not r.get("partial_loss")}
+    compared = [r for r in records if not r.get("partial_loss") and r["step"] in whole]
+    assert compared, "no step to compare"
+    for r in compared:
+        assert r["loss"] == pytest.approx(whole[r["step"]]["loss"], rel=rel), r["step"]
 
 
 def read_evals(run_dir: pathlib.Path) -> list[dict]:

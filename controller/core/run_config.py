@@ -9,7 +9,6 @@ gets its own) and generate. Every error names the offending field.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import tomllib
@@ -26,12 +25,10 @@ from multipod.pod_worker.schema import (
     TrainShape,
     WorkerConfig,
     build,
-    check_fits,
-    check_overlap,
-    check_prompt,
     non_negative,
     plain,
     positive,
+    validate_sections,
 )
 
 # A trained BPE (data.tokenizer = "bpe:N") has the 256 byte symbols, <|endoftext|> and at least
@@ -267,12 +264,9 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     def validate(self) -> Config:
-        """Check every section and the cross-section rules; return self."""
-        for section in dataclasses.fields(self):
-            getattr(self, section.name).validate()
-        check_fits("data.seq_len", self.data.seq_len, self.model, self.prompt)
-        check_overlap(self.dcn, self.model)   # refused on load, not only when a worker configures
-        check_prompt(self.prompt, self.dcn, self.model)
+        """Check every section and the cross-section rules (the worker's too: a bad overlap or
+        prompt is refused on load, not only when a worker configures); return self."""
+        validate_sections(self, "data.seq_len", self.data.seq_len)
         return self
 
     def to_dict(self) -> dict:

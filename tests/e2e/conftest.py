@@ -7,11 +7,13 @@ from tests.helpers import cli_env
 
 
 @pytest.fixture(scope="session")
-def cached_env(tmp_path_factory) -> dict:
-    """The CLI's environment with one persistent compilation cache for every e2e run of the
-    session (and every restarted worker): only the first run of a model compiles its steps."""
-    return dict(cli_env(), JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+def cached_env() -> dict:
+    """The CLI's environment, which carries the session's persistent compilation cache
+    (tests/conftest.py) to every e2e run and every restarted worker: only the first run of a
+    model compiles its steps."""
+    env = cli_env()
+    assert env.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's compilation cache"
+    return env
 
 
 @pytest.fixture(scope="session")

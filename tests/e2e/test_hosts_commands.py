@@ -15,7 +15,7 @@ import math
 import pytest
 
 from tests.e2e import ptune_task
-from tests.helpers import TINY, read_evals, read_metrics, run_cli
+from tests.helpers import TINY, read_evals, read_metrics, run_cli, same_losses
 
 STEPS = 6
 TWO_HOSTS = ("--pods", "2", "--hosts-per-pod", "2", "--devices-per-host", "1")
@@ -90,8 +90,9 @@ def test_ptune_tunes_a_prompt_on_two_host_pods_as_on_single_host_pods(trained, t
     _identical_pods(records, steps)
     for a, b in zip(records, reference):
         # The output tokens the loss counts: summed over the hosts' rows, as one host counts them.
-        assert a["tokens"] == b["tokens"], a["step"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+        if not a.get("partial_loss"):
+            assert a["tokens"] == b["tokens"], a["step"]
+    same_losses(records, reference)
     evals, evals_single = read_evals(tmp_path / "hosts"), read_evals(tmp_path / "single")
     assert [e["trained_steps"] for e in evals] == [2, steps]
     for a, b in zip(evals, evals_single):

@@ -39,7 +39,8 @@ def wheel(tmp_path_factory) -> pathlib.Path:
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache"))
+        ".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache",
+        ".mypy", ".mypy_cache"))
     dist = tmp / "dist"
     built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, source,
                  cwd=tmp)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers import TINY, pid_alive, read_evals, read_metrics, run_cli, worker_pids
+from tests.helpers import TINY, pid_alive, read_evals, read_metrics, run_cli, same_losses, worker_pids
 
 STEPS = 20
 EVAL_EVERY = 10
@@ -77,8 +77,7 @@ def test_two_pods_match_one_pod_with_the_whole_batch(two_pods, one_pod):
     two = read_metrics(two_pods[0])
     one = read_metrics(one_pod[0])
     assert len(one) == len(two) == STEPS
-    for a, b in zip(two, one):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+    same_losses(two, one)
     assert one[0]["dcn_bytes_sent"] == 0
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.e2e import ptune_task
-from tests.helpers import TINY, read_evals, read_metrics, run_cli
+from tests.helpers import TINY, read_evals, read_metrics, run_cli, same_losses
 
 STEPS = 60
 # 2 pods against 1 over the first PARITY_STEPS steps: the sum of two half-batch gradients differs
@@ -54,9 +54,10 @@ def test_the_task_loss_falls_and_two_pods_train_as_one(files, two_pods):
     one, _ = _ptune(files, "one", 1, steps=PARITY_STEPS)
     steps_two, steps_one = read_metrics(two), read_metrics(one)
     assert len(steps_two) == STEPS and len(steps_one) == PARITY_STEPS
+    same_losses(steps_two, steps_one)
     for a, b in zip(steps_two, steps_one):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
-        assert a["tokens"] == b["tokens"]        # the output tokens of the batch, the same on any pods
+        if not a.get("partial_loss"):
+            assert a["tokens"] == b["tokens"]    # the output tokens of the batch, the same on any pods
     evals_two, evals_one = read_evals(two), read_evals(one)
     assert evals_two[0]["trained_steps"] == evals_one[-1]["trained_steps"] == PARITY_STEPS
     assert evals_two[0]["eval_loss"] == pytest.approx(evals_one[-1]["eval_loss"], rel=1e-5)
