@@ -25,6 +25,18 @@ def cli_env() -> dict:
     return env
 
 
+# How a test starts the CLI in a process it may interrupt: with Ctrl-C's handler in place. A shell
+# that starts the test run in the background ignores SIGINT for it, and an ignored signal stays
+# ignored in every child, so `multipod` would train on through the test's Ctrl-C.
+_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "runpy.run_module('multipod.cli', run_name='__main__', alter_sys=True)")
+
+
+def cli_argv(*args: str) -> list[str]:
+    """The command line of `multipod ARGS` in a fresh process that Ctrl-C (SIGINT) interrupts."""
+    return [sys.executable, "-c", _WITH_CTRL_C, *args]
+
+
 def run_cli(*args: str, timeout: float = 240, cwd: pathlib.Path | None = None,
             env: dict | None = None) -> subprocess.CompletedProcess:
     """`multipod ARGS` in a fresh process (the same code as the console script), in cli_env()

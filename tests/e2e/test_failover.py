@@ -19,19 +19,21 @@ from tests.e2e.test_recovery import _current_pid, _events, _Live, _run, _wait_fo
 from tests.helpers import TINY, read_metrics
 
 # The 3-pod runs: long enough for the failures they inject (a kill at step 10 or during the save of
-# step 50, a hang at HANG_STEP), not for the restarted workers to come back: from REJOIN_BY the
+# step 20, a hang at HANG_STEP), not for the restarted workers to come back: from REJOIN_BY the
 # controller waits for every failed pod to be ready to rejoin (a test hook, core/fault_hooks.py),
 # so a failed pod's return is an event the run waits for, however slow the machine.
-STEPS = 150
-HANG_STEP = 100
+STEPS = 60
+HANG_STEP = 40
 REJOIN_BY = STEPS - 3
-STEPS_2 = 250
+# The 2-pod runs on the test's own workers (nobody restarts them): long enough that the controller is
+# killed mid-run (once step 40 is recorded).
+STEPS_2 = 120
 
 
 def _args(pods: int, *extra: str) -> tuple[str, ...]:
     steps = STEPS if pods > 2 else STEPS_2
     return ("--pods", str(pods), "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
-            "--checkpoint-every", "50", "--set", "sample.tokens=0", "--set", "eval.batches=0",
+            "--checkpoint-every", "20", "--set", "sample.tokens=0", "--set", "eval.batches=0",
             "--set", f"data.global_batch={2 * pods}", "--set", "dcn.timeout_s=30",
             "--set", "run.step_timeout_s=90", "--set", "health.interval_s=0.5",
             "--set", "health.timeout_s=2", *extra)
@@ -104,7 +106,7 @@ def test_pod_0_killed_during_a_checkpoint_save_and_a_hung_pod(reference3, tmp_pa
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:     # a save after the baseline has started
             events = _events(tmp_path) if (tmp_path / "events.jsonl").exists() else []
-            if any(e["event"] == "checkpoint_started" and e["step"] >= 50 for e in events):
+            if any(e["event"] == "checkpoint_started" and e["step"] >= 20 for e in events):
                 break
             time.sleep(0.01)
         os.kill(_current_pid(tmp_path, 0)[0], signal.SIGKILL)
@@ -157,7 +159,7 @@ def test_a_restarted_controller_reattaches_to_live_workers_without_a_checkpoint(
     pods, env, reference = remote_pods
     run = _train(pods, tmp_path, env)
     try:
-        _wait_for_step(run.proc, tmp_path, 100)
+        _wait_for_step(run.proc, tmp_path, 40)
     finally:
         run.proc.kill()
         run.finish(60)

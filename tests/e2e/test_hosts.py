@@ -3,34 +3,48 @@ processes for two pods; the two hosts of a pod form one jax.distributed cluster)
 
 Compared with the same config on single-host pods of two devices: the per-step losses agree to
 1e-5 (the programs are cut differently, so not bitwise), the pods are bitwise identical at every
-step in both layouts, and each host moves half of the pod's gradient over the DCN."""
+step in both layouts, and each host moves half of the pod's gradient over the DCN. The run evaluates
+and writes its closing sample as a user's does; its checkpoints restore onto pods of two hosts and
+of one, `multipod generate` writes its very sample, `multipod report` draws it, `multipod ptune`
+tunes a prompt on it, and a killed host fails its pod, which rejoins as a whole."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import math
 import re
 import shutil
 
 import pytest
 
 from multipod.pod_worker import checkpoint
+from tests.e2e import ptune_task
 from tests.e2e.pod_failure import kill_and_finish
 from tests.e2e.test_recovery import _events, _Live, _run
-from tests.helpers import TINY, read_metrics, run_cli, run_param_count, same_losses
+from tests.helpers import TINY, read_evals, read_metrics, run_cli, run_param_count, same_losses
 
 STEPS = 8
-COMMON = ("--config", TINY, "--steps", str(STEPS), "--checkpoint-every", "4",
-          "--set", "sample.tokens=0", "--set", "eval.batches=0", "--set", "dcn.timeout_s=30",
+# As a user runs it: evaluation during the run and at its end, and the closing sample (every host
+# of a pod runs the generation's programs).
+COMMON = ("--config", TINY, "--steps", str(STEPS), "--checkpoint-every", "4", "--eval-every", "4",
+          "--set", "dcn.timeout_s=30",
           "--set", "run.step_timeout_s=90", "--set", "health.interval_s=0.5", "--set", "health.timeout_s=3")
 TWO_HOSTS = ("--pods", "2", "--hosts-per-pod", "2", "--devices-per-host", "1")
 ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
 
 
 @pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory, env):
+def two_hosts_run(tmp_path_factory, env):
+    """The run of pods of two hosts that the tests below read, restore, generate from and tune on."""
     run_dir = tmp_path_factory.mktemp("two-hosts")
     result = _run("local", *TWO_HOSTS, *COMMON, "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    return run_dir
+    return run_dir, result
+
+
+@pytest.fixture(scope="module")
+def two_hosts(two_hosts_run):
+    return two_hosts_run[0]
 
 
 def _identical(records: list[dict]) -> None:
@@ -96,36 +110,26 @@ def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_dev
 
 
 def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_hosts, tmp_path, env):
-    # Long enough for the kill at step 10, not for the pod's two hosts to restart, configure and
-    # rejoin: from step steps - 3 the controller waits for the pod to be ready to rejoin (a test
-    # hook, controller/core/fault_hooks.py), so its return is an event the run waits for.
-    steps = 60
-    args = [{str(STEPS): str(steps), "4": "50"}.get(a, a) for a in COMMON]
-    # The uninterrupted reference runs meanwhile (side by side: the test takes the longer of the
-    # two, not their sum; the survivor only trains slower, which leaves the pod more time to rejoin).
-    reference = tmp_path / "reference"
-    uninterrupted = _Live("local", *TWO_HOSTS, *args, "--run-dir", str(reference), env=env)
+    # Host 1 of pod 1 is killed once step 2 is recorded; from step 5 the controller waits for the
+    # pod's two hosts to be ready to rejoin (a test hook, controller/core/fault_hooks.py), so their
+    # return is an event the run waits for, not a race with its end. The uninterrupted run is the
+    # shared one: the same command.
     run_dir = tmp_path / "run"
-    run = _Live("local", *TWO_HOSTS, *args, "--run-dir", str(run_dir),
-                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP=str(steps - 3)))
+    run = _Live("local", *TWO_HOSTS, *COMMON, "--run-dir", str(run_dir),
+                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
 
     def host_1_of_pod_1() -> int:
         log = (run_dir / "worker-1-host-1.log").read_text()
         return int(re.findall(r"\(pid (\d+)\)", log)[-1])
 
-    try:
-        code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods")
-        assert code == 0, "".join(run.out) + "".join(run.err)
-        assert uninterrupted.finish(400) == 0, "".join(uninterrupted.out) + "".join(uninterrupted.err)
-    finally:
-        if uninterrupted.proc.poll() is None:
-            uninterrupted.proc.kill()
-    records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
-    assert [r["step"] for r in records] == list(range(steps))
+    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods", step=2)
+    assert code == 0, "".join(run.out) + "".join(run.err)
+    records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(two_hosts)}
+    assert [r["step"] for r in records] == list(range(STEPS))
     for r in records:
         assert set(r["checksums"]) == set(expected[r["step"]]["checksums"]), r["step"]
     assert json.loads((run_dir / "summary.json").read_text())["checksum"] == \
-        json.loads((reference / "summary.json").read_text())["checksum"]
+        json.loads((two_hosts / "summary.json").read_text())["checksum"]
     events = _events(run_dir)
     assert [e["pods"] for e in events if e["event"] == "pod_failure"] == [[1]]
     assert [e["pods"] for e in events if e["event"] == "rejoin"] == [[1]]     # both hosts came back as one pod
@@ -142,3 +146,73 @@ def test_several_hosts_need_a_coordinator():
     result = run_cli("worker", "--pod-index", "0", "--host-index", "0", "--hosts-per-pod", "2",
                      "--insecure-no-auth", timeout=60)
     assert result.returncode != 0 and "--pod-coordinator must be HOST:PORT" in result.stderr
+
+
+# The commands around a run, on its pods of two hosts.
+def _identical_pods(records: list[dict], steps: int) -> None:
+    assert [r["step"] for r in records] == list(range(steps))
+    for r in records:
+        assert len(r["checksums"]) == 2 and len(set(r["checksums"])) == 1, r["step"]
+
+
+def test_a_run_of_two_host_pods_evaluates_and_writes_its_closing_sample(two_hosts_run):
+    run_dir, result = two_hosts_run
+    _identical_pods(read_metrics(run_dir), STEPS)
+    evals = read_evals(run_dir)
+    assert [e["trained_steps"] for e in evals] == [4, STEPS]
+    assert all(math.isfinite(e["eval_loss"]) and e["eval_tokens"] > 0 for e in evals)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    assert summary["eval_loss"] == evals[-1]["eval_loss"]
+    assert summary["sample"].startswith(config["sample"]["prompt"])
+    assert len(summary["sample"]) > len(config["sample"]["prompt"])
+    assert "sample:" in result.stdout and (run_dir / "report.png").is_file()
+
+
+def test_generate_writes_the_run_s_sample_from_its_checkpoint_and_report_draws_the_run(two_hosts_run, tmp_path, env):
+    run_dir, _ = two_hosts_run
+    config = json.loads((run_dir / "config.json").read_text())
+    sample = config["sample"]
+    # The closing sample's request: its prompt, length, temperature and seed, no end token.
+    generate = ("generate", "--checkpoint", str(run_dir), "--prompt", sample["prompt"], "--max-tokens",
+                str(sample["tokens"]), "--temperature", str(sample["temperature"]), "--seed",
+                str(config["run"]["seed"]), "--ignore-eos", "--shift-context", "--devices", "2")
+    report = ("report", str(run_dir), "--out", str(tmp_path / "report.png"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        generated, drawn = pool.map(lambda args: run_cli(*args, env=env), (generate, report))
+    assert generated.returncode == 0, generated.stdout + generated.stderr
+    assert f"(step {STEPS})" in generated.stderr
+    # Each host of the pods wrote its part of the checkpoint; one process of two devices reads
+    # it, and its generation on the same mesh writes what the pods of two hosts wrote.
+    assert generated.stdout.rstrip("\n") == json.loads((run_dir / "summary.json").read_text())["sample"]
+    assert drawn.returncode == 0, drawn.stdout + drawn.stderr
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ptune_tunes_a_prompt_on_two_host_pods_as_on_single_host_pods(two_hosts_run, tmp_path, env):
+    run_dir, _ = two_hosts_run
+    _, task = ptune_task.write(tmp_path)
+    steps = 4
+
+    def ptune(name: str, pods: tuple[str, ...]):
+        return run_cli("ptune", "--checkpoint", str(run_dir / "checkpoints"), "--data", str(task), "--kind", "prompt",
+                       "--virtual-tokens", "4", *pods, "--steps", str(steps), "--eval-every", "2", "--no-peak",
+                       "--run-dir", str(tmp_path / name), env=env)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hosts, single = pool.map(lambda args: ptune(*args), (("hosts", TWO_HOSTS), ("single", ONE_HOST)))
+    assert hosts.returncode == 0, hosts.stdout + hosts.stderr
+    assert single.returncode == 0, single.stdout + single.stderr
+    assert "frozen base" in hosts.stdout and "sample:" in hosts.stdout
+    records, reference = read_metrics(tmp_path / "hosts"), read_metrics(tmp_path / "single")
+    _identical_pods(records, steps)
+    for a, b in zip(records, reference):
+        # The output tokens the loss counts: summed over the hosts' rows, as one host counts them.
+        if not a.get("partial_loss"):
+            assert a["tokens"] == b["tokens"], a["step"]
+    same_losses(records, reference)
+    evals, evals_single = read_evals(tmp_path / "hosts"), read_evals(tmp_path / "single")
+    assert [e["trained_steps"] for e in evals] == [2, steps]
+    for a, b in zip(evals, evals_single):
+        assert a["eval_tokens"] == b["eval_tokens"] and a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
+    summary = json.loads((tmp_path / "hosts" / "summary.json").read_text())
+    assert summary["sample"] and summary["base_fingerprint"]

@@ -1,15 +1,14 @@
 """Ctrl-C during `multipod local` stops the controller and every worker promptly."""
 import signal
 import subprocess
-import sys
 import time
 
-from tests.helpers import ROOT, TINY, cli_env, pid_alive, worker_pids
+from tests.helpers import ROOT, TINY, cli_argv, cli_env, pid_alive, worker_pids
 
 
 def test_ctrl_c_stops_everything(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "multipod.cli", "local", "--pods", "2", "--devices-per-pod", "1",
-                             "--config", TINY, "--steps", "100000", "--run-dir", str(tmp_path)],
+    proc = subprocess.Popen(cli_argv("local", "--pods", "2", "--devices-per-pod", "1",
+                                     "--config", TINY, "--steps", "100000", "--run-dir", str(tmp_path)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT)
     try:
         # Wait until training is under way (metrics are being written), then interrupt.

@@ -32,14 +32,14 @@ def files(tmp_path_factory):
     return folder, base / "checkpoints", task
 
 
-def _ptune(files, name: str, pods: int, steps: int = STEPS, kind: str = "mlp"):
+def _ptune(files, name: str, pods: int, steps: int = STEPS, kind: str = "mlp", *extra: str):
     folder, checkpoints, task = files
     run_dir = folder / name
     # The schedule is fixed (decay_steps), so a shorter run follows the longer one's first steps.
     result = run_cli("ptune", "--checkpoint", str(checkpoints), "--data", str(task), "--kind", kind,
                      "--virtual-tokens", "4", "--pods", str(pods), "--devices-per-pod", "1", "--steps", str(steps),
                      "--eval-every", str(PARITY_STEPS), "--set", f"optimizer.decay_steps={STEPS}", "--no-peak",
-                     "--run-dir", str(run_dir))
+                     "--run-dir", str(run_dir), *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir, result
 
@@ -67,8 +67,10 @@ def test_the_task_loss_falls_and_two_pods_train_as_one(files, two_pods):
 
 
 def test_prompt_tuning_itself_lowers_the_task_loss_as_clearly(files):
-    # --kind prompt: the virtual tokens' embeddings are the parameters (no encoder).
-    run_dir, _ = _ptune(files, "prompt", 1, kind="prompt")
+    # --kind prompt: the virtual tokens' embeddings are the parameters (no encoder). They move
+    # slowly at the encoder's learning rate (2.63 -> 2.35 here at 3e-2: a margin that depends on the
+    # base, which depends on the CPU's rounding); Lester et al. tune prompts at 0.3.
+    run_dir, _ = _ptune(files, "prompt", 1, STEPS, "prompt", "--set", "optimizer.learning_rate=0.3")
     steps, evals = read_metrics(run_dir), read_evals(run_dir)
     assert len(steps) == STEPS and evals[-1]["eval_loss"] < steps[0]["loss"] - 0.3
 

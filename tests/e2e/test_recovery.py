@@ -28,7 +28,7 @@ import pytest
 from multipod.controller.launch.local import LocalPods
 from multipod.pod_worker import checkpoint
 from multipod.protos.channels import Security
-from tests.helpers import ROOT, TINY, pid_alive, read_metrics
+from tests.helpers import ROOT, TINY, cli_argv, pid_alive, read_metrics
 
 STEPS = 10
 COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
@@ -84,7 +84,7 @@ class _Live:
     """A CLI process whose stdout/stderr lines are collected as they come."""
 
     def __init__(self, *args: str, env: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "multipod.cli", *args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cli_argv(*args), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
         self.out: list[str] = []
         self.err: list[str] = []

@@ -3,7 +3,7 @@ programs take host arrays replicated and give the next tokens whole on every dev
 a host array split over several processes' devices, and a host cannot read rows another holds);
 and a Pod laid out as host 0 of 2 (its meeting with the other host replaced by a recorder) holds
 the pod for the whole stream, meets the other host once before it, and runs it to its end when
-the caller leaves (the other host's programs wait for this one's). tests/e2e/test_hosts_commands.py
+the caller leaves (the other host's programs wait for this one's). tests/e2e/test_hosts.py
 runs it on real pods of two hosts."""
 from __future__ import annotations
 

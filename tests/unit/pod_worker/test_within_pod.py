@@ -163,7 +163,7 @@ def test_sequence_parallel_rules_map_residual_length_to_model():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("remat", "some", r"model.remat: must be one of \['none', 'full', 'selective'\]"),
+    ("remat", "some", r"model.remat: must be one of none, full, selective, got 'some'"),
     ("sequence_parallel", 1, "model.sequence_parallel: must be true or false"),
     ("microbatches", 0, "model.microbatches: must be positive"),
 ])

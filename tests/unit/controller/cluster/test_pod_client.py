@@ -415,7 +415,7 @@ def test_local_pods_start_every_host_and_restart_a_pod_as_a_whole(tmp_path, caps
 
         pods.kill(1, host=1)            # one host dies: the whole pod starts again
         _wait_for(lambda: all(proc.pid not in before[1] and proc.poll() is None for proc in pods.host_procs[1])
-                  and len(_argv_lines(pods.log_path(1, 1))) == 2, "pod 1 was not restarted")
+                  and all(len(_argv_lines(pods.log_path(1, h))) == 2 for h in range(2)), "pod 1 was not restarted")
         assert [proc.pid for proc in pods.host_procs[0]] == before[0]      # pod 0 untouched
         assert pods.restarts == 1 and pods.host_addresses == addresses and pods.coordinators == coordinators
         for h in range(2):
