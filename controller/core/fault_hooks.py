@@ -19,23 +19,21 @@ SPIKE_FACTOR = 1000.0
 REJOIN_BY_STEP_ENV = "MULTIPOD_TEST_REJOIN_BY_STEP"
 
 
-def spike_batch() -> int | None:
-    """The batch whose loss the test hook inflates, or None."""
-    value = os.environ.get(SPIKE_BATCH_ENV, "")
+def _int_env(name: str, what: str) -> int | None:
+    value = os.environ.get(name, "")
     if not value:
         return None
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{SPIKE_BATCH_ENV} must be a batch index, got {value!r}") from None
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+
+
+def spike_batch() -> int | None:
+    """The batch whose loss the test hook inflates, or None."""
+    return _int_env(SPIKE_BATCH_ENV, "a batch index")
 
 
 def rejoin_by_step() -> int | None:
     """The step from which degraded mode waits for failed pods to rejoin, or None."""
-    value = os.environ.get(REJOIN_BY_STEP_ENV, "")
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{REJOIN_BY_STEP_ENV} must be a step, got {value!r}") from None
+    return _int_env(REJOIN_BY_STEP_ENV, "a step")
