@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:     # e.g. the coordinator never answered, or another host has this index
         raise SystemExit(f"error: {layout.name(args.pod_index)}: cannot join the pod's cluster at "
                          f"{layout.coordinator}: {exc}") from None
+    if layout.multi:
+        from multipod.pod_worker.compile_cache import let_this_host_write
+        let_this_host_write(layout.host_index)
     from multipod.pod_worker.lifecycle import serve
     serve(args.pod_index, args.listen, port_file=args.port_file, exit_with_parent=args.exit_with_parent,
           security=security, dcn_listen=args.dcn_listen, dcn_encrypt=args.dcn_encrypt, layout=layout)
