@@ -196,19 +196,26 @@ class LocalPods(Launched):
         dcn_file.unlink(missing_ok=True)
         return port
 
+    def listen_host(self, pod: int, host: int) -> str:
+        """The address a host's worker listens on (both planes; host 0's also serves the pod's
+        coordinator): loopback here, a namespace's own address under NetnsPods."""
+        return "127.0.0.1"
+
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         hosts = range(self.hosts_per_pod)
-        self.coordinators = [f"127.0.0.1:{free_port()}" if self.multi_host else "" for _ in range(self.num_pods)]
-        self.dcn_listen = [["127.0.0.1:0" for _ in hosts] for _ in range(self.num_pods)]
+        self.coordinators = [f"{self.listen_host(pod, 0)}:{free_port()}" if self.multi_host else ""
+                             for pod in range(self.num_pods)]
+        self.dcn_listen = [[f"{self.listen_host(pod, host)}:0" for host in hosts] for pod in range(self.num_pods)]
         for pod in range(self.num_pods):
             self.host_procs.append([])
             for host in hosts:
-                self.host_procs[pod].append(self._spawn(pod, host, "127.0.0.1:0", "w"))
+                self.host_procs[pod].append(self._spawn(pod, host, f"{self.listen_host(pod, host)}:0", "w",
+                                                        self.dcn_listen[pod][host]))
         deadline = time.monotonic() + self.start_timeout_s
         for pod in range(self.num_pods):
             ports = [self._wait_port(pod, host, deadline) for host in hosts]
-            self.host_addresses.append([f"127.0.0.1:{port}" for port in ports])
+            self.host_addresses.append([f"{self.listen_host(pod, host)}:{port}" for host, port in enumerate(ports)])
         if self._supervisor is not None:
             self._supervisor.start()
 
