@@ -56,6 +56,18 @@ def add_local_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices-per-pod", type=int,
                         help="simulated devices per pod, all its hosts together, split evenly over them "
                              "(default 2 with one host per pod; = --hosts-per-pod x --devices-per-host if both given)")
+    parser.add_argument("--netns", action="store_true",
+                        help="run each host of each pod in a Linux network namespace of its own, with its own "
+                             "address, joined through a bridge (needs root or CAP_NET_ADMIN + CAP_SYS_ADMIN, and "
+                             "iproute2); the workers then serve TLS and CURVE with certificates made for the run")
+    parser.add_argument("--netns-rate-gbps", type=float, metavar="R",
+                        help="with --netns: shape each pod's link to R Gb/s each way (a tbf qdisc; default unshaped)")
+    parser.add_argument("--netns-subnet", metavar="CIDR",
+                        help="with --netns: the private IPv4 range of the run's addresses, one this machine does not "
+                             "use (default: the first free /24 of 10.213.0.0/16)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="with --netns: the workers listen on their namespace's address unencrypted (gRPC "
+                             "without TLS, data plane without CURVE)")
 
 
 def resolve_config(args: argparse.Namespace, given: set | None = None):

@@ -33,6 +33,7 @@ def train_run(args, addresses_fn) -> int:
     given: set = set()
     config = resolve_config(args, given)
     mode = _mode(args)
+    check_netns_args(args, mode)
     if mode == "train" and not config.checkpoint.dir:
         # Pod 0 writes the checkpoints: the default, under the controller's run directory, would
         # land on pod 0's own disk, where the other pods cannot read it when they restore.
@@ -78,6 +79,29 @@ def _mode(args: argparse.Namespace) -> str:
     return args.command
 
 
+def check_netns_args(args: argparse.Namespace, mode: str) -> None:
+    """--netns and its options, checked before the data is prepared: ConfigError for options that
+    do not go together, NetnsError (controller/launch/netns.py) for what this machine lacks."""
+    from multipod.controller.core.run_config import ConfigError
+    netns = getattr(args, "netns", False)
+    if not netns:
+        for flag, value in (("--netns-rate-gbps", getattr(args, "netns_rate_gbps", None)),
+                            ("--netns-subnet", getattr(args, "netns_subnet", None)),
+                            ("--insecure", getattr(args, "insecure", False) if mode != "ray" else False)):
+            if value not in (None, False):
+                raise ConfigError(flag, "only goes with --netns (without it the workers listen on loopback)")
+        return
+    if mode != "local":
+        raise ConfigError("--netns", "starts the pods itself: it does not go with --workers")
+    if args.netns_rate_gbps is not None and not args.netns_rate_gbps > 0:
+        raise ConfigError("--netns-rate-gbps", f"must be > 0, got {args.netns_rate_gbps}")
+    if args.tls_cert or args.tls_key or args.tls_ca or args.tls_server_name:
+        raise ConfigError("--netns", "makes the run's own CA and certificates: leave out --tls-cert, --tls-key, "
+                          "--tls-ca and --tls-server-name")
+    from multipod.controller.launch.netns import check_available
+    check_available(shape=bool(args.netns_rate_gbps))
+
+
 def write_report_quietly(run_dir: pathlib.Path) -> None:
     """The end of `multipod local` and `multipod ray`: draw RUN_DIR/report.png if the run wrote metrics, and print its
     path; a report that cannot be drawn is a warning, never the run's failure."""
@@ -110,21 +134,33 @@ class Local:
         from multipod.controller.launch.local import LocalPods
         # Supervised: a worker that dies is started again on its port (recovery.max_restarts in all);
         # a pod of several hosts is restarted as a whole.
-        self.pods = LocalPods(args.pods, local_devices(args), run_dir, supervise=True,
-                              max_restarts=config.recovery.max_restarts, dcn_encrypt=config.dcn.encrypt,
-                              hosts_per_pod=args.hosts_per_pod)
+        common = dict(supervise=True, max_restarts=config.recovery.max_restarts, dcn_encrypt=config.dcn.encrypt,
+                      hosts_per_pod=args.hosts_per_pod)
+        self.netns = bool(getattr(args, "netns", False))
+        if self.netns:
+            from multipod.controller.launch.netns_pods import NetnsPods
+            self.pods = NetnsPods(args.pods, local_devices(args), run_dir, subnet=args.netns_subnet,
+                                  rate_gbps=args.netns_rate_gbps or 0.0, encrypt=not args.insecure,
+                                  insecure=args.insecure, **common)
+        else:
+            self.pods = LocalPods(args.pods, local_devices(args), run_dir, **common)
 
     def __enter__(self):
         from multipod.controller.observe.metrics import out
         self.pods.__enter__()
         pods = self.pods
+        where = ""
+        if self.netns:     # the controller's channels carry its client certificate of the run's CA
+            from multipod.protos.channels import set_default_security
+            set_default_security(pods.controller_security)
+            where = " " + pods.describe()
         if pods.multi_host:
             what = (f"{pods.num_pods} pod(s) of {pods.hosts_per_pod} worker(s) with "
                     f"{pods.host_devices[0][0]} simulated device(s) each: {pods.workers}")
         else:
             what = (f"{pods.num_pods} pod worker(s) with {pods.device_counts[0]} simulated device(s) each: "
                     + ", ".join(pods.addresses))
-        out(f"started {what} (logs in {pods.log_dir})")
+        out(f"started {what}{where} (logs in {pods.log_dir})")
         return pods.host_addresses     # [pod][host]: controller/cluster/pods.py connect() takes them
 
     def __exit__(self, *exc):
