@@ -104,6 +104,7 @@ class Cluster:
         self.dcn_addresses: list[str] = []     # every pod's data-plane endpoint (StatusReply.dcn_address)
         self.hosts: list[int] = list(range(len(clients)))   # hosts[slot]: the pod computing slot's shard
         self.pids: dict[int, int] = {}         # each pod's process when configured (Status.pid)
+        self.device_counts: list[int] = []     # each pod's device count as its Status reports it
 
     @property
     def size(self) -> int:
@@ -171,6 +172,7 @@ class Cluster:
         timeout = self.config.health.timeout_s
         statuses = parallel(lambda c: c.status(timeout), self.clients)
         self.pids = {c.pod_index: s.pid for c, s in zip(self.clients, statuses)}
+        self.device_counts = [s.num_devices for s in statuses]
         return [s.dcn_address for s in statuses]
 
     def restarted(self, pods: list[int]) -> dict[int, str]:
@@ -206,6 +208,11 @@ class Cluster:
         the replies are kept as the reference for pods restarted later."""
         from multipod.controller.core.run_config import ConfigError
         self.dcn_addresses = self.collect_dcn_addresses()
+        # Told before any pod compiles: the same config on other device counts gives other meshes.
+        if len(set(self.device_counts)) > 1:
+            detail = ", ".join(f"{c.name} has {n}" for c, n in zip(self.clients, self.device_counts))
+            raise RunError(f"pods disagree on device count, so on mesh shape: {detail}. Every pod must run "
+                           f"the same multipod version with the same device count and mesh.")
         replies = self._configure(self.clients)
         for what, get in AGREEMENT:
             values = [get(r) for r in replies]

@@ -68,11 +68,11 @@ def mismatched_pods(tmp_path_factory):
         yield pods
 
 
-def test_pods_with_different_mesh_shapes_are_refused(mismatched_pods, tmp_path):
+def test_pods_with_different_mesh_shapes_are_refused_before_compiling(mismatched_pods, tmp_path):
     result = run_cli("train", "--workers", ",".join(mismatched_pods.addresses), "--config", TINY,
                      "--run-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "checkpoints"), timeout=120)
     assert result.returncode == 1
-    assert "pods disagree on mesh shape" in result.stderr
+    assert "pods disagree on device count, so on mesh shape" in result.stderr
     assert "pod 0" in result.stderr and "pod 1" in result.stderr
 
 

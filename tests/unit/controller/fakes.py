@@ -133,6 +133,7 @@ class FakePod:
         self.step_requests: list[pb.StepRequest] = []
         self.hanging: list[FakeCall] = []
         self.configured = True
+        self.num_devices = 0            # what Status reports (0: unknown, as a worker before jax starts)
 
     def probe(self, timeout_s: float) -> Probe:
         if self.hanging and self.probe_when_hung is not None:
@@ -159,7 +160,7 @@ class FakePod:
         return FakeCall(reply)
 
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
-        return pb.StatusReply(pod_index=self.pod_index, configured=self.configured)
+        return pb.StatusReply(pod_index=self.pod_index, configured=self.configured, num_devices=self.num_devices)
 
     def wait_serving(self, timeout_s: float) -> None:
         pass

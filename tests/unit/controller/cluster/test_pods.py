@@ -157,3 +157,12 @@ def test_pods_that_disagree_at_the_first_configure_are_refused():
     pods[1].on_configure = lambda request: configure_reply(1, mesh_shape=[2, 1])
     with pytest.raises(RunError, match=r"pods disagree on mesh shape"):
         Cluster(pods, make_config()).configure()
+
+
+def test_pods_with_different_device_counts_are_refused_before_any_compiles():
+    pods = [FakePod(0), FakePod(1)]
+    pods[0].num_devices, pods[1].num_devices = 2, 1
+    with pytest.raises(RunError, match=r"pods disagree on device count, so on mesh shape: pod 0 \(fake:0\) has 2, "
+                                       r"pod 1 \(fake:1\) has 1"):
+        Cluster(pods, make_config()).configure()
+    assert pods[0].calls == [] and pods[1].calls == []     # no Configure: nothing was compiled
