@@ -5,10 +5,16 @@ import enum
 from dataclasses import dataclass
 from typing import TypeVar
 
-import jax.numpy as jnp
+# Names accepted for `dtype` / `param_dtype`: jnp's own names for them. Names, not jnp dtypes, so
+# that reading a config (the controller does) does not import jax.
+DTYPES = ("bfloat16", "float32")
 
-# Names accepted for `dtype` / `param_dtype`, mapped to jnp dtypes.
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+class PromptKind(enum.StrEnum):
+    """What is trained (prompt.kind): the virtual tokens themselves, or an encoder making them."""
+    PROMPT = "prompt"
+    MLP = "mlp"
+    LSTM = "lstm"
 
 
 class RematPolicy(enum.StrEnum):
@@ -117,12 +123,14 @@ class ModelConfig:
     @property
     def compute_dtype(self):
         """The jnp dtype for activations."""
-        return DTYPES[self.dtype]
+        import jax.numpy as jnp
+        return getattr(jnp, self.dtype)
 
     @property
     def weight_dtype(self):
         """The jnp dtype parameters are stored in."""
-        return DTYPES[self.param_dtype]
+        import jax.numpy as jnp
+        return getattr(jnp, self.param_dtype)
 
     def param_count(self) -> int:
         """Exact number of parameters the Flax model creates."""

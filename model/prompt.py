@@ -12,19 +12,13 @@ that Transformer.__call__ puts before every sequence (its `prefix`):
 """
 from __future__ import annotations
 
-import enum
 from typing import cast
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-
-class PromptKind(enum.StrEnum):
-    """What is trained (prompt.kind): the virtual tokens themselves, or an encoder making them."""
-    PROMPT = "prompt"
-    MLP = "mlp"
-    LSTM = "lstm"
+from multipod.model.config import PromptKind
 
 
 class PromptEncoder(nn.Module):

@@ -15,8 +15,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 
-from multipod.model.config import ConfigError, ModelConfig, to_enum
-from multipod.model.prompt import PromptKind
+from multipod.model.config import ConfigError, ModelConfig, PromptKind, to_enum
 from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 
