@@ -93,3 +93,16 @@ def test_each_controller_subpackage_imports_only_those_below_it(package):
             if parts[0] == "controller" and len(parts) > 1 and parts[1] not in allowed:
                 violations.append(f"{path.relative_to(ROOT)} imports multipod.{name}")
     assert not violations, "\n".join(violations)
+
+
+def test_the_controller_reads_configs_without_importing_jax():
+    # Every command starts by reading its config; jax and flax cost it a second and a half of
+    # imports on this machine, and the controller never computes with them.
+    import subprocess
+    import sys
+    code = ("import sys; import multipod.controller.commands.train, multipod.controller.core.run_config as c; "
+            "c.load_config('configs/tiny.toml'); "
+            "print(sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
