@@ -20,6 +20,7 @@ import pytest
 from multipod.pod_worker import checkpoint
 from tests.e2e import ptune_task
 from tests.e2e.pod_failure import kill_and_finish
+from tests.e2e.shared_runs import SharedRun, shared_run
 from tests.e2e.test_recovery import _events, _Live, _run
 from tests.helpers import TINY, read_evals, read_metrics, run_cli, run_param_count, same_losses
 
@@ -33,18 +34,20 @@ TWO_HOSTS = ("--pods", "2", "--hosts-per-pod", "2", "--devices-per-host", "1")
 ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
 
 
+def two_hosts_reference(tmp_path_factory, env) -> SharedRun:
+    """The run of pods of two hosts, once per session: the tests below read, restore, generate
+    from and tune on it, and test_netns compares the same run in namespaces with it."""
+    return shared_run(tmp_path_factory, "two-hosts", "local", *TWO_HOSTS, *COMMON, env=env)
+
+
 @pytest.fixture(scope="module")
-def two_hosts_run(tmp_path_factory, env):
-    """The run of pods of two hosts that the tests below read, restore, generate from and tune on."""
-    run_dir = tmp_path_factory.mktemp("two-hosts")
-    result = _run("local", *TWO_HOSTS, *COMMON, "--run-dir", str(run_dir), env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return run_dir, result
+def two_hosts_run(tmp_path_factory, env) -> SharedRun:
+    return two_hosts_reference(tmp_path_factory, env)
 
 
 @pytest.fixture(scope="module")
 def two_hosts(two_hosts_run):
-    return two_hosts_run[0]
+    return two_hosts_run.run_dir
 
 
 def _identical(records: list[dict]) -> None:
@@ -156,7 +159,7 @@ def _identical_pods(records: list[dict], steps: int) -> None:
 
 
 def test_a_run_of_two_host_pods_evaluates_and_writes_its_closing_sample(two_hosts_run):
-    run_dir, result = two_hosts_run
+    run_dir = two_hosts_run.run_dir
     _identical_pods(read_metrics(run_dir), STEPS)
     evals = read_evals(run_dir)
     assert [e["trained_steps"] for e in evals] == [4, STEPS]
@@ -166,11 +169,11 @@ def test_a_run_of_two_host_pods_evaluates_and_writes_its_closing_sample(two_host
     assert summary["eval_loss"] == evals[-1]["eval_loss"]
     assert summary["sample"].startswith(config["sample"]["prompt"])
     assert len(summary["sample"]) > len(config["sample"]["prompt"])
-    assert "sample:" in result.stdout and (run_dir / "report.png").is_file()
+    assert "sample:" in two_hosts_run.stdout and (run_dir / "report.png").is_file()
 
 
 def test_generate_writes_the_run_s_sample_from_its_checkpoint_and_report_draws_the_run(two_hosts_run, tmp_path, env):
-    run_dir, _ = two_hosts_run
+    run_dir = two_hosts_run.run_dir
     config = json.loads((run_dir / "config.json").read_text())
     sample = config["sample"]
     # The closing sample's request: its prompt, length, temperature and seed, no end token.
@@ -190,7 +193,7 @@ def test_generate_writes_the_run_s_sample_from_its_checkpoint_and_report_draws_t
 
 
 def test_ptune_tunes_a_prompt_on_two_host_pods_as_on_single_host_pods(two_hosts_run, tmp_path, env):
-    run_dir, _ = two_hosts_run
+    run_dir = two_hosts_run.run_dir
     _, task = ptune_task.write(tmp_path)
     steps = 4
 

@@ -26,15 +26,12 @@ from multipod.controller.launch.netns import ETC_NETNS, NetnsError, Network, lef
 from multipod.controller.launch.netns_pods import NetnsPods
 from multipod.protos.channels import Security
 from tests.e2e.pod_failure import kill_and_finish
-from tests.e2e.test_recovery import _events, _Live, _run
+from tests.e2e.test_hosts import COMMON, STEPS, TWO_HOSTS, two_hosts_reference
+from tests.e2e.test_recovery import _events, _Live
 from tests.helpers import ROOT, TINY, cli_argv, pid_alive, read_metrics, run_cli
 
-STEPS = 8
-COMMON = ("--config", TINY, "--steps", str(STEPS), "--set", "sample.tokens=0", "--set", "eval.batches=0",
-          "--set", "dcn.timeout_s=30", "--set", "run.step_timeout_s=90", "--set", "health.interval_s=0.5",
-          "--set", "health.timeout_s=3")
+# As test_hosts runs them (evaluated, with the closing sample): its shared run is the reference.
 ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
-TWO_HOSTS = ("--pods", "2", "--hosts-per-pod", "2", "--devices-per-host", "1")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -126,11 +123,8 @@ def test_the_network_is_shaped_reachable_and_removed_and_a_killed_run_s_is_clean
 
 @pytest.fixture(scope="module")
 def loopback(tmp_path_factory, env):
-    """The reference: the same run on loopback, uninterrupted."""
-    run_dir = tmp_path_factory.mktemp("loopback")
-    result = _run("local", *TWO_HOSTS, *COMMON, "--run-dir", str(run_dir), env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return run_dir
+    """The reference: the same run on loopback, uninterrupted (test_hosts' shared run)."""
+    return two_hosts_reference(tmp_path_factory, env).run_dir
 
 
 def test_pods_of_two_hosts_in_namespaces_lose_a_pod_and_train_bitwise_as_on_loopback(loopback, tmp_path, env):
