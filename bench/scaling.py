@@ -1,6 +1,8 @@
 """Benchmark: weak scaling as the PaLM paper measures it (one pod vs two pods, same per-pod batch).
 
     python bench/scaling.py                          # prints one JSON object
+    python bench/scaling.py --variants default,fused # the config's default step, and the fused one
+    python bench/scaling.py --netns --link-fraction 0.3   # pods in namespaces, link shaped to 30%
     python bench/scaling.py --hosts-per-pod 1,2      # 2 pods of K hosts each, for every K
 
 Run 1: one pod worker pinned to CPU core 0, per-pod batch B. Run 2: two pod workers, pinned to
@@ -10,6 +12,20 @@ never by forking a process that imported jax. The two configurations alternate f
 rounds. Throughput is the median tokens/s over the steps after --warmup; the weak-scaling
 efficiency is (2-pod throughput / 1-pod throughput) / 2. The per-step breakdown is the median of
 each pod's compute, exchange, idle (waiting on the peer) and update time.
+
+What the orchestration controls is reported apart from the compute (issue 20): a step's busy
+fraction is its slowest pod's compute_s (forward + backward) over the step time; the part of the
+step beyond it is exposed exchange, idle, update and dispatch. busy_fraction_ratio = the 2-pod
+busy fraction / the 1-pod one (1.0: two pods add nothing beyond their compute);
+compute_slowdown = the 2-pod slowest pod's compute / the 1-pod compute (two busy cores share the
+machine's memory: not the orchestration's). --variants runs each configuration in several step
+variants, interleaved: "default" (the config's own dcn.overlap), "fused" (dcn.overlap=false),
+"overlap" (dcn.overlap=true).
+
+--netns: every pod (every host) in a network namespace of its own (controller/launch/netns.py),
+pods joined through a kernel link, shaped with --netns-rate-gbps R. --link-fraction F picks R
+instead: one pinned pod's backward pass is measured first (`python -m bench.overlap compute
+--devices 1`, this model), and R makes sending one pod's gradient take F of it.
 
 With --hosts-per-pod K1,K2,... it measures pods of several hosts instead (issue 11): two pods,
 each of the same --devices-per-pod devices (D) split over K worker processes (K hosts of D/K
@@ -30,18 +46,15 @@ import os
 import pathlib
 import platform
 import secrets
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.procs import stop, wait_for_port  # noqa: E402
+from bench.pods import controller_flags, describe, pin, pinned_pods  # noqa: E402
 
 # Small enough that its gradient (~13 MB) crosses the link quickly, with enough compute per step
 # (>= 1 s on one core at the default batch) for the PaLM comparison.
@@ -55,7 +68,8 @@ _TOKEN = secrets.token_hex(24)     # the workers and the controller share this r
 def _env() -> dict:
     # The caller's PYTHONPATH stays first: e.g. a folder whose `multipod` is a checkout of one
     # commit, to measure that commit rather than the editable install's working tree.
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = os.pathsep.join(parts + [str(ROOT)] * (str(ROOT) not in parts))
     env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", MULTIPOD_AUTH_TOKEN=_TOKEN)
     env.pop("XLA_FLAGS", None)
     # One core per pod: keep XLA's and BLAS's thread pools to that core.
@@ -63,77 +77,36 @@ def _env() -> dict:
     return env
 
 
-def _pinned(core: int, cmd: list[str]) -> list[str]:
-    if shutil.which("taskset"):
-        return ["taskset", "-c", str(core), *cmd]
-    code = (f"import os, runpy, sys; os.sched_setaffinity(0, {{{core}}}); sys.argv = {cmd[2:]!r}; "
-            f"runpy.run_module('multipod.cli', run_name='__main__')")
-    return [sys.executable, "-c", code]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_workers(cores: list[int], folder: pathlib.Path, hosts_per_pod: int = 1,
-                  devices_per_host: int = 1) -> tuple[list[subprocess.Popen], list[str]]:
-    """One pod per core, each of `hosts_per_pod` worker processes (all pinned to the pod's core)
-    with `devices_per_host` simulated devices each. Returns the processes and each pod's address
-    as `--workers` takes it (its hosts' HOST:PORT joined with ",")."""
-    procs, names = [], []
-    multi = hosts_per_pod > 1
-    for pod, core in enumerate(cores):
-        coordinator = f"127.0.0.1:{_free_port()}"      # the pod's jax.distributed service (host 0)
-        for host in range(hosts_per_pod):
-            name = f"{pod}-host-{host}" if multi else f"{pod}"
-            port_file = folder / f"pod{name}.port"
-            cmd = [sys.executable, "-m", "multipod.cli", "worker", "--pod-index", str(pod), "--listen",
-                   "127.0.0.1:0", "--devices", str(devices_per_host), "--port-file", str(port_file),
-                   "--exit-with-parent"]
-            if multi:
-                cmd += ["--host-index", str(host), "--hosts-per-pod", str(hosts_per_pod),
-                        "--pod-coordinator", coordinator]
-            log = open(folder / f"worker-{name}.log", "w")
-            procs.append(subprocess.Popen(_pinned(core, cmd), stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                                          cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True))
-            names.append(name)
-    deadline = time.monotonic() + 120
-    ports = []
-    for proc, name in zip(procs, names):
-        address = wait_for_port(proc, folder / f"pod{name}.port", deadline)
-        if address is None:
-            log = (folder / f"worker-{name}.log").read_text()[-2000:]
-            raise SystemExit(f"worker {name} did not start:\n{log}")
-        ports.append(address)
-    addresses = [",".join(ports[p * hosts_per_pod:(p + 1) * hosts_per_pod]) for p in range(len(cores))]
-    return procs, addresses
-
-
 def run(cores: list[int], batch: int, seq_len: int, steps: int, settings: list[str], hosts_per_pod: int = 1,
-        devices_per_host: int = 1) -> list[dict]:
+        devices_per_host: int = 1, netns: bool = False, rate_gbps: float = 0.0, encrypt: bool = False) -> list[dict]:
     """Train `steps` steps on len(cores) pinned pods with per-pod batch `batch`; the metrics."""
+    os.environ.update(_env())     # the workers' environment: LocalPods starts them with a copy of it
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(tmp)
-        procs, addresses = start_workers(cores, folder, hosts_per_pod, devices_per_host)
-        try:
+        pods = pinned_pods(cores, folder / "workers", hosts_per_pod=hosts_per_pod, devices_per_host=devices_per_host,
+                           netns=netns, rate_gbps=rate_gbps, encrypt=encrypt)
+        with pods:
             overrides = [*MODEL, f"data.seq_len={seq_len}", f"data.global_batch={batch * len(cores)}",
                          "optimizer.warmup_steps=2", "sample.tokens=0", "eval.batches=0",
                          "run.step_timeout_s=600", *settings]
-            workers = (";" if hosts_per_pod > 1 else ",").join(addresses)
-            cmd = [sys.executable, "-m", "multipod.cli", "train", "--workers", workers,
+            cmd = [sys.executable, "-m", "multipod.cli", "train", "--workers", pods.workers,
                    "--steps", str(steps), "--seed", "1", "--run-dir", str(folder / "run"),
-                   "--checkpoint-dir", str(folder / "checkpoints")]
+                   "--checkpoint-dir", str(folder / "checkpoints"), *controller_flags(pods)]
             for o in overrides:
                 cmd += ["--set", o]
-            result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=3000)
+            try:
+                result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=3000,
+                                        stdin=subprocess.DEVNULL)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"training on {len(cores)} pod(s) did not finish within 3000 s") from None
             if result.returncode:
                 raise SystemExit(f"training on {len(cores)} pod(s) of {hosts_per_pod} host(s) failed:\n"
                                  f"{result.stderr[-3000:]}")
-            return [json.loads(l) for l in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-        finally:
-            stop(procs)
+            records = [json.loads(l) for l in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+            where = describe(pods)
+        for r in records:
+            r["where"] = where
+        return records
 
 
 def summarise(runs: list[list[dict]], warmup: int) -> dict:
@@ -141,10 +114,11 @@ def summarise(runs: list[list[dict]], warmup: int) -> dict:
     timed = [r for records in runs for r in records if r["step"] >= warmup]
     med = lambda xs: round(statistics.median(xs), 4)
     pods = len(timed[0]["pods"])
-    per_pod = [{k: med([r["pods"][p][k] for r in timed]) for k in ("compute_s", "exchange_s", "idle_s",
-                                                                    "update_s", "wait_s")}
+    per_pod = [{k: med([r["pods"][p][k] for r in timed]) for k in ("compute_s", "exchange_s", "exposed_exchange_s",
+                                                                    "idle_s", "update_s", "wait_s")}
                for p in range(pods)]
     step = med([r["step_time_s"] for r in timed])
+    slowest = [max(p["compute_s"] for p in r["pods"]) for r in timed]
     busy = statistics.mean(p["compute_s"] + p["update_s"] for p in per_pod)
     return {
         "steps_timed": len(timed),
@@ -153,12 +127,64 @@ def summarise(runs: list[list[dict]], warmup: int) -> dict:
         "per_run_median_tokens_per_s": [round(statistics.median(r["tokens_per_s"] for r in rec
                                                                 if r["step"] >= warmup), 1) for rec in runs],
         "median_step_s": step,
+        "per_run_median_step_s": [med([r["step_time_s"] for r in rec if r["step"] >= warmup]) for rec in runs],
         "per_pod": per_pod,
-        # compute + update over the step time: the part of a step that one pod alone also spends.
-        "busy_fraction": round(busy / step, 4),
+        # The slowest pod's forward + backward, per step: what the step cannot be shorter than.
+        "median_slowest_compute_s": med(slowest),
+        # Per step, the slowest pod's compute over the step time (median over the steps); the rest
+        # of the step (1 - this) is exposed exchange, idle, update and dispatch.
+        "busy_fraction": med([c / r["step_time_s"] for c, r in zip(slowest, timed)]),
+        # The older figure (before issue 20): mean (compute + update) over the median step.
+        "compute_update_fraction": round(busy / step, 4),
         "dcn_bytes_sent_per_step": timed[0]["dcn_bytes_sent"],
         "loss_last": round(timed[-1]["loss"], 4),
+        "pods_bitwise_identical_every_step": all(len(set(r["checksums"])) == 1 for r in timed),
+        "where": timed[0].get("where", ""),
     }
+
+
+def compare(one: dict, two: dict) -> dict:
+    """The 1-pod vs 2-pod figures of one variant."""
+    ratio = two["median_tokens_per_s"] / one["median_tokens_per_s"]
+    busy_ratio = two["busy_fraction"] / one["busy_fraction"]
+    return {
+        "throughput_ratio": round(ratio, 4), "weak_scaling_efficiency": round(ratio / 2, 4),
+        # What the orchestration controls: 1.0 when the 2-pod step adds nothing beyond its slowest
+        # pod's compute that the 1-pod step does not have too (target >= 0.98).
+        "busy_fraction_ratio": round(busy_ratio, 4),
+        "orchestration_share_of_2pod_step": round(1 - busy_ratio, 4),
+        # Reported apart: the pods' compute itself slows when both cores are busy.
+        "compute_slowdown": round(two["median_slowest_compute_s"] / one["median_slowest_compute_s"], 4),
+        "step_ratio": round(two["median_step_s"] / one["median_step_s"], 4),
+    }
+
+
+VARIANTS = {"default": [], "fused": ["dcn.overlap=false"], "overlap": ["dcn.overlap=true"]}
+
+
+def calibrate_rate(args, fraction: float) -> dict:
+    """The link rate at which sending one pod's gradient takes `fraction` of one pinned pod's
+    backward pass: bench.overlap's compute mode on one device, pinned to core 0, this model and
+    per-pod batch (backward = fused gradient program - forward)."""
+    settings = [*MODEL, f"data.seq_len={args.seq_len}", f"data.global_batch={args.batch}"]
+    cmd = [sys.executable, "-m", "bench.overlap", "compute", "--devices", "1", "--reps", "5"]
+    for s in settings:
+        cmd += ["--set", s]
+    cmd = pin(0, cmd)
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900,
+                                stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise SystemExit("the calibration (bench.overlap compute) did not finish within 900 s") from None
+    if result.returncode:
+        raise SystemExit(f"the calibration failed:\n{result.stderr[-3000:]}")
+    out = json.loads(result.stdout)
+    med = out["medians"]
+    backward = med["fused_grad_s"] - med["forward_s"]
+    rate = out["gradient_bytes"] * 8 / (fraction * backward) / 1e9
+    return {"command": " ".join(cmd), "gradient_bytes": out["gradient_bytes"], "forward_s": med["forward_s"],
+            "fused_grad_s": med["fused_grad_s"], "overlapped_grad_s": med["overlapped_grad_s"],
+            "backward_s": round(backward, 4), "fraction": fraction, "rate_gbps": round(rate, 4)}
 
 
 def summarise_hosts(runs: list[list[dict]], warmup: int) -> dict:
@@ -198,7 +224,8 @@ def main_hosts(args, counts: list[int], load_start) -> None:
     for _ in range(args.rounds):      # alternate, so that load on the machine hits every K alike
         for k in counts:
             results[k].append(run([0, 1], args.batch, args.seq_len, args.steps, args.settings, hosts_per_pod=k,
-                                  devices_per_host=args.devices_per_pod // k))
+                                  devices_per_host=args.devices_per_pod // k, netns=args.netns,
+                                  rate_gbps=args.netns_rate_gbps or 0.0, encrypt=args.netns_encrypt))
     per_k = {k: summarise_hosts(results[k], args.warmup) for k in counts}
     base = per_k[counts[0]]
     ratios = {f"K={k}/K={counts[0]}": {
@@ -230,9 +257,27 @@ def main() -> None:
                              "K hosts each for every K (same --devices-per-pod), and compare their exchanges")
     parser.add_argument("--devices-per-pod", type=int, default=2,
                         help="with --hosts-per-pod: each pod's devices, split evenly over its K hosts")
+    parser.add_argument("--variants", default="default",
+                        help=f"comma-separated step variants, each run 1-pod and 2-pod: {', '.join(VARIANTS)}")
+    parser.add_argument("--netns", action="store_true",
+                        help="each pod (each host) in a network namespace of its own, joined by kernel links "
+                             "(needs root; see controller/launch/netns.py)")
+    parser.add_argument("--netns-rate-gbps", type=float, default=None, metavar="R",
+                        help="with --netns: shape each pod's link to R Gb/s each way (tbf)")
+    parser.add_argument("--link-fraction", type=float, default=None, metavar="F",
+                        help="with --netns and no --netns-rate-gbps: pick the rate at which sending one pod's "
+                             "gradient takes F of a pinned pod's backward pass (measured first)")
+    parser.add_argument("--netns-encrypt", action="store_true",
+                        help="with --netns: TLS + CURVE with the run's own certificates (default: --insecure, "
+                             "plain like gloo)")
     args = parser.parse_args()
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs at least 2 CPU cores (one per pod)")
+    if (args.netns_rate_gbps or args.link_fraction is not None or args.netns_encrypt) and not args.netns:
+        raise SystemExit("--netns-rate-gbps, --link-fraction and --netns-encrypt go with --netns")
+    unknown = set(args.variants.split(",")) - set(VARIANTS) - {""}
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     load_start = os.getloadavg()
     if args.hosts_per_pod:
         try:
@@ -243,23 +288,34 @@ def main() -> None:
             raise SystemExit("--hosts-per-pod: no host counts given")
         main_hosts(args, counts, load_start)
         return
-    # One pod and two pods alternate, round by round, so that other load on the machine
-    # affects both alike.
-    ones, twos = [], []
-    for _ in range(args.rounds):
-        ones.append(run([0], args.batch, args.seq_len, args.steps, args.settings))
-        twos.append(run([0, 1], args.batch, args.seq_len, args.steps, args.settings))
-    one, two = summarise(ones, args.warmup), summarise(twos, args.warmup)
-    ratio = two["median_tokens_per_s"] / one["median_tokens_per_s"]
+    netns = dict(netns=args.netns, rate_gbps=args.netns_rate_gbps or 0.0, encrypt=args.netns_encrypt)
+    link: dict = {"netns": args.netns, "encrypted": args.netns_encrypt and args.netns}
+    if args.link_fraction is not None and not args.netns_rate_gbps:
+        link["calibration"] = calibrate_rate(args, args.link_fraction)
+        netns["rate_gbps"] = link["calibration"]["rate_gbps"]
+    link["rate_gbps"] = netns["rate_gbps"] or None
+    variants = [v for v in args.variants.split(",") if v]
+    # One pod and two pods, and the variants, alternate round by round, so that other load on the
+    # machine affects all alike.
+    runs: dict = {(v, n): [] for v in variants for n in (1, 2)}
+    for round_ in range(args.rounds):
+        order = variants if round_ % 2 == 0 else variants[::-1]
+        for v in order:
+            for n in ((1, 2) if round_ % 2 == 0 else (2, 1)):
+                runs[v, n].append(run(list(range(n)), args.batch, args.seq_len, args.steps,
+                                      [*VARIANTS[v], *args.settings], **netns))
+    result: dict = {}
+    for v in variants:
+        one, two = summarise(runs[v, 1], args.warmup), summarise(runs[v, 2], args.warmup)
+        result[v] = {"one_pod": one, "two_pods": two, **compare(one, two)}
+    if link["rate_gbps"]:
+        grad_bytes = result[variants[0]]["two_pods"]["dcn_bytes_sent_per_step"]
+        link["seconds_per_gradient_at_rate"] = round(grad_bytes * 8 / (link["rate_gbps"] * 1e9), 4)
     print(json.dumps({
         "benchmark": "scaling", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "load_average": os.getloadavg(), "load_average_start": load_start, "model": MODEL,
-        "per_pod_batch": args.batch, "seq_len": args.seq_len,
-        "settings": args.settings, "rounds": args.rounds, "one_pod": one, "two_pods": two,
-        "throughput_ratio": round(ratio, 4), "weak_scaling_efficiency": round(ratio / 2, 4),
-        # Less sensitive to load that changes between runs: the share of a 2-pod step spent on
-        # the work one pod also does, relative to the same share in the 1-pod run.
-        "busy_fraction_ratio": round(two["busy_fraction"] / one["busy_fraction"], 4),
+        "load_average_start": load_start, "load_average_end": os.getloadavg(), "model": MODEL,
+        "per_pod_batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
+        "settings": args.settings, "rounds": args.rounds, "link": link, "variants": result,
     }, indent=2))
 
 
