@@ -136,7 +136,9 @@ def summarise(runs: list[list[dict]], warmup: int) -> dict:
         "busy_fraction": med([c / r["step_time_s"] for c, r in zip(slowest, timed)]),
         # The older figure (before issue 20): mean (compute + update) over the median step.
         "compute_update_fraction": round(busy / step, 4),
-        "dcn_bytes_sent_per_step": timed[0]["dcn_bytes_sent"],
+        "dcn_bytes_sent_per_step": timed[0]["dcn_bytes_sent"],     # all pods together
+        "dcn_bytes_sent_per_pod_per_step": int(statistics.median(p["dcn_bytes_sent"] for r in timed
+                                                                 for p in r["pods"])),
         "loss_last": round(timed[-1]["loss"], 4),
         "pods_bitwise_identical_every_step": all(len(set(r["checksums"])) == 1 for r in timed),
         "where": timed[0].get("where", ""),
@@ -309,7 +311,7 @@ def main() -> None:
         one, two = summarise(runs[v, 1], args.warmup), summarise(runs[v, 2], args.warmup)
         result[v] = {"one_pod": one, "two_pods": two, **compare(one, two)}
     if link["rate_gbps"]:
-        grad_bytes = result[variants[0]]["two_pods"]["dcn_bytes_sent_per_step"]
+        grad_bytes = result[variants[0]]["two_pods"]["dcn_bytes_sent_per_pod_per_step"]
         link["seconds_per_gradient_at_rate"] = round(grad_bytes * 8 / (link["rate_gbps"] * 1e9), 4)
     print(json.dumps({
         "benchmark": "scaling", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
