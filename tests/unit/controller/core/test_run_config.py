@@ -26,7 +26,8 @@ def test_toml_file_and_overrides_layer_in_order(tmp_path):
 
 
 def test_shipped_configs_load():
-    assert sorted(p.name for p in (ROOT / "configs").glob("*.toml")) == ["bench.toml", "default.toml", "tiny.toml"]
+    assert sorted(p.name for p in (ROOT / "configs").glob("*.toml")) == ["bench.toml", "default.toml", "tiny.toml",
+                                                                         "vs_maxtext.toml"]
     for path in sorted((ROOT / "configs").glob("*.toml")):
         load_config(str(path))
 
