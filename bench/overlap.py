@@ -3,6 +3,7 @@
     python -m bench.overlap compute [--config configs/bench.toml] [--devices 2] [--reps 15]
     python -m bench.overlap link [--config configs/bench.toml] [--devices-per-pod 1] [--steps 12]
                                  [--rounds 2] [--fraction 0.3] [--link-gbps G]
+                                 [--netns [--netns-rate-gbps R]]
 
 compute: one pod, in this process, on --devices simulated CPU devices. Interleaved, --reps times
 each after a warm-up: the fused gradient program (PodTrainer.gradients) and the overlapped
@@ -15,9 +16,14 @@ link: two pods (`multipod local`), the slow-link mode set so that sending one po
 takes --fraction of the backward pass. A first fused run without the slow link measures the
 per-pod compute (forward + backward) of two pods sharing this machine; the backward pass is the
 share of it the compute mode measures (--backward-share). Then --rounds rounds of one fused and
-one overlapped run. Per step (the first two skipped: compile and warm-up): exposed_exchange_s over
-the step time, for the pod with the most and for the pod with the least (see _summarise).
-Medians per setting.
+one overlapped run. With --netns the pods run in network namespaces of their own (`multipod local
+--netns --insecure`) and the link is the kernel's: the rate (calibrated, or --netns-rate-gbps) shapes
+each pod's veth link (tbf) instead of the workers' token bucket (dcn.link_gbps); the latency stays
+dcn.link_latency_ms (this kernel has no netem). Per step (the first two skipped: compile and
+warm-up): exposed_exchange_s over the step time, for the pod with the most and for the pod with
+the least (see _summarise). Medians per setting.
+
+--set KEY=VALUE (either mode, repeatable) overrides the config, e.g. the model of bench/scaling.py.
 
 Prints one JSON object.
 """
@@ -51,7 +57,7 @@ def compute(args) -> dict:
     from multipod.controller.core.run_config import load_config
     from multipod.pod_worker.trainer import PodTrainer
 
-    config = load_config(args.config).worker_config()
+    config = load_config(args.config, args.settings).worker_config()
     on = dataclasses.replace(config, dcn=dataclasses.replace(config.dcn, overlap=True)).validate()
     off = dataclasses.replace(config, dcn=dataclasses.replace(config.dcn, overlap=False)).validate()
     rows = config.train.global_batch       # one pod holds the whole batch
@@ -117,12 +123,16 @@ def compute(args) -> dict:
     }
 
 
-def _local_run(args, run_dir: pathlib.Path, settings: list[str]) -> list[dict]:
+def _local_run(args, run_dir: pathlib.Path, settings: list[str], netns_rate_gbps: float | None = None) -> list[dict]:
+    """netns_rate_gbps: None on loopback; with --netns, 0 (unshaped) or the link's rate."""
     cmd = [sys.executable, "-m", "multipod.cli", "local", "--pods", "2", "--devices-per-pod",
            str(args.devices_per_pod), "--config", str(args.config), "--steps", str(args.steps),
            "--run-dir", str(run_dir), "--set", "sample.tokens=0", "--set", "eval.batches=0",
            "--checkpoint-every", "0"]
-    for s in settings:
+    if netns_rate_gbps is not None:
+        # Plain, as the comparisons with gloo are: CURVE would add its own CPU cost to the link's.
+        cmd += ["--netns", "--insecure"] + (["--netns-rate-gbps", f"{netns_rate_gbps:.6f}"] if netns_rate_gbps else [])
+    for s in [*args.settings, *settings]:
         cmd += ["--set", s]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
@@ -167,29 +177,34 @@ def _summarise(records: list[dict]) -> dict:
 
 def link(args) -> dict:
     from multipod.controller.core.run_config import load_config
-    config = load_config(args.config)
+    config = load_config(args.config, args.settings)
     grad_bytes = config.model.param_count() * 4
     out: dict = {"mode": "link", "config": str(args.config), "devices_per_pod": args.devices_per_pod,
                  "steps_per_run": args.steps, "gradient_bytes": grad_bytes, "fraction": args.fraction,
                  "load_average_start": _load_avg(), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
         tmp = pathlib.Path(tmp)
-        gbps = args.link_gbps
+        gbps = args.netns_rate_gbps if args.netns else args.link_gbps
+        unshaped = 0.0 if args.netns else None     # the calibration runs without the slow link
         if gbps is None:
             share = args.backward_share
-            calib = _summarise(_local_run(args, tmp / "calibrate", ["dcn.overlap=false"]))
+            calib = _summarise(_local_run(args, tmp / "calibrate", ["dcn.overlap=false"], unshaped))
             backward = calib["compute_s"] * share
             # Seconds to send one pod's gradient = fraction x backward pass.
             gbps = grad_bytes * 8 / (args.fraction * backward) / 1e9
             out["calibration"] = {"fused_no_slow_link": calib, "backward_share": share, "backward_s": backward}
         out["link_gbps"], out["link_latency_ms"] = gbps, args.link_latency_ms
-        link_settings = [f"dcn.link_gbps={gbps:.6f}", f"dcn.link_latency_ms={args.link_latency_ms}"]
+        out["link"] = "kernel (netns, tbf)" if args.netns else "token bucket (dcn.link_gbps)"
+        link_settings = [f"dcn.link_latency_ms={args.link_latency_ms}"]
+        if not args.netns:
+            link_settings.append(f"dcn.link_gbps={gbps:.6f}")
         per: dict[str, list[dict]] = {"fused": [], "overlapped": []}
         for round_ in range(args.rounds):
             names = ["fused", "overlapped"] if round_ % 2 == 0 else ["overlapped", "fused"]
             for name in names:
                 overlap = "true" if name == "overlapped" else "false"
-                per[name] += _local_run(args, tmp / f"{name}-{round_}", [*link_settings, f"dcn.overlap={overlap}"])
+                per[name] += _local_run(args, tmp / f"{name}-{round_}", [*link_settings, f"dcn.overlap={overlap}"],
+                                        gbps if args.netns else None)
         out.update({name: _summarise(records) for name, records in per.items()})
     out["load_average_end"] = _load_avg()
     return out
@@ -212,7 +227,17 @@ def main(argv=None) -> int:
                     help="backward pass / (forward + backward), from the compute mode")
     lk.add_argument("--link-gbps", type=float, default=None, help="skip the calibration run")
     lk.add_argument("--link-latency-ms", type=float, default=1.0)
+    lk.add_argument("--netns", action="store_true",
+                    help="pods in network namespaces (multipod local --netns --insecure): the rate shapes the "
+                         "kernel's link instead of dcn.link_gbps (needs root)")
+    lk.add_argument("--netns-rate-gbps", type=float, default=None, metavar="R",
+                    help="with --netns: the link's rate (skips the calibration run)")
+    for p in (c, lk):
+        p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                       help="config override (repeatable)")
     args = parser.parse_args(argv)
+    if args.mode == "link" and args.netns_rate_gbps is not None and not args.netns:
+        parser.error("--netns-rate-gbps goes with --netns")
     result = compute(args) if args.mode == "compute" else link(args)
     print(json.dumps(result, indent=2))
     return 0
