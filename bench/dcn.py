@@ -23,6 +23,15 @@ control connection of their own, with deadlines; a pod that stops answering ends
 Where the pods run: --pod-prefix (a command prefix per pod, e.g. "ip netns exec NS") and --pod-host
 (the address each pod binds and is reached at) place them; the default is both on 127.0.0.1.
 
+    python bench/dcn.py --netns [--netns-rate-gbps R]    # root: over kernel links between namespaces
+
+--netns builds the network of `multipod local --netns` for 2 pods of 1 host
+(controller/launch/netns.py: a namespace per pod, veth pairs through bridges, each pod's link
+shaped with tbf when R is given), runs each pod in its namespace bound to its own address, and
+removes the network at the end, also on an error, Ctrl-C, SIGTERM or SIGHUP. The report gains
+"link": the namespaces, addresses, path, MTU and segmentation offload sizes. The plain contenders
+run unencrypted between the namespaces (a bench, not a run); the _curve ones use CURVE as always.
+
 Test hook (not a production setting): --stall-peer NAME[:ROUND[:SECONDS]] makes pod 1 stall for
 SECONDS (default: for good) in contender NAME's round ROUND (default: the last) before taking part;
 it may be given several times (tests/e2e/test_bench_dcn.py).
@@ -36,6 +45,7 @@ import os
 import pathlib
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import struct
@@ -44,6 +54,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -555,11 +567,104 @@ def _summary(result: dict, nbytes: int) -> dict:
     return summary
 
 
+_TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP stop the driver as Ctrl-C does (KeyboardInterrupt), so the `finally`
+    that kills the pods and removes the network runs; inside `_uninterrupted()` they wait."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in _TEARDOWN_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Signals are held off while the network is removed: a second Ctrl-C must not leave half of
+    it behind (every command of the removal has its own deadline, so this cannot hang)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _TEARDOWN_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ip_link(argv: list[str]) -> dict:
+    """`ip -j -d link show` of one interface: its MTU and segmentation-offload sizes ({} if `ip`
+    cannot tell)."""
+    try:
+        shown = subprocess.run([*argv[:1], "-j", "-d", *argv[1:]], capture_output=True, text=True, timeout=10,
+                               stdin=subprocess.DEVNULL)
+        link = json.loads(shown.stdout)[0] if shown.returncode == 0 else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return {}
+    keys = ("ifname", "mtu", "gso_max_size", "gso_max_segs", "gro_max_size", "qdisc")
+    return {k: link[k] for k in keys if k in link} | ({"kind": link["linkinfo"]["info_kind"]}
+                                                      if "info_kind" in link.get("linkinfo", {}) else {})
+
+
+def describe_link(network=None) -> dict:
+    """What the pods' bytes cross: loopback, or the namespaces' path of `network` (a created
+    controller/launch/netns.Network of 2 pods x 1 host)."""
+    if network is None:
+        return {"kind": "loopback", "interface": _ip_link(["ip", "link", "show", "lo"])}
+    layout, ip = network.layout, network.tools["ip"]
+    net = layout.bridge_namespace
+    shaped = [subprocess.run([network.tools["tc"], "-n", net, "qdisc", "show", "dev", f"p{pod}up"],
+                             capture_output=True, text=True, timeout=10).stdout.strip() for pod in range(2)
+              ] if network.rate_gbps else []
+    return {
+        "kind": "netns",
+        "namespaces": [layout.namespace(pod, 0) for pod in range(2)],
+        "addresses": [layout.host_ip(pod, 0) for pod in range(2)],
+        "subnet": str(layout.subnet),
+        "rate_gbps": network.rate_gbps or "unshaped",
+        # controller/launch/netns.py's topology: each pod's DCN link is the p<P>up = p<P>dcn pair.
+        "path": "eth0 = p0h0 -> bridge pod0 -> p0up = p0dcn -> bridge dcn -> p1dcn = p1up -> bridge pod1 "
+                "-> p1h0 = eth0 (veth pairs, bridges in namespace " + net + ")",
+        "pod_interface": _ip_link([ip, "-n", layout.namespace(0, 0), "link", "show", "eth0"]),
+        "dcn_link": _ip_link([ip, "-n", net, "link", "show", "p0up"]),
+        **({"qdiscs": shaped} if shaped else {}),
+    }
+
+
 def _exit_with_parent(parent: int) -> None:
     """A pod process does not outlive the driver (killed, or ended by a test's timeout)."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)
+
+
+def _run_in_namespaces(args, pod_args: list[str], timeout_s: float) -> tuple[list[dict], list[Place], dict]:
+    """run_pods in the namespaces of a network made for the run, always removed afterwards."""
+    from multipod.controller.launch.netns import NetnsError, Network
+    network = Network(2, 1, args.netns_subnet, args.netns_rate_gbps)
+    with _stopped_by_signals():
+        try:
+            try:
+                layout = network.create()
+            except NetnsError as exc:
+                raise SystemExit(f"bench/dcn.py --netns: {exc}") from None
+            if network.cleaned:
+                print(f"netns: removed what killed runs had left: {', '.join(network.cleaned)}", file=sys.stderr)
+            where = [Place(tuple(network.wrap(pod, 0, [])), layout.host_ip(pod, 0)) for pod in range(2)]
+            link = describe_link(network)
+            return run_pods(pod_args, where, timeout_s), where, link
+        finally:
+            with _uninterrupted():
+                network.destroy()
+                left = network.leftovers()
+            if left:
+                print(f"netns: could not remove {', '.join(left)} (python -m multipod.controller.launch.netns "
+                      f"removes them once this process is gone)", file=sys.stderr)
 
 
 def main() -> None:
@@ -583,6 +688,12 @@ def main() -> None:
                         help="command prefix of a pod's process (twice: pod 0, pod 1), e.g. 'ip netns exec NS'")
     parser.add_argument("--pod-host", action="append",
                         help="address a pod binds and is reached at (twice: pod 0, pod 1); default 127.0.0.1")
+    parser.add_argument("--netns", action="store_true",
+                        help="run the pods in network namespaces of their own, over veth pairs and bridges (root)")
+    parser.add_argument("--netns-rate-gbps", type=float, default=0.0,
+                        help="with --netns: shape each pod's link to this rate with tbf (default: unshaped)")
+    parser.add_argument("--netns-subnet", help="with --netns: the IPv4 range (CIDR; default: a free /24 of "
+                        "10.213.0.0/16)")
     parser.add_argument("--stall-peer", action="append", default=[], help=argparse.SUPPRESS)     # test hook
     args = parser.parse_args()
     if args.pod is not None:
@@ -600,6 +711,10 @@ def main() -> None:
         # A gloo collective left behind on a thread could block jax's exit handlers for ever.
         os._exit(0)
 
+    if args.netns and (args.pod_prefix or args.pod_host):
+        raise SystemExit("--netns places the pods itself: leave out --pod-prefix and --pod-host")
+    if args.netns_rate_gbps and not args.netns:
+        raise SystemExit("--netns-rate-gbps shapes the links of --netns: give --netns too")
     where = places(args.pod_prefix, args.pod_host)
     shapes = payload_shapes(args.payload_bytes) if args.payload_bytes else leaf_shapes()
     nbytes = sum(math.prod(s) for s in shapes) * 4
@@ -616,13 +731,17 @@ def main() -> None:
         pod_args.append("--skip-gloo")
     rounds = (args.repeats + 1) * (len(variants) + 2)
     # Each round of each contender: a barrier, the round and the outcomes, each bounded by deadline_s.
+    timeout_s = args.setup_s + rounds * (3 * args.deadline_s + 5) + 30
     load_before = os.getloadavg()
-    results = run_pods(pod_args, where, args.setup_s + rounds * (3 * args.deadline_s + 5) + 30)
+    if args.netns:
+        results, where, link = _run_in_namespaces(args, pod_args, timeout_s)
+    else:
+        results, link = run_pods(pod_args, where, timeout_s), describe_link()
 
     report = {"benchmark": "dcn", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
               "params": nbytes // 4, "leaves": len(shapes), "payload_bytes": nbytes, "repeats": args.repeats,
               "chunk_bytes": args.chunk_bytes, "streams": args.streams, "deadline_s": args.deadline_s,
-              "places": [{"prefix": shlex.join(p.prefix), "host": p.host} for p in where],
+              "places": [{"prefix": shlex.join(p.prefix), "host": p.host} for p in where], "link": link,
               "load_average_before": load_before, "load_average_after": os.getloadavg()}
     # Both pods agreed every outcome and round time: either one's report is the run's.
     mine = next((r for r in results if r.get("contenders")), None)
@@ -651,4 +770,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt as exc:     # Ctrl-C, SIGTERM or SIGHUP: the pods and the network are gone
+        print(f"bench/dcn.py: stopped ({exc or 'SIGINT'})", file=sys.stderr)
+        sys.exit(130)
