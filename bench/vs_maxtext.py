@@ -1,7 +1,7 @@
 """Benchmark: multipod's 2-pod step against MaxText 0.2.5's 2-slice step on the same model, batch,
 CPU and kernel-shaped link (issue 20, item 5). Not part of the test suite; needs root.
 
-    python bench/vs_maxtext.py [--links 0,1,0.2] [--bf16-at 0.2] [--rounds 3] [--steps 17]
+    python bench/vs_maxtext.py [--links 0,1,0.2] [--bf16-at 0.2] [--fused-at 0] [--rounds 3] [--steps 17]
 
 The model is configs/vs_maxtext.toml on both sides (emb 256, 4 layers, 4 heads, head_dim 64, mlp
 1024, vocab 256, seq 256, global batch 8, float32). Each side runs two processes, each in a
@@ -13,8 +13,8 @@ traffic to R Gb/s each way; 0 = unshaped), and each pinned to its own core (task
   shared/peers/maxtext/setup.sh installs it), gloo bound to the namespace's address.
 - multipod: 2 pods of 1 device (bench/pods.py: NetnsPods pinned), the controller in the root
   namespace (`multipod train --workers`), the config's defaults (dcn.overlap as the config says;
-  exact float32 sync), and with dcn.compression = "bf16" at the --bf16-at links. Both planes plain
-  (--insecure), as gloo is.
+  exact float32 sync), with dcn.compression = "bf16" at the --bf16-at links, and with the fused
+  step (dcn.overlap = false) at the --fused-at links. Both planes plain (--insecure), as gloo is.
 Every round runs every link's every contender, one after another, in an order that alternates
 between rounds, so that the machine's load hits them alike. A run's step time is the median over
 its steps >= --warmup (MaxText: "completed step" lines of process 0; multipod: metrics.jsonl
@@ -203,6 +203,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="0,1,0.2", help="comma-separated link rates in Gb/s (0: unshaped veth)")
     parser.add_argument("--bf16-at", default="0.2", help="links (Gb/s) where multipod also runs with bf16 compression")
+    parser.add_argument("--fused-at", default="",
+                        help="links (Gb/s) where multipod also runs the fused step (dcn.overlap=false)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=17)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of every run's medians")
@@ -215,6 +217,7 @@ def main() -> int:
         raise SystemExit("needs 2 CPU cores and taskset (one process per core)")
     links = [float(x) for x in args.links.split(",") if x.strip()]
     bf16_at = {float(x) for x in args.bf16_at.split(",") if x.strip()}
+    fused_at = {float(x) for x in args.fused_at.split(",") if x.strip()}
     check_available(shape=any(links))
     found = subprocess.run([args.maxtext_python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
                            capture_output=True, text=True, timeout=120)
@@ -230,8 +233,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vs-maxtext-") as tmp:
         for round_ in range(args.rounds):
             plan = [(rate, name, settings) for rate in links
-                    for name, settings in contenders + ([("multipod_bf16", ['dcn.compression="bf16"'])]
-                                                        if rate in bf16_at else [])]
+                    for name, settings in contenders
+                    + ([("multipod_bf16", ['dcn.compression="bf16"'])] if rate in bf16_at else [])
+                    + ([("multipod_fused", ["dcn.overlap=false"])] if rate in fused_at else [])]
             for rate, name, settings in (plan if round_ % 2 == 0 else plan[::-1]):
                 folder = pathlib.Path(tmp) / f"r{round_}-{name}-{rate:g}"
                 folder.mkdir()
