@@ -19,8 +19,9 @@ Every round runs every link's every contender, one after another, in an order th
 between rounds, so that the machine's load hits them alike. A run's step time is the median over
 its steps >= --warmup (MaxText: "completed step" lines of process 0; multipod: metrics.jsonl
 step_time_s). Per link and contender: the median over all rounds' timed steps, and multipod /
-MaxText. Every process has a deadline (--run-timeout): a run that misses it is killed and
-reported as a timeout, never waited for. Prints one JSON object.
+MaxText, of those medians and round by round (each round's run against that round's MaxText).
+Every process has a deadline (--run-timeout): a run that misses it is killed and reported as a
+timeout, never waited for. Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -254,9 +255,16 @@ def main() -> int:
                                                                                      for r in results],
                          "runs_failed_or_timed_out": sum(1 for r in results if "step_s" not in r)}
         mt = row.get("maxtext", {}).get("median_step_s")
+        mt_rounds = {r["round"]: r.get("median_step_s") for r in per.get("maxtext", [])}
         for name in row:
             if name != "maxtext" and mt and row[name]["median_step_s"]:
                 row[name]["ratio_to_maxtext"] = round(row[name]["median_step_s"] / mt, 4)
+                # Each round's runs against that round's MaxText: load that changes between rounds
+                # (the machine is shared) moves both sides of a round's ratio alike.
+                pairs = [r["median_step_s"] / mt_rounds[r["round"]] for r in per[name]
+                         if r.get("median_step_s") and mt_rounds.get(r["round"])]
+                row[name]["per_round_ratio"] = [round(x, 4) for x in pairs]
+                row[name]["median_of_round_ratios"] = _median(pairs)
         probes = [r["measured_gbps"] for r in per.get("maxtext", []) if r.get("measured_gbps")]
         row["measured_link_gbps"] = _median(probes)
         summary[link] = row
