@@ -127,3 +127,17 @@ def train_identical_pods(run_dir: pathlib.Path, pods: int, steps: int, *args: st
         assert len(r["checksums"]) == pods and len(set(r["checksums"])) == 1, f"pods differ at step {r['step']}"
     assert len({r["checksums"][0] for r in records}) == steps   # the state does change
     return records
+
+
+def require_namespaces(pods: int = 1) -> None:
+    """Skip the calling test, saying why, where this machine cannot make network namespaces (CI
+    runs as root and makes them); check that the probe's network is gone again."""
+    from multipod.controller.launch.netns import NetnsError, Network, wait_gone
+    probe = Network(pods, 1)
+    try:
+        probe.create()
+    except NetnsError as exc:
+        pytest.skip(f"network namespaces cannot be made here: {exc}")
+    finally:
+        probe.destroy()
+    assert not wait_gone(probe.run_id)

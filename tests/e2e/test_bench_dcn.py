@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
+from tests.helpers import require_namespaces
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "dcn.py"
 
@@ -38,14 +38,8 @@ def test_a_stalled_peer_is_a_timeout_not_a_hang(env):
 
 def test_netns_runs_between_namespaces_and_leaves_none_behind(env):
     # Root (CI) makes namespaces; elsewhere the bench says what it misses and this test skips.
-    from multipod.controller.launch.netns import NetnsError, Network, wait_gone
-    probe = Network(2, 1)
-    try:
-        probe.create()
-    except NetnsError as exc:
-        pytest.skip(f"network namespaces cannot be made here: {exc}")
-    finally:
-        probe.destroy()
+    from multipod.controller.launch.netns import wait_gone
+    require_namespaces(2)
     cmd = [sys.executable, str(BENCH), "--netns", "--payload-bytes", "1000000", "--repeats", "1", "--skip-gloo",
            "--variants", "transport,exchange_curve", "--deadline-s", "10", "--setup-s", "60"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)   # a guard against a hang

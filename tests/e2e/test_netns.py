@@ -28,7 +28,7 @@ from multipod.protos.channels import Security
 from tests.e2e.pod_failure import kill_and_finish
 from tests.e2e.test_hosts import COMMON, STEPS, TWO_HOSTS, two_hosts_reference
 from tests.e2e.test_recovery import _events, _Live
-from tests.helpers import ROOT, TINY, cli_argv, pid_alive, read_metrics, run_cli
+from tests.helpers import ROOT, TINY, cli_argv, pid_alive, read_metrics, require_namespaces, run_cli
 
 # As test_hosts runs them (evaluated, with the closing sample): its shared run is the reference.
 ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
@@ -37,14 +37,7 @@ ONE_HOST = ("--pods", "2", "--devices-per-pod", "2")
 @pytest.fixture(scope="module", autouse=True)
 def namespaces_can_be_made():
     """Skip (saying why) where this machine cannot make a namespace; elsewhere every test runs."""
-    probe = Network(1, 1)
-    try:
-        probe.create()
-    except NetnsError as exc:
-        pytest.skip(f"network namespaces cannot be made here: {exc}")
-    finally:
-        probe.destroy()
-    assert not wait_gone(probe.run_id)
+    require_namespaces()
 
 
 def _run_id(stdout: str) -> str:
