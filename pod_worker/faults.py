@@ -44,10 +44,12 @@ def hang_if_asked(pod_index: int, step: int) -> None:
 
 
 def poison(grads: list) -> list:
-    """The gradient leaves with the first one replaced by NaN (device or host arrays)."""
+    """The gradient leaves with the first one replaced by NaN (device arrays, or anything numpy
+    reads: host arrays, a host's block of a leaf)."""
     grads = list(grads)
     first = grads[0]
-    grads[0] = np.full_like(first, np.nan) if isinstance(first, np.ndarray) else first * np.float32(np.nan)
+    on_device = hasattr(first, "devices")      # a jax.Array: poisoned where it lives
+    grads[0] = first * np.float32(np.nan) if on_device else np.full_like(np.asarray(first), np.nan)
     return grads
 
 

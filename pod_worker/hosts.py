@@ -90,6 +90,18 @@ def meet(name: str, timeout_s: float, what: str = "step") -> None:
                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
+def _distinct_shards(x) -> list:
+    """This host's shards of a multi-host array, one per distinct index (a replicated leaf has a
+    copy on every local device; one of them is enough)."""
+    seen, out = set(), []
+    for shard in x.addressable_shards:
+        key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in shard.index)
+        if key not in seen:
+            seen.add(key)
+            out.append(shard)
+    return out
+
+
 def host_value(x) -> np.ndarray:
     """The value of a (possibly multi-host) array on this host. A single-host array is read as
     is; a multi-host one is put together from this host's shards, which must cover it (they do for
@@ -99,7 +111,7 @@ def host_value(x) -> np.ndarray:
         return np.asarray(x)
     out = np.empty(x.shape, x.dtype)
     covered = np.zeros(x.shape, bool) if x.ndim else None
-    for shard in x.addressable_shards:
+    for shard in _distinct_shards(x):
         out[shard.index] = np.asarray(shard.data)
         if covered is not None:
             covered[shard.index] = True
@@ -107,6 +119,29 @@ def host_value(x) -> np.ndarray:
         raise ValueError(f"this host holds only part of an array of shape {x.shape}: the model axis must stay "
                          f"inside one host")
     return out
+
+
+def start_host_copy(x) -> None:
+    """Start the device->host copy of what host_value(x) will read, without waiting for it (nor for
+    the program computing x)."""
+    if x.is_fully_addressable:
+        x.copy_to_host_async()
+        return
+    for shard in _distinct_shards(x):
+        shard.data.copy_to_host_async()
+
+
+class HostBlock:
+    """Elements [start, stop) of a gradient leaf flattened, as this host sends them: read
+    (np.asarray) only when the exchange takes the leaf, so that the leaves after it may still be
+    computing or copying."""
+
+    def __init__(self, leaf, start: int, stop: int):
+        self.leaf, self.start, self.stop = leaf, start, stop
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        values = host_value(self.leaf).reshape(-1)[self.start:self.stop]
+        return values if dtype is None else values.astype(dtype)
 
 
 class Assembler:
@@ -164,10 +199,10 @@ class Assembler:
         return (leaves, True) if bool(host_value(every_host)) else (None, False)
 
 
-def check_multi_host(config, mesh_shape: tuple[int, int], local_devices: int, layout: HostLayout) -> None:
+def check_multi_host(mesh_shape: tuple[int, int], local_devices: int, layout: HostLayout) -> None:
     """ConfigError naming the field if a pod of several hosts cannot run this config: the model
-    axis must stay inside one host (every host then holds whole parameters), the data axis must
-    split over the hosts, and the overlapped step is single-host only."""
+    axis must stay inside one host (every host then holds whole parameters), and the data axis
+    must split over the hosts."""
     from multipod.model.config import ConfigError
     data, model = mesh_shape
     if local_devices % model:
@@ -175,5 +210,3 @@ def check_multi_host(config, mesh_shape: tuple[int, int], local_devices: int, la
                           f"{layout.hosts_per_pod} hosts per pod the model axis must stay inside a host")
     if data % layout.hosts_per_pod:
         raise ConfigError("mesh.data", f"{data} does not split over {layout.hosts_per_pod} hosts")
-    if config.dcn.overlap:
-        raise ConfigError("dcn.overlap", "the overlapped step runs on single-host pods only")

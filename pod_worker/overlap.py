@@ -23,10 +23,24 @@ need (XLA drops the rest of each), about one matmul of the MLP's backward twice.
 exchange takes them in it. Each block's vjp keeps exactly the residuals the fused step keeps (with
 model.remat, the block is a remat region here as there, so only what the policy saves is kept).
 
+Microbatches (model.microbatches = M > 1): the shard is split as the fused step splits it
+(programs.split_microbatches: microbatch m holds rows m, m+M, ...), and every microbatch runs the
+same chain of programs. The gradient is accumulated part by part in float32, in the fixed order
+
+    acc = g_0;  acc = acc + g_1;  ...;  gradient = (acc + g_{M-1}) cast to the parameters' dtype
+
+each g_m the output of the same programs whichever microbatch it is (the adds are programs of
+their own, never fused into a backward program), so a microbatch's gradient can be computed
+anywhere and summed in this order to the same bits. The fused step's scan adds in the same order
+(from zeros: 0 + g_0 = g_0). Only the last microbatch's parts are sent: each is its sum, ready as
+soon as that microbatch's backward program for it has run, so the exchange still overlaps the
+last backward pass. The loss sums add up in the same order.
+
 The result equals the fused step's to float tolerance, not bitwise (XLA fuses differently across
 program boundaries); every pod runs the same programs on the same mesh shape, so the pods'
 gradients are still computed identically and their pod-order sum is bitwise equal everywhere.
-Microbatching (model.microbatches > 1) is not supported: the config refuses it with overlap on.
+On a pod of several hosts every host dispatches the same programs in the same order (each is one
+SPMD program over the pod's devices), and the caller sends this host's block of each leaf.
 """
 from __future__ import annotations
 
@@ -40,8 +54,10 @@ import numpy as np
 
 from multipod.model import ModelConfig, abstract_params, token_losses
 from multipod.model.layers import RESIDUAL, RMSNorm, constrain
-from multipod.model.partitioning import activate_rules, rules_for
+from multipod.model.partitioning import activate_rules, batch_sharding, rules_for
 from multipod.model.transformer import block_class, embed_tokens, unembed
+from multipod.pod_worker.hosts import start_host_copy
+from multipod.pod_worker.programs import split_microbatches
 
 
 def block_names(model_cfg: ModelConfig) -> list[str]:
@@ -168,6 +184,10 @@ class OverlappedGradStep:
         def embed_backward_pinned(*args):
             return pin(embed_backward(*args), emb_sharding)
 
+        def microbatch(tokens, m):
+            with rules_for(model_cfg):
+                return split_microbatches(tokens, model_cfg.microbatches)[m]
+
         with activate_rules(mesh):
             self._embed = jax.jit(embed)
             self._block_forward = jax.jit(block_forward)
@@ -177,33 +197,29 @@ class OverlappedGradStep:
             self._first_block_early = jax.jit(first_block_early)
             self._first_block_rest = jax.jit(first_block_rest)
             self._embed_backward = jax.jit(embed_backward_pinned, donate_argnums=(3,))
+            # Microbatches: one program takes microbatch m (its rows stay on their devices); the
+            # float32 adds of the accumulation are programs of their own (see the module).
+            self._microbatch = jax.jit(microbatch, static_argnums=1, out_shardings=batch_sharding(mesh))
+            self._as_f32 = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(jnp.float32), g))
+            self._add = jax.jit(lambda acc, g: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g),
+                                donate_argnums=0)
+            self._add_last = jax.jit(lambda acc, g: jax.tree.map(lambda a, x: (a + x.astype(a.dtype)).astype(x.dtype),
+                                                                 acc, g), donate_argnums=0)
 
     def launch(self, params, tokens: jax.Array, normalizer: jax.Array, to_host: bool = True) -> Launched:
-        """Dispatch the whole step (forward, head, backward block by block) and, with to_host, start
-        each gradient's device->host copy as soon as its program is queued. Returns at once."""
+        """Dispatch the whole step (forward, head, backward block by block, for each microbatch)
+        and, with to_host, start each gradient's device->host copy as soon as its program is
+        queued. Returns at once."""
         start_copies = _start_copies if to_host else (lambda tree: None)
-        names = block_names(self.config)
+        m_count = self.config.microbatches
         with activate_rules(self.mesh):
-            x = self._embed(params["embedding"], tokens)
-            vjps = []
-            for name in names:
-                x, vjp = self._block_forward(params[name], x)
-                vjps.append(vjp)
-            g_emb_head, g_norm, g_x, ce, z = self._head(params["embedding"], params["final_norm"], x,
-                                                        tokens, normalizer)
-            start_copies(g_norm)
-            grads = {"final_norm": g_norm}
-            for name, vjp in zip(reversed(names[1:]), reversed(vjps[1:])):
-                grads[name], g_x = self._block_backward(vjp, g_x)
-                start_copies(grads[name])
-            early = self._first_block_early(vjps[0], g_x)
-            start_copies(early)
-            rest, g_x = self._first_block_rest(vjps[0], g_x)
-            start_copies(rest)
-            grads[names[0]] = {**rest, self.early: early}
-            del vjps
-            grads["embedding"] = self._embed_backward(params["embedding"], tokens, g_x, g_emb_head)
-            start_copies(grads["embedding"])
+            if m_count == 1:
+                def ready(index, g):
+                    start_copies(g)
+                    return g
+                grads, ce, z = self._chain(params, tokens, normalizer, ready)
+            else:
+                grads, ce, z = self._accumulate(params, tokens, normalizer, m_count, start_copies)
         leaves, treedef = jax.tree.flatten(grads)
         if treedef != self._treedef:
             raise AssertionError(f"gradient tree {treedef} != parameter tree {self._treedef}")
@@ -219,7 +235,54 @@ class OverlappedGradStep:
         threading.Thread(target=watch, name="overlap-backward-end", daemon=True).start()
         return Launched(leaves, list(self.order), ce, z, done, done_at)
 
+    def _accumulate(self, params, tokens, normalizer, m_count: int, start_copies):
+        """Every microbatch through the chain; each part's gradient summed in float32 in microbatch
+        order (0, 1, ..., M-1), the last microbatch's sums handed out (and copied) as they are
+        dispatched. Returns (gradient tree, ce, z)."""
+        acc: list = []      # by part, in the order _chain yields them
+        ce = z = None
+        for m in range(m_count):
+            micro = self._microbatch(tokens, m)
+
+            def part(index, g, m=m):
+                if m == 0:
+                    acc.append(self._as_f32(g))
+                    return g
+                if m < m_count - 1:
+                    acc[index] = self._add(acc[index], g)
+                    return g
+                total = self._add_last(acc[index], g)
+                start_copies(total)
+                return total
+            grads, ce_m, z_m = self._chain(params, micro, normalizer, part)
+            ce, z = (ce_m, z_m) if m == 0 else self._add((ce, z), (ce_m, z_m))
+        return grads, ce, z
+
+    def _chain(self, params, tokens, normalizer, part):
+        """Dispatch one batch's forward and backward programs; `part(index, gradient)` is called
+        on each part's gradient (index counting the parts in readiness order) as soon as its
+        program is queued, and its result kept. Returns (gradient tree, ce, z)."""
+        names = block_names(self.config)
+        index = iter(range(len(names) + 3))
+        x = self._embed(params["embedding"], tokens)
+        vjps = []
+        for name in names:
+            x, vjp = self._block_forward(params[name], x)
+            vjps.append(vjp)
+        g_emb_head, g_norm, g_x, ce, z = self._head(params["embedding"], params["final_norm"], x,
+                                                    tokens, normalizer)
+        grads = {"final_norm": part(next(index), g_norm)}
+        for name, vjp in zip(reversed(names[1:]), reversed(vjps[1:])):
+            g_p, g_x = self._block_backward(vjp, g_x)
+            grads[name] = part(next(index), g_p)
+        early = part(next(index), self._first_block_early(vjps[0], g_x))
+        rest, g_x = self._first_block_rest(vjps[0], g_x)
+        grads[names[0]] = {**part(next(index), rest), self.early: early}
+        del vjps
+        grads["embedding"] = part(next(index), self._embed_backward(params["embedding"], tokens, g_x, g_emb_head))
+        return grads, ce, z
+
 
 def _start_copies(tree) -> None:
     for leaf in jax.tree.leaves(tree):
-        leaf.copy_to_host_async()
+        start_host_copy(leaf)

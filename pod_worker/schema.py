@@ -26,6 +26,35 @@ class Compression(enum.StrEnum):
     INT8 = "int8"     # one scale per block of <= 256 values
 
 
+class Overlap(enum.StrEnum):
+    """dcn.overlap: whether the gradient step runs as per-layer programs (pod_worker/overlap.py),
+    each block's gradient leaving the pod while the earlier blocks' backward pass still runs.
+      auto   overlap wherever the layout can (resolve_overlap), else the fused step, said once;
+      true   overlap, or a ConfigError naming dcn.overlap where the layout cannot;
+      false  the fused step (pod_worker/programs.py make_grad_step) everywhere.
+    TOML's booleans (`dcn.overlap = true`, also in configs written before "auto") load as true/false."""
+    AUTO = "auto"
+    ON = "true"
+    OFF = "false"
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, bool):
+            return cls.ON if value else cls.OFF
+        return None
+
+
+# Why the overlapped step cannot run a prompt-tuning pod (resolve_overlap): the fused step's
+# gradient is the prompt's few kilobytes, with nothing to hide behind the backward pass.
+PROMPT_RUNS_FUSED = "prompt tuning runs the fused step (its gradient is a few kilobytes)"
+
+# dcn.overlap = auto overlaps only where each per-layer program has work enough to pay for its own
+# dispatch and launch, a fixed cost per program (some tenths of a millisecond on XLA CPU here): at
+# least this many activations (rows x seq_len x d_model) per microbatch of a pod's step. Measured
+# on this machine (docs/benchmarks.md): the overlapped step was slower at 2^15 and below (the tiny
+# test model, and the default model on 1-2 rows), faster from 2^16 up.
+AUTO_MIN_ACTIVATIONS = 1 << 16
+
 # Data-plane connections (ZeroMQ streams) per peer, at most.
 MAX_STREAMS = 8
 
@@ -87,10 +116,11 @@ class DcnConfig:
     link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
     link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
     encrypt: bool = False         # refuse peers whose data plane is not CURVE-encrypted (worker --dcn-encrypt)
-    overlap: bool = False         # per-layer backward programs; each block's gradient leaves when ready
+    overlap: Overlap = Overlap.AUTO   # per-layer backward programs; each block's gradient leaves when ready
 
     def __post_init__(self):
         object.__setattr__(self, "compression", to_enum("dcn.compression", Compression, self.compression))
+        object.__setattr__(self, "overlap", to_enum("dcn.overlap", Overlap, self.overlap))
 
     def validate(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -155,7 +185,6 @@ def validate_sections(config, seq_len_field: str, seq_len: int) -> None:
     for section in dataclasses.fields(config):
         getattr(config, section.name).validate()
     check_fits(seq_len_field, seq_len, config.model, config.prompt)
-    check_overlap(config.dcn, config.model)
     check_prompt(config.prompt, config.dcn, config.model)
 
 
@@ -210,12 +239,26 @@ class WorkerConfig:
         return build(cls, data).validate()
 
 
-def check_overlap(dcn: DcnConfig, model: ModelConfig) -> None:
-    """ConfigError unless the overlapped step (dcn.overlap, pod_worker/overlap.py) can run this
-    model: it does not accumulate microbatches."""
-    if dcn.overlap and model.microbatches > 1:
-        raise ConfigError("model.microbatches", f"must be 1 with dcn.overlap = true, got {model.microbatches} "
-                                                "(the overlapped step does not accumulate microbatches)")
+def resolve_overlap(config: WorkerConfig, rows: int | None = None) -> tuple[bool, str]:
+    """(whether a pod runs the overlapped step, why not if it does not), for a pod whose step takes
+    `rows` sequences (default: the whole global batch, as on one pod). dcn.overlap = true and false
+    decide alone (validation refuses true where the layout cannot overlap: prompt tuning); auto
+    overlaps wherever the layout can (microbatches, pods of several hosts, degraded mode) unless
+    the step is too small to gain (AUTO_MIN_ACTIVATIONS). A pure function of the config and the
+    pod's batch, so every host of every pod decides alike, and a resumed run as the first did."""
+    overlap = config.dcn.overlap
+    if overlap is not Overlap.AUTO:
+        return overlap is Overlap.ON, "" if overlap is Overlap.ON else "dcn.overlap = false"
+    if config.prompt.enabled:
+        return False, PROMPT_RUNS_FUSED
+    rows = config.train.global_batch if rows is None else rows
+    micro_rows = max(1, rows // config.model.microbatches)
+    activations = micro_rows * config.train.seq_len * config.model.d_model
+    if activations < AUTO_MIN_ACTIVATIONS:
+        return False, (f"the step is too small for per-layer programs to pay: {micro_rows} rows x "
+                       f"{config.train.seq_len} tokens x d_model {config.model.d_model} = {activations} activations "
+                       f"per microbatch, under {AUTO_MIN_ACTIVATIONS}; dcn.overlap = true overlaps all the same")
+    return True, ""
 
 
 def check_fits(name: str, seq_len: int, model: ModelConfig, prompt: PromptConfig | None = None) -> None:
@@ -231,8 +274,8 @@ def check_prompt(prompt: PromptConfig, dcn: DcnConfig, model: ModelConfig) -> No
     """ConfigError naming the field if prompt tuning cannot run with these settings."""
     if not prompt.enabled:
         return
-    if dcn.overlap:
-        raise ConfigError("dcn.overlap", "prompt tuning runs the fused step (its gradient is a few kilobytes)")
+    if dcn.overlap is Overlap.ON:
+        raise ConfigError("dcn.overlap", f"{PROMPT_RUNS_FUSED}: leave it at auto (or false) with prompt.kind")
     if model.microbatches != 1:
         raise ConfigError("model.microbatches", f"prompt tuning runs unsplit batches, got {model.microbatches}")
 

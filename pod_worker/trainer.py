@@ -23,10 +23,10 @@ from multipod.model.partitioning import activate_rules, batch_sharding, make_mes
 from multipod.pod_worker import overlap, programs
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
 from multipod.pod_worker.generation import Generator
-from multipod.pod_worker.hosts import Assembler, HostLayout, check_multi_host, host_value
+from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
 from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
 from multipod.pod_worker.outcome import StepOutcome, StepResult
-from multipod.pod_worker.schema import WorkerConfig
+from multipod.pod_worker.schema import WorkerConfig, resolve_overlap
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PodTrainer:
         self.mesh = make_mesh(*self.mesh_shape, devices=devices)
         self.num_devices = len(devices)
         if layout.multi:
-            check_multi_host(config, self.mesh_shape, jax.local_device_count(), layout)
+            check_multi_host(self.mesh_shape, jax.local_device_count(), layout)
         self.tx = make_optimizer(config.optimizer, config.schedule_steps)
         self.schedule = make_schedule(config.optimizer, config.schedule_steps)
         self.step = 0
@@ -93,13 +93,10 @@ class PodTrainer:
         return [LeafSpec((b - a,), spec.dtype) for spec, (a, b) in
                 zip(self.leaf_specs, (self.assembler.block(i) for i in range(len(self.leaf_specs))))]
 
-    def _blocks(self, leaves: list) -> list[np.ndarray]:
-        """This host's block of every gradient leaf, as flat host arrays."""
-        out = []
-        for index, leaf in enumerate(leaves):
-            a, b = self.assembler.block(index)
-            out.append(host_value(leaf).reshape(-1)[a:b])
-        return out
+    def _blocks(self, leaves: list) -> list[HostBlock]:
+        """This host's block of every gradient leaf (flat), each read from the device only when
+        the exchange takes it."""
+        return [HostBlock(leaf, *self.assembler.block(index)) for index, leaf in enumerate(leaves)]
 
     # -- compiled programs ---------------------------------------------------------------------
     def _compile(self) -> None:
@@ -116,13 +113,27 @@ class PodTrainer:
             self._checksum = jax.jit(programs.state_checksum, in_shardings=(p, o), out_shardings=s)
             # Narrow token batches (uint8/uint16 on the wire) become int32 on the devices.
             self._widen = jax.jit(lambda t: t.astype(jnp.int32), in_shardings=b, out_shardings=b)
-        # dcn.overlap: the gradient step as per-layer programs (pod_worker/overlap.py), so each
-        # block's gradient can leave the pod while earlier blocks' backward programs still run.
-        self._overlapped = (overlap.OverlappedGradStep(self.config.model, self.mesh, p)
-                            if self.config.dcn.overlap else None)
+        self._overlapped: overlap.OverlappedGradStep | None = None
+        self._choose_step(self.config.train.global_batch)
+
+    def _choose_step(self, rows: int) -> bool:
+        """Run the overlapped step (dcn.overlap: per-layer programs, pod_worker/overlap.py, so each
+        block's gradient can leave the pod while earlier blocks' backward programs still run) or the
+        fused one, for a pod's step of `rows` sequences (schema.resolve_overlap); whether it overlaps."""
+        overlapped, self._fused_because = resolve_overlap(self.config, rows)
+        if not overlapped:
+            self._overlapped = None
+        elif self._overlapped is None:     # jit wrappers only: each program compiles at its first call
+            self._overlapped = overlap.OverlappedGradStep(self.config.model, self.mesh, self.param_sharding)
+        return overlapped
 
     def compile_for(self, batch_shape: tuple[int, int]) -> dict:
-        """Compile the step programs ahead of time for a shard shape; return compile timings."""
+        """Choose the step (fused or overlapped) and compile its programs ahead of time for a shard
+        shape; return compile timings. The fused gradient program is compiled either way: its
+        XLA analyses are the step's memory and FLOPs accounting (compiled_stats)."""
+        overlapped = self._choose_step(batch_shape[0])
+        log.info("the gradient step: %s", "overlapped (per-layer programs)" if overlapped
+                 else f"fused ({self._fused_because})")
         start = time.perf_counter()
         batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.scalar_sharding)
@@ -241,28 +252,7 @@ class PodTrainer:
             extra_grads[slot], ce_k, z_k = self.gradients(shard, global_tokens, to_host=True)
             shards.append((slot, ce_k + z_k, z_k, self.target_count(shard)))
         t1 = time.perf_counter()
-        if self.assembler is not None and all_reduce is not None:
-            # Several hosts: this host exchanges its block of every leaf with the same host of the
-            # other pods; the summed blocks are gathered over the pod's hosts on its devices.
-            blocks = self._blocks(grads)
-            extra_blocks = {slot: self._blocks(g) for slot, g in extra_grads.items()}
-            failure, summed_blocks = None, None
-            try:
-                summed_blocks, link = all_reduce(blocks, extra=extra_blocks) if extra_blocks else all_reduce(blocks)
-                summed_blocks = [np.asarray(b) for b in summed_blocks]
-            except Exception as exc:   # noqa: BLE001 - re-raised below, after the pod's hosts agree
-                failure = exc
-            # Every host takes part in the gather, failed or not, so that none waits in it alone.
-            summed, every_host = self.assembler(summed_blocks, [s.dtype for s in self.leaf_specs])
-            if failure is not None:
-                raise failure
-            if not every_host:
-                raise ExchangeError("another host of this pod failed its part of the exchange; the step is "
-                                    "undone on every host")
-        elif extra_grads:
-            summed, link = all_reduce(grads, extra=extra_grads)
-        else:
-            summed, link = all_reduce(grads) if all_reduce is not None else (grads, None)
+        summed, link = self._exchange(all_reduce, grads, extra_grads)
         t2 = time.perf_counter()
         jax.block_until_ready([leaf for leaf in summed if isinstance(leaf, jax.Array)])
         t_ready = time.perf_counter()
@@ -285,13 +275,8 @@ class PodTrainer:
         # Failed pods' shards: the same per-layer programs, dispatched now, summed in their slots.
         others = {slot: self._overlapped.launch(self.params, shard, norm) for slot, shard in extra.items()}
         t1 = time.perf_counter()
-        if others:
-            summed, link = all_reduce(launched.leaves, order=launched.order,
-                                      extra={slot: o.leaves for slot, o in others.items()})
-        elif all_reduce is not None:
-            summed, link = all_reduce(launched.leaves, order=launched.order)
-        else:
-            summed, link = launched.leaves, None
+        summed, link = self._exchange(all_reduce, launched.leaves, {slot: o.leaves for slot, o in others.items()},
+                                      order=launched.order)
         jax.block_until_ready(summed)
         t2 = time.perf_counter()
         backward_end = max(o.backward_end(timeout=self.config.dcn.timeout_s) for o in (launched, *others.values()))
@@ -302,6 +287,35 @@ class PodTrainer:
         t3 = time.perf_counter()
         return self._finish(shards, result, t3, link, compute_s=backward_end - t0, exchange_s=t2 - t1,
                             update_s=t3 - t2, exposed_exchange_s=max(0.0, t2 - backward_end))
+
+    def _exchange(self, all_reduce, leaves: list, extra: dict, order: list[int] | None = None) -> tuple[list, object]:
+        """The pods' pod-order sum of the gradient leaves (and of the extra slots' leaves, summed
+        in their slots), and the exchange's stats; (leaves, None) without an exchange (a single
+        pod). `order`: the leaf order the exchange takes (the overlapped step's readiness order)."""
+        if all_reduce is None:
+            return leaves, None
+        kwargs: dict = {} if order is None else {"order": order}
+        if self.assembler is None:
+            return all_reduce(leaves, extra=extra, **kwargs) if extra else all_reduce(leaves, **kwargs)
+        # Several hosts: this host exchanges its block of every leaf with the same host of the
+        # other pods; the summed blocks are gathered over the pod's hosts on its devices.
+        blocks = self._blocks(leaves)
+        extra_blocks = {slot: self._blocks(g) for slot, g in extra.items()}
+        failure, summed_blocks, link = None, None, None
+        try:
+            summed_blocks, link = (all_reduce(blocks, extra=extra_blocks, **kwargs) if extra_blocks
+                                   else all_reduce(blocks, **kwargs))
+            summed_blocks = [np.asarray(b) for b in summed_blocks]
+        except Exception as exc:   # noqa: BLE001 - re-raised below, after the pod's hosts agree
+            failure = exc
+        # Every host takes part in the gather, failed or not, so that none waits in it alone.
+        summed, every_host = self.assembler(summed_blocks, [s.dtype for s in self.leaf_specs])
+        if failure is not None:
+            raise failure
+        if not every_host:
+            raise ExchangeError("another host of this pod failed its part of the exchange; the step is "
+                                "undone on every host")
+        return summed, link
 
     def _finish(self, shards: list, result: StepResult, updated_at: float, link, **timings: float) -> StepOutcome:
         """The step's checksum (timed from `updated_at`, when the update returned) and its

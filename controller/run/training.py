@@ -25,6 +25,7 @@ from multipod.controller.observe.peak import resolve_peak
 from multipod.controller.observe.records import StepRecord
 from multipod.controller.run.loop import StepLoop
 from multipod.controller.run.summary import Summary, finish, print_summary
+from multipod.pod_worker.schema import Overlap, resolve_overlap
 
 __all__ = ["PodFailure", "RunError", "Summary", "checkpoint_dir", "print_summary", "run_training", "train"]
 
@@ -121,6 +122,9 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
         replies = cluster.configure()
     accounting = _accounting(cluster, replies, local)
+    overlapped, why_not = resolve_overlap(config.worker_config(), config.data.global_batch // cluster.size)
+    if not overlapped and config.dcn.overlap is Overlap.AUTO:
+        out(f"dcn.overlap = auto: the pods run the fused step ({why_not})")
     base_fingerprint = replies[0].base_fingerprint or None      # prompt tuning: the same on every pod (cluster.py)
     if base_fingerprint:
         out(f"tuning a {config.prompt.kind} of {config.prompt.virtual_tokens} virtual tokens on the frozen base "

@@ -64,6 +64,8 @@ def test_the_task_loss_falls_and_two_pods_train_as_one(files, two_pods):
     # Clearly lower: the learned prompt picks the mode the task's outputs are in.
     assert evals_two[-1]["eval_loss"] < steps_two[0]["loss"] - 0.3
     assert "frozen base" in result.stdout
+    # dcn.overlap's default cannot overlap prompt tuning's step: it says so, once.
+    assert result.stdout.count("dcn.overlap = auto: the pods run the fused step (prompt tuning") == 1
 
 
 def test_prompt_tuning_itself_lowers_the_task_loss_as_clearly(files):

@@ -1,6 +1,8 @@
 """The overlapped gradient step (pod_worker/overlap.py, dcn.overlap): per-layer programs give the
-fused step's gradients to float tolerance, on one device and on a 2x2 mesh, and hand the exchange
-the leaves in readiness order (the last block first, the embedding last)."""
+fused step's gradients to float tolerance, on one device and on a 2x2 mesh, with and without
+microbatches (summed in microbatch order, bit for bit), and hand the exchange the leaves in
+readiness order (the last block first, the embedding last). dcn.overlap = auto overlaps a step big
+enough to gain and not prompt tuning, which refuses an explicit true."""
 import dataclasses
 
 import jax
@@ -34,6 +36,8 @@ def _part_names(trainer):
     ((2, 2), {}),
     ((2, 2), {"sequence_parallel": True, "remat": "selective"}),
     ((1, 1), {"remat": "full"}),
+    ((1, 1), {"microbatches": 4}),
+    ((2, 2), {"microbatches": 2}),
 ])
 def test_overlapped_gradients_equal_the_fused_gradients(mesh, model):
     trainer = PodTrainer(_config(mesh, **model), jax.devices()[: mesh[0] * mesh[1]])
@@ -88,7 +92,52 @@ def test_overlap_on_and_off_train_alike():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
 
 
-def test_overlap_is_refused_with_microbatches_naming_the_field():
-    with pytest.raises(ConfigError, match="model.microbatches"):
-        _config(overlap=True, microbatches=2)
-    assert _config(overlap=False, microbatches=2).model.microbatches == 2
+def test_microbatches_sum_in_microbatch_order_in_float32():
+    """With M microbatches the overlapped gradient is, bit for bit, the float32 sum in order
+    0, 1, ..., M-1 of each microbatch's gradient from the same programs run on it alone (what
+    issue 21's split of a shard over several pods must reassemble); the loss sums likewise."""
+    k = 4
+    whole = PodTrainer(_config(microbatches=k), jax.devices()[:1])
+    alone = PodTrainer(_config(microbatches=1), jax.devices()[:1])
+    tokens = _tokens(rows=8)
+    norm = jax.device_put(np.float32(8 * 32), whole.scalar_sharding)
+    launched = whole._overlapped.launch(whole.params, whole.put_batch(tokens), norm)
+    parts = [alone._overlapped.launch(alone.params, alone.put_batch(tokens[m::k]), norm) for m in range(k)]
+    for index, got in enumerate(launched.leaves):
+        total = np.asarray(parts[0].leaves[index], np.float32)
+        for part in parts[1:]:
+            total = total + np.asarray(part.leaves[index], np.float32)
+        assert np.asarray(got).tobytes() == total.tobytes(), index
+    for name in ("ce", "z"):
+        total = np.float32(getattr(parts[0], name))
+        for part in parts[1:]:
+            total = np.float32(total + np.float32(getattr(part, name)))
+        assert np.float32(getattr(launched, name)) == total, name
+
+
+def test_auto_overlaps_where_the_layout_can_and_the_step_is_big_enough():
+    from multipod.pod_worker.schema import AUTO_MIN_ACTIVATIONS, Overlap, resolve_overlap
+    auto = tiny_worker_config()     # 32 tokens x d_model 32 per row: 64 rows reach 2^16 activations
+    assert auto.dcn.overlap is Overlap.AUTO and AUTO_MIN_ACTIVATIONS == 64 * 32 * 32
+    assert resolve_overlap(auto, 64) == (True, "")
+    overlapped, why = resolve_overlap(auto, 63)
+    assert not overlapped and "63 rows x 32 tokens x d_model 32 = 64512 activations per microbatch, under 65536" in why
+    halves = dataclasses.replace(auto, model=dataclasses.replace(auto.model, microbatches=2))
+    assert resolve_overlap(halves, 128)[0] and not resolve_overlap(halves, 64)[0]     # counted per microbatch
+    assert resolve_overlap(dataclasses.replace(auto, dcn=DcnConfig(overlap=True)), 4) == (True, "")
+    assert resolve_overlap(dataclasses.replace(auto, dcn=DcnConfig(overlap=False)), 1024)[0] is False
+    # The trainer chooses for its pod's shard when it compiles for it (Pod.configure does).
+    trainer = PodTrainer(auto, jax.devices()[:1])
+    assert trainer._choose_step(64) and trainer._overlapped is not None
+    assert not trainer._choose_step(4) and trainer._overlapped is None
+
+
+def test_explicit_overlap_is_refused_for_prompt_tuning_and_auto_falls_back():
+    from multipod.pod_worker.schema import PromptConfig, resolve_overlap
+    prompt = PromptConfig(kind="prompt", virtual_tokens=4, base_checkpoint="/somewhere")
+    base = tiny_worker_config()
+    base = dataclasses.replace(base, prompt=prompt, train=dataclasses.replace(base.train, seq_len=16))
+    with pytest.raises(ConfigError, match="dcn.overlap: prompt tuning runs the fused step"):
+        dataclasses.replace(base, dcn=DcnConfig(overlap=True)).validate()
+    assert resolve_overlap(base.validate(), 4096) == (False, "prompt tuning runs the fused step (its gradient "
+                                                             "is a few kilobytes)")

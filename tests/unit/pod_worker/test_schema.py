@@ -79,6 +79,7 @@ def test_choices_load_as_enum_members_and_travel_as_plain_strings():
     ("model", "remat", "none, full, selective"),
     ("dcn", "compression", "none, bf16, int8"),
     ("prompt", "kind", "prompt, mlp, lstm"),
+    ("dcn", "overlap", "auto, true, false"),
 ])
 def test_an_unknown_choice_names_the_field_and_lists_the_choices(section, key, choices):
     with pytest.raises(ConfigError) as error:

@@ -1,4 +1,6 @@
 """Config loading: TOML + overrides, validation errors that name the field, JSON round trip."""
+import json
+
 import pytest
 
 from multipod.controller.core.run_config import Config, ConfigError, load_config, parse_override
@@ -100,10 +102,18 @@ def test_worker_config_carries_the_run_shape_and_nothing_of_the_controller():
     assert "path" not in worker.to_json() and "eval_batches" not in worker.to_json()
 
 
-def test_overlap_with_microbatches_is_refused_when_the_config_loads():
-    with pytest.raises(ConfigError, match="model.microbatches: must be 1 with dcn.overlap"):
-        load_config(None, ["dcn.overlap=true", "model.microbatches=2"])
-    assert load_config(None, ["dcn.overlap=false", "model.microbatches=2"]).model.microbatches == 2
+def test_overlap_is_auto_by_default_takes_true_false_and_auto_and_refuses_anything_else():
+    from multipod.pod_worker.schema import Overlap
+    assert Config().dcn.overlap is Overlap.AUTO
+    # TOML's booleans, as a file or --set writes them, and the three names; microbatches overlap too.
+    for value, want in (("true", Overlap.ON), ("false", Overlap.OFF), ("auto", Overlap.AUTO), ('"true"', Overlap.ON)):
+        assert load_config(None, [f"dcn.overlap={value}", "model.microbatches=2"]).dcn.overlap is want, value
+    with pytest.raises(ConfigError, match="dcn.overlap: must be one of auto, true, false, got 'sometimes'"):
+        load_config(None, ["dcn.overlap=sometimes"])
+    with pytest.raises(ConfigError, match="dcn.overlap: must be one of auto, true, false, got 1"):
+        load_config(None, ["dcn.overlap=1"])
+    # A config.json written when the field was a boolean reads back.
+    assert Config.from_json(json.dumps({"dcn": {"overlap": True}})).dcn.overlap is Overlap.ON
 
 
 @pytest.mark.parametrize("value, message", [
