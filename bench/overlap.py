@@ -4,6 +4,8 @@
     python -m bench.overlap link [--config configs/bench.toml] [--devices-per-pod 1] [--steps 12]
                                  [--rounds 2] [--fraction 0.3] [--link-gbps G]
                                  [--netns [--netns-rate-gbps R]]
+    python -m bench.overlap matrix [--configs configs/tiny.toml,configs/default.toml]
+                                   [--layouts one-pod,plain,microbatches,hosts] [--steps 20] [--rounds 2]
 
 compute: one pod, in this process, on --devices simulated CPU devices. Interleaved, --reps times
 each after a warm-up: the fused gradient program (PodTrainer.gradients) and the overlapped
@@ -23,7 +25,16 @@ dcn.link_latency_ms (this kernel has no netem). Per step (the first two skipped:
 warm-up): exposed_exchange_s over the step time, for the pod with the most and for the pod with
 the least (see _summarise). Medians per setting.
 
---set KEY=VALUE (either mode, repeatable) overrides the config, e.g. the model of bench/scaling.py.
+matrix: is the default (dcn.overlap = auto) slower than the fused step (dcn.overlap = false), and
+what would the overlapped step (true) take? For each config and layout, --rounds rounds of one
+run of each `multipod local` on loopback, the order rotating, every cell's runs interleaved with
+the others' in each round. Layouts: one-pod (1 pod of 1 device, no exchange), plain (2 pods
+of 1 device), microbatches (the same with model.microbatches = 2), hosts (2 pods of 2 hosts of 1
+device). Per cell: the median step_time_s over the steps of its runs (the first two of each run
+skipped: compile and warm-up), overlap / fused and default / fused, whether the pods were bitwise
+identical, and the step the default chose (the first worker log's "the gradient step" line).
+
+--set KEY=VALUE (any mode, repeatable) overrides the config, e.g. the model of bench/scaling.py.
 
 Prints one JSON object.
 """
@@ -123,12 +134,14 @@ def compute(args) -> dict:
     }
 
 
-def _local_run(args, run_dir: pathlib.Path, settings: list[str], netns_rate_gbps: float | None = None) -> list[dict]:
-    """netns_rate_gbps: None on loopback; with --netns, 0 (unshaped) or the link's rate."""
-    cmd = [sys.executable, "-m", "multipod.cli", "local", "--pods", "2", "--devices-per-pod",
-           str(args.devices_per_pod), "--config", str(args.config), "--steps", str(args.steps),
-           "--run-dir", str(run_dir), "--set", "sample.tokens=0", "--set", "eval.batches=0",
-           "--checkpoint-every", "0"]
+def _local_run(args, run_dir: pathlib.Path, settings: list[str], netns_rate_gbps: float | None = None,
+               layout: list[str] | None = None, config: str | None = None) -> list[dict]:
+    """netns_rate_gbps: None on loopback; with --netns, 0 (unshaped) or the link's rate. layout:
+    the pods' flags (default 2 pods of --devices-per-pod devices); config: default --config."""
+    layout = layout or ["--pods", "2", "--devices-per-pod", str(args.devices_per_pod)]
+    cmd = [sys.executable, "-m", "multipod.cli", "local", *layout, "--config", str(config or args.config),
+           "--steps", str(args.steps), "--run-dir", str(run_dir), "--set", "sample.tokens=0",
+           "--set", "eval.batches=0", "--checkpoint-every", "0"]
     if netns_rate_gbps is not None:
         # Plain, as the comparisons with gloo are: CURVE would add its own CPU cost to the link's.
         cmd += ["--netns", "--insecure"] + (["--netns-rate-gbps", f"{netns_rate_gbps:.6f}"] if netns_rate_gbps else [])
@@ -210,6 +223,62 @@ def link(args) -> dict:
     return out
 
 
+# matrix mode: each layout's `multipod local` flags and settings.
+LAYOUTS = {
+    "one-pod": (["--pods", "1", "--devices-per-pod", "1"], []),
+    "plain": (["--pods", "2", "--devices-per-pod", "1"], []),
+    "microbatches": (["--pods", "2", "--devices-per-pod", "1"], ["model.microbatches=2"]),
+    "hosts": (["--pods", "2", "--hosts-per-pod", "2", "--devices-per-host", "1"], []),
+}
+# The fused step, the overlapped step, and the default (dcn.overlap as the config leaves it: auto).
+SETTINGS = {"fused": ["dcn.overlap=false"], "overlap": ["dcn.overlap=true"], "default": []}
+
+
+def _chosen_step(run_dir: pathlib.Path) -> str:
+    """The gradient step a run's first worker logged it runs (trainer.compile_for)."""
+    for log in sorted(run_dir.glob("worker-*.log")):
+        for line in log.read_text().splitlines():
+            if "the gradient step: " in line:
+                return line.split("the gradient step: ", 1)[1]
+    return "?"
+
+
+def matrix(args) -> dict:
+    configs, layouts = args.configs.split(","), args.layouts.split(",")
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    out: dict = {"mode": "matrix", "steps_per_run": args.steps, "rounds": args.rounds, "settings": args.settings,
+                 "load_average_start": _load_avg(), "cpus": os.cpu_count(), "cells": []}
+    records: dict[tuple, list] = {(c, lay, name): [] for c in configs for lay in layouts for name in SETTINGS}
+    chosen: dict[tuple, str] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-overlap-matrix-") as tmp:
+        for round_ in range(args.rounds):
+            for c in configs:
+                for lay in layouts:
+                    names = list(SETTINGS)[round_ % len(SETTINGS):] + list(SETTINGS)[:round_ % len(SETTINGS)]
+                    for name in names:
+                        flags, settings = LAYOUTS[lay]
+                        run_dir = pathlib.Path(tmp) / f"{pathlib.Path(c).stem}-{lay}-{name}-{round_}"
+                        records[(c, lay, name)] += _local_run(args, run_dir, [*settings, *SETTINGS[name]],
+                                                              layout=flags, config=c)
+                        if name == "default":
+                            chosen[(c, lay)] = _chosen_step(run_dir)
+    for c in configs:
+        for lay in layouts:
+            cell = {"config": c, "layout": lay}
+            for name in SETTINGS:
+                rs = records[(c, lay, name)]
+                cell[name] = {"steps": len(rs), "step_time_s": _median([r["step_time_s"] for r in rs]),
+                              "checksums_equal_every_step": all(len(set(r["checksums"])) == 1 for r in rs)}
+            cell["overlap_over_fused"] = cell["overlap"]["step_time_s"] / cell["fused"]["step_time_s"]
+            cell["default_over_fused"] = cell["default"]["step_time_s"] / cell["fused"]["step_time_s"]
+            cell["default_chose"] = chosen[(c, lay)]
+            out["cells"].append(cell)
+    out["load_average_end"] = _load_avg()
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -232,13 +301,19 @@ def main(argv=None) -> int:
                          "kernel's link instead of dcn.link_gbps (needs root)")
     lk.add_argument("--netns-rate-gbps", type=float, default=None, metavar="R",
                     help="with --netns: the link's rate (skips the calibration run)")
-    for p in (c, lk):
+    mx = sub.add_parser("matrix")
+    mx.add_argument("--configs", default=",".join(str(ROOT / "configs" / f) for f in ("tiny.toml", "default.toml")))
+    mx.add_argument("--layouts", default=",".join(LAYOUTS))
+    mx.add_argument("--steps", type=int, default=20)
+    mx.add_argument("--rounds", type=int, default=2)
+    mx.set_defaults(devices_per_pod=1)
+    for p in (c, lk, mx):
         p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                        help="config override (repeatable)")
     args = parser.parse_args(argv)
     if args.mode == "link" and args.netns_rate_gbps is not None and not args.netns:
         parser.error("--netns-rate-gbps goes with --netns")
-    result = compute(args) if args.mode == "compute" else link(args)
+    result = {"compute": compute, "link": link, "matrix": matrix}[args.mode](args)
     print(json.dumps(result, indent=2))
     return 0
 
