@@ -173,14 +173,16 @@ class StepReply(_message.Message):
     def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., checksum: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ...) -> None: ...
 
 class MembershipRequest(_message.Message):
-    __slots__ = ("run_id", "hosts", "num_pods")
+    __slots__ = ("run_id", "hosts", "num_pods", "dcn_addresses")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PODS_FIELD_NUMBER: _ClassVar[int]
+    DCN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     hosts: _containers.RepeatedScalarFieldContainer[int]
     num_pods: int
-    def __init__(self, run_id: _Optional[str] = ..., hosts: _Optional[_Iterable[int]] = ..., num_pods: _Optional[int] = ...) -> None: ...
+    dcn_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., hosts: _Optional[_Iterable[int]] = ..., num_pods: _Optional[int] = ..., dcn_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MembershipReply(_message.Message):
     __slots__ = ("step", "checksum", "fingerprint", "config_hash", "aborted_step")
@@ -341,7 +343,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address", "config_hash", "checksum", "run_id", "host_index", "hosts_per_pod", "pod_coordinator", "local_devices")
+    __slots__ = ("protocol_version", "pod_index", "configured", "step", "num_devices", "state", "pid", "dcn_address", "config_hash", "checksum", "run_id", "host_index", "hosts_per_pod", "pod_coordinator", "local_devices", "spare")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +359,7 @@ class StatusReply(_message.Message):
     HOSTS_PER_POD_FIELD_NUMBER: _ClassVar[int]
     POD_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     configured: bool
@@ -372,7 +375,8 @@ class StatusReply(_message.Message):
     hosts_per_pod: int
     pod_coordinator: str
     local_devices: int
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., checksum: _Optional[str] = ..., run_id: _Optional[str] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., pod_coordinator: _Optional[str] = ..., local_devices: _Optional[int] = ...) -> None: ...
+    spare: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., checksum: _Optional[str] = ..., run_id: _Optional[str] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., pod_coordinator: _Optional[str] = ..., local_devices: _Optional[int] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
