@@ -38,8 +38,11 @@ class HostLayout:
         """Host 0: the one that writes what only one host should write (checkpoints)."""
         return self.host_index == 0
 
-    def name(self, pod_index: int) -> str:
-        return f"pod {pod_index}" if not self.multi else f"pod {pod_index} host {self.host_index}"
+    def name(self, pod_index: int | None) -> str:
+        """How logs and errors name this host: "pod P" ("spare" before a spare has a slot), with
+        its host index in a pod of several hosts."""
+        pod = "spare" if pod_index is None else f"pod {pod_index}"
+        return pod if not self.multi else f"{pod} host {self.host_index}"
 
     def check(self) -> HostLayout:
         """ValueError naming the flag if the layout is inconsistent."""

@@ -20,7 +20,7 @@ def write_port_file(port_file: str, port) -> None:
     os.replace(tmp, port_file)
 
 
-def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_parent: bool = False,
+def serve(pod_index: int | None, listen: str, port_file: str | None = None, exit_with_parent: bool = False,
           max_workers: int = RPC_THREADS, security: Security | None = None, dcn_listen: str | None = None,
           dcn_encrypt: bool = False, layout=None) -> None:
     """Serve one pod until Shutdown is called, the process is signalled, or (with
@@ -49,4 +49,4 @@ def serve(pod_index: int, listen: str, port_file: str | None = None, exit_with_p
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=2.0).wait(5.0)
     service.pod.close()
-    log.info("pod %d stopped", pod_index)
+    log.info("%s stopped", service.pod.layout.name(service.pod.pod_index))

@@ -13,7 +13,10 @@ from multipod.protos.cli_flags import add_security_arguments, security_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pod-index", type=int, required=True, help="this pod's index (0-based)")
+    parser.add_argument("--pod-index", type=int, help="this pod's index (0-based); or --spare")
+    parser.add_argument("--spare", action="store_true",
+                        help="a standby worker: it serves no pod until a controller hands it a failed pod's slot "
+                             "(multipod train --spares, multipod attach); its first Configure sets the pod index")
     parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve on")
     parser.add_argument("--devices", type=int, default=0,
                         help="simulate N CPU devices (0: use the real devices jax finds)")
@@ -45,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.pod_index < 0:
+    if (args.pod_index is None) == (not args.spare):
+        raise SystemExit("error: give exactly one of --pod-index N or --spare")
+    if args.pod_index is not None and args.pod_index < 0:
         raise SystemExit("--pod-index must be >= 0")
     if args.devices < 0:
         raise SystemExit("--devices must be >= 0")
@@ -53,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         layout = HostLayout(args.host_index, args.hosts_per_pod, args.pod_coordinator).check()
     except ValueError as exc:
-        raise SystemExit(f"error: pod {args.pod_index} host {args.host_index}: {exc}") from None
+        raise SystemExit(f"error: {_who(args)} host {args.host_index}: {exc}") from None
     if args.devices:
         simulate_cpu_devices(args.devices)
-    who = f"pod{args.pod_index}" + (f"h{layout.host_index}" if layout.multi else "")
+    who = ("spare" if args.spare else f"pod{args.pod_index}") + (f"h{layout.host_index}" if layout.multi else "")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s")
     for chatty in ("absl", "orbax"):    # orbax narrates every save at INFO; its warnings still show
         logging.getLogger(chatty).setLevel(logging.WARNING)
@@ -84,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     serve(args.pod_index, args.listen, port_file=args.port_file, exit_with_parent=args.exit_with_parent,
           security=security, dcn_listen=args.dcn_listen, dcn_encrypt=args.dcn_encrypt, layout=layout)
     return 0
+
+
+def _who(args: argparse.Namespace) -> str:
+    return "spare" if args.spare else f"pod {args.pod_index}"
 
 
 def check_exposure(args: argparse.Namespace, security) -> None:

@@ -51,7 +51,7 @@ class Transferred:
 class PodMembership:
     """The Pod's membership, takeover and state-transfer operations (see the module's docstring).
     Uses the Pod's `setup()` and the attributes below, all owned by the Pod."""
-    pod_index: int
+    pod_index: int | None           # None: a spare without a slot yet
     layout: HostLayout              # this worker's host in a pod of several hosts
     listener: Listener | None       # the worker's data-plane socket
     seq: Sequencer                  # the lock: see the module's docstring
@@ -113,13 +113,21 @@ class PodMembership:
         return trainer, fp
 
     # -- membership: degraded mode and rejoin --------------------------------------------------
-    def set_membership(self, run_id: str, hosts: list[int] | None, deadline: float) -> Membership:
+    def set_membership(self, run_id: str, hosts: list[int] | None, deadline: float,
+                       peers: list[str] | None = None) -> Membership:
         """From the next step on, exchange under `run_id` among the pods in `hosts` (hosts[slot]:
         the pod computing slot's shard; None: every pod its own). A step still waiting in the old
         exchange fails at once (its state stays as before it: the controller retries it); steps
-        queued before this call are refused. InvalidRequest if the assignment does not fit."""
+        queued before this call are refused. InvalidRequest if the assignment does not fit.
+        peers: every pod's data-plane address, in pod order, when a slot moved to a new worker
+        (hot-swap); None keeps them."""
         setup = self.setup()
         num_pods = setup.num_pods
+        if peers is not None:
+            if len(peers) != num_pods:
+                raise InvalidRequest(f"{len(peers)} data-plane addresses for {num_pods} pods")
+            for address in peers:
+                self._host_address(address)     # InvalidRequest if it does not fit this pod's hosts
         if hosts is not None:
             hosts = tuple(int(h) for h in hosts)
             if len(hosts) != num_pods or any(not 0 <= h < num_pods for h in hosts):
@@ -135,6 +143,8 @@ class PodMembership:
         if self.exchange is not None:
             self.exchange.abort(f"pod {self.pod_index}: the controller changed the pods taking part")
         with self.seq.hold("a membership change", deadline):
+            if peers is not None:
+                self._peers = list(peers)
             setup = self._start_timeline(run_id, hosts, "given a new membership")
             trainer = setup.trainer
             self._checksum = (trainer.step, trainer.checksum())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,8 @@ from multipod.pod_worker.schema import WorkerConfig
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +96,8 @@ class Pod(PodMembership):
     Membership, takeover (reattach) and the state transfer to a rejoining pod are in
     membership.py (`PodMembership`), which works on this state."""
 
-    def __init__(self, pod_index: int, listener: Listener | None = None, layout: HostLayout | None = None):
-        self.pod_index = pod_index
+    def __init__(self, pod_index: int | None, listener: Listener | None = None, layout: HostLayout | None = None):
+        self.pod_index = pod_index      # None: a spare, until its first configure gives it a slot
         self.layout = layout or HostLayout()     # this worker's host in a pod of several hosts
         self.listener = listener    # the worker's data-plane socket (needed with more than one pod)
         self.seq = Sequencer(f"pod {pod_index}")
@@ -119,24 +122,48 @@ class Pod(PodMembership):
         return setup
 
     # -- configure -----------------------------------------------------------------------------
-    def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> tuple[PodTrainer, str]:
+    def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
+                  pod_index: int | None = None) -> tuple[PodTrainer, str]:
         """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id` with
         `peers` (every pod's data-plane address, in pod order);
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
-        refused from now on."""
+        refused from now on. A spare (pod_index None) becomes pod `pod_index` here, for good once
+        the configure succeeds."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
-            trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
-            trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
-            # Built before the old one closes: if it fails, the pod keeps a working exchange.
-            exchange = self._new_exchange(run_id, trainer, config, list(peers))
-            if self.exchange is not None:
-                self.exchange.close()
-            self._peers, self.exchange = list(peers), exchange
-            self._checksum = (trainer.step, trainer.checksum())
-            epoch = self.seq.reset(trainer.step, "reconfigured")
-            self._setup = Setup(trainer, config, num_pods, epoch, run_id=run_id)
-            # Read inside the hold: a step may donate the state's buffers once it is released.
-            fp = trainer.fingerprint()
+            if self.pod_index is None:
+                if pod_index is None:
+                    raise InvalidRequest("a spare needs the pod index of the slot it takes")
+                self._take_slot(pod_index)
+                try:
+                    return self._configure(config, num_pods, peers, run_id)
+                except BaseException:
+                    self._take_slot(None)      # still a spare: another run (or slot) may take it
+                    raise
+            return self._configure(config, num_pods, peers, run_id)
+
+    def _take_slot(self, pod_index: int | None) -> None:
+        """A spare takes slot `pod_index` (None: gives it back): the data plane accepts that
+        pod's peers from now on."""
+        self.pod_index = pod_index
+        if self.listener is not None:
+            self.listener.pod_index = pod_index
+        log.info("%s: %s", self.layout.name(pod_index), "a spare takes this slot" if pod_index is not None
+                 else "the configure failed: a spare again")
+
+    def _configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> tuple[PodTrainer, str]:
+        """configure's work, inside its hold."""
+        trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
+        trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
+        # Built before the old one closes: if it fails, the pod keeps a working exchange.
+        exchange = self._new_exchange(run_id, trainer, config, list(peers))
+        if self.exchange is not None:
+            self.exchange.close()
+        self._peers, self.exchange = list(peers), exchange
+        self._checksum = (trainer.step, trainer.checksum())
+        epoch = self.seq.reset(trainer.step, "reconfigured")
+        self._setup = Setup(trainer, config, num_pods, epoch, run_id=run_id)
+        # Read inside the hold: a step may donate the state's buffers once it is released.
+        fp = trainer.fingerprint()
         return trainer, fp
 
     # -- step ----------------------------------------------------------------------------------

@@ -205,8 +205,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         if request.protocol_version != protos.PROTOCOL_VERSION:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"protocol version mismatch: controller speaks {request.protocol_version}, "
-                               f"pod {pod_index} speaks {protos.PROTOCOL_VERSION}")
-        if request.pod_index != pod_index:
+                               f"{self.pod.layout.name(pod_index)} speaks {protos.PROTOCOL_VERSION}")
+        if pod_index is not None and request.pod_index != pod_index:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"this worker serves pod {pod_index}, not pod {request.pod_index}")
         if request.num_pods < 1 or len(request.peer_addresses) != request.num_pods:
@@ -225,7 +225,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         if (request.host_index, hosts) != (layout.host_index, layout.hosts_per_pod):
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the controller takes this worker for host {request.host_index} of {hosts} of pod "
-                               f"{pod_index}; it is host {layout.host_index} of {layout.hosts_per_pod} "
+                               f"{request.pod_index}; it is host {layout.host_index} of {layout.hosts_per_pod} "
                                f"(--host-index / --hosts-per-pod)")
         config = WorkerConfig.from_json(request.worker_config_json)
         dcn_addresses = list(request.dcn_addresses) or [""] * request.num_pods   # one pod: no data plane
@@ -233,7 +233,10 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             trainer, fp = self.pod.reattach(config, request.num_pods, dcn_addresses, request.run_id,
                                             _deadline(context))
         else:
-            trainer, fp = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id)
+            # A spare takes the slot it is configured for (and keeps it: it is that pod from now on).
+            trainer, fp = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id,
+                                             pod_index=int(request.pod_index))
+        pod_index = self.pod.pod_index
         import jax
         return pb.ConfigureReply(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=pod_index,
@@ -374,7 +377,9 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
     def Status(self, request, context) -> pb.StatusReply:
         status = self.pod.status()
         import jax
-        return pb.StatusReply(protocol_version=protos.PROTOCOL_VERSION, pod_index=self.pod.pod_index,
+        pod_index = self.pod.pod_index
+        return pb.StatusReply(protocol_version=protos.PROTOCOL_VERSION,
+                              pod_index=-1 if pod_index is None else pod_index, spare=pod_index is None,
                               configured=status.configured, step=status.step, num_devices=len(jax.devices()),
                               state=status.state, pid=os.getpid(),
                               dcn_address=self.pod.listener.address if self.pod.listener else "",
@@ -390,7 +395,10 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             raise _invalid("run_id is empty")
         if request.num_pods != setup.num_pods:
             raise _invalid(f"num_pods={request.num_pods}, the pod was configured for {setup.num_pods}")
-        membership = self.pod.set_membership(request.run_id, list(request.hosts) or None, _deadline(context))
+        if request.dcn_addresses and len(request.dcn_addresses) != setup.num_pods:
+            raise _invalid(f"{len(request.dcn_addresses)} data-plane addresses for {setup.num_pods} pods")
+        membership = self.pod.set_membership(request.run_id, list(request.hosts) or None, _deadline(context),
+                                             peers=list(request.dcn_addresses) or None)
         return pb.MembershipReply(step=membership.step, checksum=membership.checksum,
                                   fingerprint=membership.fingerprint, config_hash=membership.config_hash,
                                   aborted_step=membership.aborted_step)
@@ -420,7 +428,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         return pb.ShutdownReply()
 
 
-def start_server(pod_index: int, listen: str, security: Security | None = None, max_workers: int = RPC_THREADS,
+def start_server(pod_index: int | None, listen: str, security: Security | None = None, max_workers: int = RPC_THREADS,
                  dcn_listen: str | None = None, dcn_encrypt: bool = False, layout: HostLayout | None = None):
     """Build and start one pod's server and its data-plane listener (on `dcn_listen`, default the
     gRPC host with an ephemeral port; CURVE-encrypted with dcn_encrypt); returns (server,
@@ -439,7 +447,7 @@ def start_server(pod_index: int, listen: str, security: Security | None = None, 
     port = add_port(server, listen, security)
     if port == 0:
         listener.close()
-        raise SystemExit(f"pod {pod_index}: cannot listen on {listen}")
+        raise SystemExit(f"{pod.layout.name(pod_index)}: cannot listen on {listen}")
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("multipod.PodWorker", health_pb2.HealthCheckResponse.SERVING)

@@ -4,4 +4,5 @@
   client      WorkerClient: one worker's channel, deadlines on every call, errors naming the pod
   pod_client  PodClient: a pod of several hosts behind the same PodApi as one worker
   pods        Cluster: connect, configure, the pods' agreement, the watchdog, the diagnosis
+  spares      SparePool: standby pods for hot-swap, checked; offers read from RUN_DIR/spares
 """

@@ -58,8 +58,8 @@ class WorkerClient(PodApi):
         self.pod_index = pod_index
         self.host_index = host_index
         self.address = address
-        self.name = (f"pod {pod_index} ({address})" if host_index is None
-                     else f"pod {pod_index} host {host_index} ({address})")
+        who = "spare" if pod_index < 0 else f"pod {pod_index}"     # a spare is checked before it has a slot
+        self.name = f"{who} ({address})" if host_index is None else f"{who} host {host_index} ({address})"
         self.channel = open_channel(address)
         self.stub = pb_grpc.PodWorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

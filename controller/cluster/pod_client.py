@@ -201,7 +201,7 @@ class PodClient(PodApi):
         self.pod_index = pod_index
         self.hosts = list(hosts)
         self.address = ",".join(h.address for h in self.hosts)
-        self.name = f"pod {pod_index} ({self.address})"
+        self.name = f"{'spare' if pod_index < 0 else f'pod {pod_index}'} ({self.address})"
 
     @property
     def hosts_per_pod(self) -> int:
@@ -403,7 +403,7 @@ class PodClient(PodApi):
                 raise RunError(f"{host.name} runs with --hosts-per-pod {r.hosts_per_pod or 1}, but --workers lists "
                                f"{k} hosts for pod {self.pod_index}: start every host of the pod with "
                                f"--hosts-per-pod {k}")
-            if r.pod_index != self.pod_index:
+            if r.pod_index != self.pod_index and not r.spare:     # a spare takes the index it is given
                 raise RunError(f"{host.name} serves pod {r.pod_index} (--pod-index {r.pod_index}), but --workers "
                                f"lists it in pod {self.pod_index}")
         for h, (host, r) in enumerate(zip(hosts, replies)):

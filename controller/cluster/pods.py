@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 from multipod import protos
 from multipod.controller.cluster.api import PodApi
-from multipod.controller.cluster.client import Probe, Verdict
+from multipod.controller.cluster.client import Probe, Verdict, WorkerError
 from multipod.controller.cluster.pod_client import make_pod_client, pod_hosts
+from multipod.controller.cluster.spares import Spare
 from multipod.controller.core.errors import PodFailure, RunError
 from multipod.protos import multipod_pb2 as pb
 
@@ -27,6 +28,8 @@ STATIC_AGREEMENT = (("protocol version", lambda r: r.protocol_version),
                     ("config hash", lambda r: r.config_hash),
                     # prompt tuning: every pod must hold the very same frozen base
                     ("base model fingerprint", lambda r: r.base_fingerprint))
+# The pod index a spare is spoken to with before it has a slot (its Status says -1).
+SPARE_INDEX = -1
 AGREEMENT = STATIC_AGREEMENT + (("initial step", lambda r: r.step),
                                 ("initial state fingerprint", lambda r: r.fingerprint))
 
@@ -129,7 +132,9 @@ class Cluster:
         fails at once); their replies, in the order of `pods`."""
         run_id = self.next_generation()
         hosts = [] if not self.degraded else list(self.hosts)
-        request = pb.MembershipRequest(run_id=run_id, hosts=hosts, num_pods=self.size)
+        # Every pod's data-plane endpoint each time: a slot hot-swapped to a spare has a new one.
+        dcn = list(self.dcn_addresses) if self.size > 1 and len(self.dcn_addresses) == self.size else []
+        request = pb.MembershipRequest(run_id=run_id, hosts=hosts, num_pods=self.size, dcn_addresses=dcn)
         return parallel(lambda p: self.clients[p].set_membership(request, timeout_s), pods)
 
     def transfer_state(self, donor: int, receiver: int, timeout_s: float) -> tuple[pb.TransferReply, pb.TransferReply]:
@@ -230,17 +235,20 @@ class Cluster:
         return replies
 
     def configure_restarted(self, pods: list[int]) -> list[pb.ConfigureReply]:
-        """Configure the restarted `pods` and refuse them (RunError naming them) unless their
-        replies match the first reply of a pod that stayed up (pod 0's if none did)."""
+        """Configure the restarted (or hot-swapped) `pods` and refuse them (RunError naming them)
+        unless their replies match the first reply of a pod that stayed up (pod 0's if none did).
+        A pod may now listen at another data-plane address: the others learn it with the next
+        membership (set_membership)."""
         if self.first_replies is None:
             raise RunError("configure_restarted before the first configure")
         targets = [c for c in self.clients if c.pod_index in pods]
-        addresses = self.collect_dcn_addresses()
-        moved = [f"{self.clients[p].name} from {old} to {new}"
-                 for p, (old, new) in enumerate(zip(self.dcn_addresses, addresses)) if old != new]
-        if moved:   # the pods that stayed up keep sending to the old endpoints
-            raise RunError(f"restarted pod(s) listen on another data-plane address: {', '.join(moved)}. "
-                           f"Restart a worker with the same --dcn-listen HOST:PORT.")
+        timeout = self.config.health.timeout_s
+        statuses = parallel(lambda c: c.status(timeout), targets)
+        addresses = list(self.dcn_addresses)
+        for client, status in zip(targets, statuses):
+            addresses[client.pod_index] = status.dcn_address
+            self.pids[client.pod_index] = status.pid
+        self.dcn_addresses = addresses
         replies = self._configure(targets)
         survivors = [c.pod_index for c in self.clients if c.pod_index not in pods]
         ref_pod = survivors[0] if survivors else 0
@@ -254,6 +262,59 @@ class Cluster:
                                f"{ref_name} has {get(reference)}. A restarted worker must run the same "
                                f"multipod version with the same device count and mesh.")
         return replies
+
+    @property
+    def hosts_per_pod(self) -> int:
+        """The hosts of each pod (the same for every pod: connect checks it)."""
+        return len(getattr(self.clients[0], "hosts", [None]))
+
+    def check_spare(self, spare: Spare) -> None:
+        """RunError (or WorkerError: unreachable, or refusing the run's secret) naming `spare` if
+        it cannot take a slot of this run: it must be a spare (worker --spare) not configured yet,
+        with the run's number of hosts per pod and devices per pod."""
+        config = self.config
+        client = spare.client(SPARE_INDEX)
+        try:
+            client.wait_ready(config.run.connect_timeout_s)
+            status = client.status(config.health.timeout_s)
+        except WorkerError as exc:
+            raise RunError(f"spare {spare.name} cannot take a slot: {exc}") from None
+        finally:
+            client.close()
+        self._check_spare_status(spare, status)
+
+    def _check_spare_status(self, spare: Spare, status: pb.StatusReply) -> None:
+        why = ""
+        if status.protocol_version != protos.PROTOCOL_VERSION:
+            why = f"it speaks protocol {status.protocol_version}, the run {protos.PROTOCOL_VERSION}"
+        elif not status.spare:
+            why = f"it serves pod {status.pod_index} already (start a standby worker with --spare)"
+        elif status.configured:
+            why = "it is configured already (another run took it)"
+        elif len(spare.hosts) != self.hosts_per_pod:
+            why = f"it has {len(spare.hosts)} host(s), the run's pods have {self.hosts_per_pod}"
+        elif self.device_counts and status.num_devices != self.device_counts[0]:
+            why = f"it has {status.num_devices} device(s), the run's pods have {self.device_counts[0]}"
+        if why:
+            raise RunError(f"spare {spare.name} cannot take a slot: {why}")
+
+    def swap_in(self, slot: int, spare: Spare) -> str:
+        """Hand the failed pod's `slot` to `spare` (checked again first): the slot's client speaks
+        to the spare from now on (configure_restarted configures it). Returns the slot's old
+        address. RunError or WorkerError if the spare does not fit (the slot keeps its client)."""
+        client = spare.client(slot)
+        try:
+            status = client.status(self.config.health.timeout_s)
+            self._check_spare_status(spare, status)
+        except BaseException:
+            client.close()
+            raise
+        old = self.clients[slot]
+        clients = list(self.clients)      # a new list: other threads may be iterating the old one
+        clients[slot] = client
+        self.clients = clients
+        old.close()
+        return old.address
 
     def probe_all(self) -> list[Probe]:
         """One health check of every live pod, in parallel, each with the health deadline."""

@@ -30,7 +30,18 @@ def add_commands(sub) -> None:
                             "for pods of several hosts, pods separated by ';' and a pod's hosts by ',' in host "
                             "order (e.g. 'a:1,b:1;c:1,d:1': 2 pods x 2 hosts); or @FILE with one pod per line "
                             "(hosts separated by commas or spaces, '#' comments)")
+    train.add_argument("--spares", metavar="ADDRESSES",
+                       help="standby pods (workers started with --spare), in the --workers format: each takes the "
+                            "slot of a pod that fails, at its own address (hot-swap); more can be offered while the "
+                            "run goes on with `multipod attach`")
     add_train_options(train)
+
+    attach = sub.add_parser("attach", help="offer a standby pod (workers started with --spare) to a running run: "
+                            "it takes the slot of the next pod that fails, or of one that failed already")
+    attach.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (where the controller writes)")
+    attach.add_argument("--worker", required=True, metavar="ADDRESSES",
+                        help="the standby pod's HOST:PORT; for a pod of several hosts, its hosts separated by ',' "
+                             "in host order")
 
     local = sub.add_parser("local", help="simulate pods on this machine and train")
     add_local_options(local)
@@ -94,6 +105,36 @@ def add_commands(sub) -> None:
     report.add_argument("--out", metavar="PATH", help="where the PNG goes (default: RUN_DIR/report.png)")
 
 
+def parse_spares(spec: str, hosts_per_pod: int) -> list[list[str]]:
+    """--spares, in the --workers format (one spare pod of two hosts: 'a:1,b:1;'); ConfigError
+    naming --spares unless every spare pod has the run's number of hosts."""
+    from multipod.controller.cluster.pod_client import parse_workers
+    from multipod.controller.core.run_config import ConfigError
+    try:
+        spares = parse_workers(spec)
+    except ConfigError as exc:
+        raise ConfigError("--spares", str(exc).split(": ", 1)[-1]) from None
+    wrong = [",".join(pod) for pod in spares if len(pod) != hosts_per_pod]
+    if wrong:
+        raise ConfigError("--spares", f"each spare pod needs the run's {hosts_per_pod} host(s) (';' separates pods, "
+                          f"',' a pod's hosts, as in --workers): {'; '.join(wrong)}")
+    return spares
+
+
+def attach(args: argparse.Namespace) -> int:
+    """`multipod attach RUN_DIR --worker ADDRESSES`: offer a standby pod to a running run."""
+    from multipod.controller.cluster.spares import offer
+    from multipod.controller.core.run_config import ConfigError
+    run_dir = pathlib.Path(args.run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError("RUN_DIR", f"{run_dir} is not a run directory (it has no config.json)")
+    hosts = [a.strip() for a in args.worker.split(",") if a.strip()]
+    path = offer(run_dir, hosts)
+    print(f"offered {','.join(hosts)} to the run in {run_dir} ({path}): the controller checks it within a second "
+          f"and prints 'spare ready' or why it refused it")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one controller command; returns the exit code (errors are printed, not raised)."""
     from multipod.controller.cluster.client import WorkerError
@@ -106,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "train":
             from multipod.controller.cluster.pod_client import parse_workers
             addresses = parse_workers(args.workers)     # [pod][host]; before anything else is done
-            return train_run(args, lambda run_dir, config: Fixed(addresses))
+            spares = parse_spares(args.spares, len(addresses[0])) if args.spares else []
+            return train_run(args, lambda run_dir, config: Fixed(addresses, spares))
+        if args.command == "attach":
+            return attach(args)
         if args.command == "local":
             return train_run(args, lambda run_dir, config: Local(args, run_dir, config))
         if args.command == "ptune":

@@ -56,6 +56,10 @@ def add_local_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices-per-pod", type=int,
                         help="simulated devices per pod, all its hosts together, split evenly over them "
                              "(default 2 with one host per pod; = --hosts-per-pod x --devices-per-host if both given)")
+    parser.add_argument("--spares", type=int, default=0, metavar="N",
+                        help="also start N standby pods (worker --spare): each takes the slot of a pod that fails, "
+                             "at its own address (hot-swap); with spares, a dead worker is not restarted in place "
+                             "(default 0)")
     parser.add_argument("--netns", action="store_true",
                         help="run each host of each pod in a Linux network namespace of its own, with its own "
                              "address, joined through a bridge (needs root or CAP_NET_ADMIN + CAP_SYS_ADMIN, and "

@@ -60,7 +60,7 @@ def train_run(args, addresses_fn) -> int:
         with context as addresses:
             summary = run_training(data.config, addresses, run_dir, resume=args.resume,
                                    supervisor=getattr(context, "pods", None), data=data,
-                                   local=mode == "local")
+                                   local=mode == "local", spares=getattr(context, "spares", None))
         print_summary(summary)
     finally:
         if launched:     # after the workers stopped, whether the run succeeded or not
@@ -117,9 +117,11 @@ def write_report_quietly(run_dir: pathlib.Path) -> None:
 
 
 class Fixed:
-    """Workers the user started: their addresses, as a context like the launchers'."""
-    def __init__(self, addresses):
+    """Workers the user started: their addresses (and the standby pods'), as a context like the
+    launchers'."""
+    def __init__(self, addresses, spares=()):
         self.addresses = addresses
+        self.spares = list(spares)
 
     def __enter__(self):
         return self.addresses
@@ -135,7 +137,7 @@ class Local:
         # Supervised: a worker that dies is started again on its port (recovery.max_restarts in all);
         # a pod of several hosts is restarted as a whole.
         common = dict(supervise=True, max_restarts=config.recovery.max_restarts, dcn_encrypt=config.dcn.encrypt,
-                      hosts_per_pod=args.hosts_per_pod)
+                      hosts_per_pod=args.hosts_per_pod, spares=args.spares)
         self.netns = bool(getattr(args, "netns", False))
         if self.netns:
             from multipod.controller.launch.netns_pods import NetnsPods
@@ -161,7 +163,14 @@ class Local:
             what = (f"{pods.num_pods} pod worker(s) with {pods.device_counts[0]} simulated device(s) each: "
                     + ", ".join(pods.addresses))
         out(f"started {what}{where} (logs in {pods.log_dir})")
-        return pods.host_addresses     # [pod][host]: controller/cluster/pods.py connect() takes them
+        if pods.spares:
+            out(f"started {pods.spares} spare pod(s) (worker --spare): {'; '.join(pods.spare_addresses)}")
+        return pods.pod_host_addresses     # [pod][host]: controller/cluster/pods.py connect() takes them
+
+    @property
+    def spares(self) -> list[list[str]]:
+        """The standby pods' hosts' addresses ([spare][host]), for the run's SparePool."""
+        return self.pods.spare_host_addresses
 
     def __exit__(self, *exc):
         self.pods.__exit__(*exc)

@@ -11,6 +11,10 @@ peer when it serves again.
             restarted, and marks it ready; at the next step boundary (on_step) the pipeline is
             drained, a live pod streams it the state over the data plane (verified by
             fingerprint), and it takes its own shard back.
+  hot-swap  with a standby pod in the run's SparePool (cluster/spares.py), the watcher does not
+            wait for the failed pod: the spare takes its slot at its own address (Cluster.swap_in)
+            and is configured there; at the step boundary it gets the state like a rejoining pod,
+            and every pod learns the slot's new data-plane address with the new membership.
 
 No shared storage is involved; checkpoints remain for crashes of the whole run."""
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster
+from multipod.controller.cluster.spares import SparePool
 from multipod.controller.core import fault_hooks
 from multipod.controller.core.errors import PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
@@ -51,26 +56,50 @@ def reassign(hosts: list[int], failed: set[int]) -> list[int]:
 
 
 class _Rejoin:
-    """One failed pod on its way back: a thread that waits for it to serve and configures it if
-    it was restarted (that compiles: it runs while the survivors train)."""
+    """One failed pod on its way back: a thread that hands its slot to a spare if the pool has one
+    (hot-swap), or else waits for it to serve, and configures it if it was restarted (that
+    compiles: it runs while the survivors train). swapped: (old address, new address) once a
+    spare took the slot."""
 
-    def __init__(self, cluster: Cluster, pod: int, timeout_s: float):
-        self.cluster, self.pod = cluster, pod
+    def __init__(self, cluster: Cluster, pod: int, timeout_s: float, spares: SparePool | None = None):
+        self.cluster, self.pod, self.spares = cluster, pod, spares
         self.ready = threading.Event()
         self.error: str | None = None
         self.attempts = 0
+        self.swapped: tuple[str, str] | None = None
+        self.since = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True, name=f"rejoin-{pod}")
         self._thread.start()
 
+    def _hot_swap(self) -> bool:
+        """Give the slot to the pool's next spare and configure it there; whether one took it (a
+        spare that fails is named and left out; the next is tried at the next poll)."""
+        spare = self.spares.take() if self.spares is not None else None
+        if spare is None:
+            return False
+        try:
+            old = self.cluster.swap_in(self.pod, spare)
+        except (WorkerError, RunError) as exc:
+            out(f"spare {spare.name} could not take slot {self.pod}: {exc}")
+            return False
+        # From here the slot is the spare's: a failed configure is retried on it like a restarted pod's.
+        self.swapped = (old, spare.name)
+        out(f"hot-swap: the spare at {spare.name} takes slot {self.pod} (was {old}): configuring it")
+        self.cluster.configure_restarted([self.pod])
+        return True
+
     def _run(self, timeout_s: float) -> None:
-        client = self.cluster.clients[self.pod]
         deadline = time.monotonic() + timeout_s
         while not self._stop.is_set():
+            client = self.cluster.clients[self.pod]      # a spare's, once one took the slot
             try:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.error = f"{client.name} did not serve again within {timeout_s:g}s"
+                    return
+                if self.swapped is None and self._hot_swap():
+                    self.ready.set()
                     return
                 if not client.probe(self.cluster.config.health.timeout_s).serving:
                     self._stop.wait(REJOIN_POLL_S)
@@ -100,9 +129,11 @@ class Failover:
     failed pod is waited for recovery.restart_timeout_s). config: the run's [recovery];
     supervisor: an object with kill(pod) that gets a hung pod restarted (LocalPods), or None."""
 
-    def __init__(self, config: RecoveryConfig, cluster: Cluster, events: EventLog, supervisor=None):
+    def __init__(self, config: RecoveryConfig, cluster: Cluster, events: EventLog, supervisor=None,
+                 spares: SparePool | None = None):
         self.config = config
-        self.cluster, self.events, self.supervisor = cluster, events, supervisor
+        self.cluster, self.events, self.supervisor, self.spares = cluster, events, supervisor, spares
+        self.hot_swaps = 0
         self.failures = 0
         self.rejoins = 0
         self.transfer_bytes = 0
@@ -173,9 +204,10 @@ class Failover:
 
     def _watch(self, pod: int) -> None:
         if pod not in self._rejoining:
-            self._rejoining[pod] = _Rejoin(self.cluster, pod, self.config.restart_timeout_s)
+            self._rejoining[pod] = _Rejoin(self.cluster, pod, self.config.restart_timeout_s, self.spares)
 
-    def _transfer(self, donor: int, receiver: int, why: str) -> None:
+    def _transfer(self, donor: int, receiver: int, why: str) -> tuple[int, float]:
+        """Stream donor's state to receiver (verified); (bytes, seconds)."""
         start = time.monotonic()
         sent, got = self.cluster.transfer_state(donor, receiver, self.timeout_s)
         seconds = time.monotonic() - start
@@ -187,6 +219,7 @@ class Failover:
         self.events.write(EventKind.STATE_TRANSFER, donor=donor, receiver=receiver, step=int(got.step),
                           bytes=int(got.bytes), seconds=seconds, worker_seconds=float(got.seconds),
                           fingerprint=got.fingerprint)
+        return int(got.bytes), seconds
 
     # -- the step boundary: rejoins ---------------------------------------------------------------
     def on_step(self, step: int, drain) -> bool:
@@ -207,12 +240,16 @@ class Failover:
         drain()
         cluster = self.cluster
         joined = []
+        swaps = []
         for pod in ready:
             watcher = self._rejoining[pod]
             try:
-                self._transfer(cluster.live[0], pod, why="rejoining")
+                sent, seconds = self._transfer(cluster.live[0], pod,
+                                               why="hot-swapped" if watcher.swapped else "rejoining")
                 joined.append(pod)
                 del self._rejoining[pod]
+                if watcher.swapped is not None:
+                    swaps.append((pod, watcher, sent, seconds))
             except (WorkerError, RunError) as exc:
                 watcher.attempts += 1
                 out(f"pod {pod} could not rejoin (attempt {watcher.attempts}/{REJOIN_ATTEMPTS}): {exc}")
@@ -220,8 +257,9 @@ class Failover:
                 if watcher.attempts >= REJOIN_ATTEMPTS:
                     del self._rejoining[pod]
                 else:   # its state is untouched: try again, from serving and configured
-                    self._rejoining[pod] = _Rejoin(cluster, pod, self.config.restart_timeout_s)
+                    self._rejoining[pod] = _Rejoin(cluster, pod, self.config.restart_timeout_s, self.spares)
                     self._rejoining[pod].attempts = watcher.attempts
+                    self._rejoining[pod].swapped = watcher.swapped
         if not joined:
             return False
         hosts = list(cluster.hosts)
@@ -237,6 +275,16 @@ class Failover:
         self.rejoins += len(joined)
         out(f"pod(s) {joined} rejoined at step {step}: {len(cluster.live)}/{cluster.size} pods")
         self.events.write(EventKind.REJOIN, step=step, pods=joined, live_pods=cluster.live, hosts=list(cluster.hosts))
+        for pod, watcher, sent, seconds in swaps:
+            old, new = watcher.swapped
+            since = time.monotonic() - watcher.since
+            self.hot_swaps += 1
+            if self.supervisor is not None and hasattr(self.supervisor, "swapped"):
+                self.supervisor.swapped(pod, new)     # LocalPods: the slot's processes are the spare's now
+            out(f"hot-swap: slot {pod} trains again at {new} (was {old}) from step {step}, "
+                f"{since:.1f}s after it failed")
+            self.events.write(EventKind.HOT_SWAP, step=step, slot=pod, old_address=old, new_address=new,
+                              bytes=sent, seconds=seconds, since_failure_s=since)
         return True
 
     def _await_watchers(self) -> None:

@@ -11,6 +11,11 @@ its peers' addresses stay valid), up to `max_restarts` times; the controller the
 survivors take its shard (or restores every pod to the last checkpoint). When one host of a pod
 dies, the pod's other hosts are stopped and all of them start again: a jax.distributed cluster
 cannot take a lost host back.
+
+With spares, standby pods (worker --spare) start beside the pods, at their own ports (and, under
+NetnsPods, their own addresses), and a dead worker is not restarted: a spare takes its slot
+(hot-swap, controller/components/failover.py), and `swapped` tells LocalPods which processes
+serve the slot from then on.
 """
 from __future__ import annotations
 
@@ -61,7 +66,7 @@ class LocalPods(Launched):
 
     def __init__(self, num_pods: int, devices_per_pod: int | list, log_dir: pathlib.Path,
                  start_timeout_s: float = 60.0, security: Security | None = None, supervise: bool = False,
-                 max_restarts: int = 3, dcn_encrypt: bool = False, hosts_per_pod: int = 1):
+                 max_restarts: int = 3, dcn_encrypt: bool = False, hosts_per_pod: int = 1, spares: int = 0):
         """devices_per_pod: each pod's device count (all its hosts together; split evenly over
         them), one for every pod, or one per pod (tests use that to make pods that disagree); a
         pod's entry may also be a list of one count per host. security: the workers' token/TLS
@@ -69,15 +74,19 @@ class LocalPods(Launched):
         dead workers (at most max_restarts restarts in all; a pod of several hosts is restarted
         as a whole). dcn_encrypt: CURVE-encrypt the workers' data planes. hosts_per_pod: worker
         processes per pod, which form one jax.distributed cluster (host 0 runs its coordinator on
-        a free port, the same one after every restart)."""
+        a free port, the same one after every restart). spares: standby pods started beside them,
+        with pod 0's device count (entries num_pods.. of the per-pod lists below)."""
         if num_pods < 1:
             raise ValueError("--pods must be >= 1")
+        if spares < 0:
+            raise ValueError("--spares must be >= 0")
         if hosts_per_pod < 1:
             raise ValueError("--hosts-per-pod must be >= 1")
         counts = devices_per_pod if isinstance(devices_per_pod, list) else [devices_per_pod] * num_pods
         if len(counts) != num_pods:
             raise ValueError(f"--devices-per-pod: {len(counts)} count(s) for {num_pods} pods "
                              f"(one count, or one per pod)")
+        counts = list(counts) + [counts[0]] * spares
         self.host_devices: list[list[int]] = []     # [pod][host]: each worker's simulated device count
         for pod, count in enumerate(counts):
             per_host = list(count) if isinstance(count, list) else None
@@ -92,6 +101,9 @@ class LocalPods(Launched):
                 per_host = [count // hosts_per_pod] * hosts_per_pod
             self.host_devices.append(per_host)
         self.num_pods, self.hosts_per_pod, self.devices_per_pod = num_pods, hosts_per_pod, devices_per_pod
+        self.spares = spares
+        self.total = num_pods + spares            # entries of the per-pod lists: the pods, then the spares
+        self.slot_of = list(range(num_pods))      # slot -> the entry whose processes serve it (swapped)
         self.device_counts = [sum(hosts) for hosts in self.host_devices]   # per pod
         self.log_dir = log_dir
         self.start_timeout_s = start_timeout_s
@@ -106,8 +118,9 @@ class LocalPods(Launched):
         self.restarts = 0
         self._lock = threading.RLock()
         self._stopping = threading.Event()
+        # With spares a dead worker stays dead: a spare takes its slot.
         self._supervisor = (threading.Thread(target=self._supervise, daemon=True, name="supervisor")
-                            if supervise else None)
+                            if supervise and not spares else None)
 
     @property
     def multi_host(self) -> bool:
@@ -116,7 +129,31 @@ class LocalPods(Launched):
     @property
     def addresses(self) -> list[str]:
         """Pod p's address for the controller: its hosts' HOST:PORT joined with ","."""
-        return [",".join(hosts) for hosts in self.host_addresses]
+        return [",".join(hosts) for hosts in self.host_addresses[:self.num_pods]]
+
+    @property
+    def pod_host_addresses(self) -> list[list[str]]:
+        """[pod][host]: the pods' hosts' addresses (without the spares'), for connect()."""
+        return self.host_addresses[:self.num_pods]
+
+    @property
+    def spare_host_addresses(self) -> list[list[str]]:
+        """[spare][host]: the standby pods' hosts' addresses."""
+        return self.host_addresses[self.num_pods:]
+
+    @property
+    def spare_addresses(self) -> list[str]:
+        return [",".join(hosts) for hosts in self.spare_host_addresses]
+
+    def swapped(self, slot: int, address: str) -> None:
+        """The spare at `address` (its hosts' joined with ",") serves `slot` from now on: kill()
+        of the slot reaches its processes."""
+        for entry, hosts in enumerate(self.host_addresses):
+            if ",".join(hosts) == address:
+                replaced, self.slot_of[slot] = self.slot_of[slot], entry
+                for proc in self.host_procs[replaced]:      # a pod's host that outlived the one that died
+                    if proc.poll() is None:
+                        _signal_group(proc, signal.SIGKILL)
 
     @property
     def workers(self) -> str:
@@ -126,20 +163,27 @@ class LocalPods(Launched):
     @property
     def procs(self) -> list[subprocess.Popen]:
         """Each pod's host-0 process (its only one in a pod of one host); host_procs has them all."""
-        return [hosts[0] for hosts in self.host_procs]
+        return [hosts[0] for hosts in self.host_procs[:self.num_pods]]
+
+    def _entry_name(self, pod: int) -> tuple[str, int]:
+        """("worker", pod) for a pod, ("spare", i) for the i-th spare."""
+        return ("worker", pod) if pod < self.num_pods else ("spare", pod - self.num_pods)
 
     def name(self, pod: int, host: int = 0) -> str:
-        return f"pod {pod}" + (f" host {host}" if self.multi_host else "")
+        kind, index = self._entry_name(pod)
+        return f"{'pod' if kind == 'worker' else 'spare'} {index}" + (f" host {host}" if self.multi_host else "")
 
     def log_path(self, pod: int, host: int = 0) -> pathlib.Path:
+        kind, index = self._entry_name(pod)
         if not self.multi_host:
-            return self.log_dir / f"worker-{pod}.log"
-        return self.log_dir / f"worker-{pod}-host-{host}.log"
+            return self.log_dir / f"{kind}-{index}.log"
+        return self.log_dir / f"{kind}-{index}-host-{host}.log"
 
     def _port_file(self, pod: int, host: int) -> pathlib.Path:
+        kind, index = self._entry_name(pod)
         if not self.multi_host:
-            return self.log_dir / f".worker-{pod}.port"
-        return self.log_dir / f".worker-{pod}-host-{host}.port"
+            return self.log_dir / f".{kind}-{index}.port"
+        return self.log_dir / f".{kind}-{index}-host-{host}.port"
 
     def _spawn(self, pod: int, host: int, listen: str, mode: str, dcn_listen: str = "127.0.0.1:0") -> subprocess.Popen:
         port_file = self._port_file(pod, host)
@@ -162,8 +206,9 @@ class LocalPods(Launched):
 
     def command(self, pod: int, host: int, listen: str, port_file: pathlib.Path, dcn_listen: str) -> list[str]:
         """The argv of one host's worker."""
-        cmd = [sys.executable, "-m", "multipod.cli", "worker", "--pod-index", str(pod),
-               "--listen", listen, "--devices", str(self.host_devices[pod][host]),
+        who = ["--pod-index", str(pod)] if pod < self.num_pods else ["--spare"]
+        cmd = [sys.executable, "-m", "multipod.cli", "worker", *who, "--listen", listen,
+               "--devices", str(self.host_devices[pod][host]),
                "--port-file", str(port_file), "--exit-with-parent", "--dcn-listen", dcn_listen]
         if self.multi_host:
             cmd += ["--host-index", str(host), "--hosts-per-pod", str(self.hosts_per_pod),
@@ -205,15 +250,15 @@ class LocalPods(Launched):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         hosts = range(self.hosts_per_pod)
         self.coordinators = [f"{self.listen_host(pod, 0)}:{free_port()}" if self.multi_host else ""
-                             for pod in range(self.num_pods)]
-        self.dcn_listen = [[f"{self.listen_host(pod, host)}:0" for host in hosts] for pod in range(self.num_pods)]
-        for pod in range(self.num_pods):
+                             for pod in range(self.total)]
+        self.dcn_listen = [[f"{self.listen_host(pod, host)}:0" for host in hosts] for pod in range(self.total)]
+        for pod in range(self.total):
             self.host_procs.append([])
             for host in hosts:
                 self.host_procs[pod].append(self._spawn(pod, host, f"{self.listen_host(pod, host)}:0", "w",
                                                         self.dcn_listen[pod][host]))
         deadline = time.monotonic() + self.start_timeout_s
-        for pod in range(self.num_pods):
+        for pod in range(self.total):
             ports = [self._wait_port(pod, host, deadline) for host in hosts]
             self.host_addresses.append([f"{self.listen_host(pod, host)}:{port}" for host, port in enumerate(ports)])
         if self._supervisor is not None:
@@ -267,7 +312,7 @@ class LocalPods(Launched):
     def kill(self, pod: int, host: int | None = None) -> None:
         """SIGKILL every host of a pod (or only `host`), e.g. one that hangs, so the supervisor
         starts the pod again."""
-        for h, proc in enumerate(self.host_procs[pod]):
+        for h, proc in enumerate(self.host_procs[self.slot_of[pod]]):
             if host is None or h == host:
                 _signal_group(proc, signal.SIGKILL)
 

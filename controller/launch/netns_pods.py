@@ -38,7 +38,7 @@ class NetnsPods(LocalPods):
         if self.security.tls:
             raise ValueError("--netns makes the run's own certificates: leave out --tls-cert, --tls-key, "
                              "--tls-ca and --tls-server-name")
-        self.network = Network(num_pods, self.hosts_per_pod, subnet, rate_gbps)
+        self.network = Network(self.total, self.hosts_per_pod, subnet, rate_gbps)   # spares too
         self.encrypt, self.insecure = encrypt, insecure
         self.certificates: RunCertificates | None = None
 
@@ -71,7 +71,7 @@ class NetnsPods(LocalPods):
                   file=sys.stderr, flush=True)
         if self.encrypt:
             servers = {self._cert_name(p, h): layout.host_ip(p, h)
-                       for p in range(self.num_pods) for h in range(self.hosts_per_pod)}
+                       for p in range(self.total) for h in range(self.hosts_per_pod)}
             self.certificates = make_certificates(self.log_dir / ".tls", servers, layout.controller_ip,
                                                   run_name=f"multipod {layout.prefix.rstrip('-')}")
         super().start()

@@ -27,6 +27,11 @@ class EventKind(enum.StrEnum):
     REJOIN = "rejoin"                           # step, pods, live_pods, hosts: failed pods are back
     REJOIN_FAILED = "rejoin_failed"             # pod, error, attempt (when retried)
     REATTACHED = "reattached"                   # step, data_offset, fingerprint: a new controller took live pods over
+    SPARE_READY = "spare_ready"                 # spare (its hosts' addresses): a standby pod, checked, waits
+    SPARE_REFUSED = "spare_refused"             # spare, error: a standby pod that cannot take a slot
+    # step, slot, old_address, new_address, bytes, seconds (the state transfer), since_failure_s: a
+    # spare took a failed pod's slot (hot-swap) and trains from `step` on
+    HOT_SWAP = "hot_swap"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ MARKERS = {
     EventKind.POD_FAILURE: ("pod_failure", "pod failure", "tab:red", "-"),
     EventKind.RECOVERED: ("restored", "restored from checkpoint", "tab:purple", "-."),
     EventKind.REJOIN: ("rejoin", "pod rejoined", "tab:green", "-"),
+    EventKind.HOT_SWAP: ("hot_swap", "spare took a slot", "tab:cyan", "-"),
     EventKind.REWIND: ("rewind", "loss-spike rewind", "tab:orange", "--"),
     EventKind.CHECKPOINT_SAVED: ("checkpoint", "checkpoint saved", "tab:gray", ":"),
     EventKind.CHECKPOINT_FAILED: ("checkpoint_failed", "checkpoint FAILED", "black", "--"),
@@ -176,6 +177,8 @@ def _markers(events: list[Event], records: list[StepRecord]) -> list[dict]:
             continue
         if event.kind in (EventKind.POD_FAILURE, EventKind.REJOIN) and event.get("pods") is not None:
             detail = f"pods {event.get('pods')}"
+        if event.kind == EventKind.HOT_SWAP:
+            detail = f"slot {event.get('slot')}: {event.get('old_address')} -> {event.get('new_address')}"
         markers.append({"kind": kind, "event": event.kind.value, "step": int(step), "label": label,
                         "detail": detail})
     return markers

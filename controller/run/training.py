@@ -10,6 +10,7 @@ import json
 import pathlib
 
 from multipod.controller.cluster.pods import Cluster, connect
+from multipod.controller.cluster.spares import Spare, SparePool
 from multipod.controller.components.checkpointer import Checkpointer
 from multipod.controller.components.evaluation import Evaluator
 from multipod.controller.components.failover import Failover
@@ -37,14 +38,16 @@ def checkpoint_dir(config: Config, run_dir: pathlib.Path) -> str:
 
 def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
                  progress: ProgressLine | None = None, resume: bool = False, supervisor=None,
-                 data: RunData | None = None, local: bool = False) -> Summary:
+                 data: RunData | None = None, local: bool = False, spares: list[list[str]] | None = None) -> Summary:
     """Train for config.run.steps steps on the pods at `addresses`; returns the run summary.
 
     resume: continue from the newest checkpoint in the checkpoint directory. supervisor: an
     object with kill(pod) that gets a hung pod restarted (LocalPods); without one, the controller
     waits for the user's supervisor to bring a failed worker back. data: the run's prepared data
     (corpus.prepare; made here if not given), whose config (vocab resolved) replaces `config`.
-    local: the pods run on this machine (its peak FLOP/s may be measured for MFU)."""
+    local: the pods run on this machine (its peak FLOP/s may be measured for MFU). spares: standby
+    pods (each a list of its hosts' HOST:PORT) that take failed pods' slots (hot-swap); more can be
+    offered while the run goes on (`multipod attach`, cluster/spares.py)."""
     if not addresses:
         raise ConfigError("--workers", "no worker addresses given")
     num_pods = len(addresses)
@@ -59,7 +62,7 @@ def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
     write_beside_checkpoints(data, checkpoint_dir(config, run_dir))
     cluster = connect(addresses, config)
     try:
-        return train(cluster, run_dir, data, progress, resume, supervisor, local)
+        return train(cluster, run_dir, data, progress, resume, supervisor, local, spares or [])
     finally:
         cluster.close()
 
@@ -105,14 +108,32 @@ def _reattach(cluster: Cluster, run_dir: pathlib.Path):
     return replies, offset
 
 
+def _spare_pool(cluster: Cluster, run_dir: pathlib.Path, events: EventLog, spares) -> SparePool:
+    """The run's standby pods: `spares` checked now, and those offered later in RUN_DIR/spares."""
+    def refused(spare: Spare, why: str) -> None:
+        out(f"spare refused: {why}")
+        events.write(EventKind.SPARE_REFUSED, spare=spare.name, error=why)
+
+    pool = SparePool(cluster.check_spare, refused, run_dir)
+    for hosts in spares:
+        if pool.add(list(hosts)):
+            out(f"spare ready: {','.join(hosts)} (takes the slot of a pod that fails)")
+            events.write(EventKind.SPARE_READY, spare=",".join(hosts))
+    return pool
+
+
 def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: ProgressLine | None = None,
-          resume: bool = False, supervisor=None, local: bool = False) -> Summary:
+          resume: bool = False, supervisor=None, local: bool = False,
+          spares: list[list[str]] | None = None) -> Summary:
     """Configure `cluster`, then train to run.steps on `data`, evaluating every eval.every
     steps, recovering from pod failures (degraded mode or a checkpoint restore,
     recovery.on_pod_failure) and rewinding loss spikes; returns the run summary. With resume,
     reattach to workers that still hold a consistent state, else restore the newest checkpoint."""
     config, run = cluster.config, cluster.config.run
     degrade = config.recovery.on_pod_failure == OnPodFailure.DEGRADE
+    if spares and not degrade:
+        raise ConfigError("--spares", "a spare takes a failed pod's slot in degraded mode: it needs "
+                          "recovery.on_pod_failure = \"degrade\" (the default)")
     reattached, offset = _reattach(cluster, run_dir) if resume else (None, 0)
     if reattached is not None:
         replies = reattached
@@ -133,7 +154,8 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
     checkpointer = Checkpointer(config.checkpoint, cluster, checkpoint_dir(config, run_dir), events)
     spike = SpikePolicy(config.spike)
     recovery = Recovery(config.recovery, cluster, checkpointer, spike, events, supervisor)
-    failover = Failover(config.recovery, cluster, events, supervisor)
+    pool = _spare_pool(cluster, run_dir, events, spares or []) if degrade else None
+    failover = Failover(config.recovery, cluster, events, supervisor, pool)
     try:
         if reattached is not None:
             start = int(replies[0].step)
@@ -172,6 +194,8 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
                     start = recovery.rewind(spiked)
         finally:
             failover.close()
+            if pool is not None:
+                pool.close()
             recorder.close()
             checkpointer.collect(block=False)
     finally:
@@ -184,6 +208,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
              "last_checkpoint": checkpointer.last_good.path if checkpointer.last_good else None,
              "on_pod_failure": config.recovery.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
              "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
+             "hot_swaps": failover.hot_swaps,
              "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
              "first_step": first_step, "reattached": reattached is not None, "base_fingerprint": base_fingerprint}
     if extra["pod_failures"]:

@@ -120,8 +120,8 @@ class Listener:
     why); lost(pod, steps, why), when a connection of its run that proved `pod` closes; and
     optionally replies = True (refusals are answered to the sender)."""
 
-    def __init__(self, pod_index: int, listen: str, secret: str = "", curve: bool = False):
-        self.pod_index = pod_index
+    def __init__(self, pod_index: int | None, listen: str, secret: str = "", curve: bool = False):
+        self.pod_index = pod_index      # None: a spare's, which accepts no peer until it has a slot
         self.secret = secret
         self.refused = 0                                   # frames and connections refused so far
         self.refusals: collections.deque[str] = collections.deque(maxlen=32)
@@ -204,7 +204,7 @@ class Listener:
         self.refusals.append(why)
         if peer is not None and peer.refused:
             return      # logged once per connection
-        log.warning("data plane of pod %d refused: %s", self.pod_index, why)
+        log.warning("data plane of pod %s refused: %s", self.pod_index, why)
         sink = self._sink
         # Only a refusal within the sink's own run says something about what it waits for.
         if sink is not None and peer is not None and peer.pod is not None and peer.run_id == sink.run_id:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -193,3 +196,67 @@ def test_two_pods_one_stays_dead_and_the_survivor_finishes_alone(remote_pods, tm
     records = _check_same_as(tmp_path, reference, steps=range(STEPS_2))
     assert records[-1]["hosts"] == [0, 0] and records[-1]["live_pods"] == 1
     assert any(e["event"] == "rejoin_failed" for e in _events(tmp_path))
+
+
+def _spare_worker(tmp_path: pathlib.Path, name: str, env: dict, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A standby worker (worker --spare) started by the test, as a user starts one: (process, HOST:PORT)."""
+    port_file = tmp_path / f"{name}.port"
+    log = (tmp_path / f"{name}.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "multipod.cli", "worker", "--spare", "--listen", "127.0.0.1:0",
+                             "--port-file", str(port_file), "--exit-with-parent", *flags],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (port_file.exists() and port_file.read_text().strip()):
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, f"{name} did not start listening"
+        time.sleep(0.1)
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_path, env):
+    """Hot-swap: `local --spares 1`, pod 1 killed with SIGKILL and not restarted; the spare, at its
+    own port, takes slot 1 from a live peer's state and the run ends bitwise as the uninterrupted
+    one. Two standby pods offered with `multipod attach` are refused by name, and the run goes on:
+    one without the run's secret, one with another device count."""
+    token = "hot-swap-test-token-0123456789abcdef"
+    run_env = _rejoin_by(dict(env, MULTIPOD_AUTH_TOKEN=token))
+    other_secret = dict(env, MULTIPOD_AUTH_TOKEN="not-the-run-s-secret-0123")
+    stranger, stranger_at = _spare_worker(tmp_path, "stranger", other_secret, "--devices", "1")
+    wide, wide_at = _spare_worker(tmp_path, "wide", dict(env, MULTIPOD_AUTH_TOKEN=token), "--devices", "2")
+    try:
+        run = _Live("local", *_args(3), "--spares", "1", "--run-dir", str(tmp_path / "run"), env=run_env)
+        run_dir = tmp_path / "run"
+        try:
+            _wait_for_step(run.proc, run_dir, 2)
+            for address in (stranger_at, wide_at):
+                offered = _run("attach", str(run_dir), "--worker", address, env=env, timeout=60)
+                assert offered.returncode == 0, offered.stdout + offered.stderr
+            run.wait_for("spare refused", 60)
+            run.wait_for("spare refused", 60)
+        except BaseException:
+            run.proc.kill()
+            raise
+        code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods")
+    finally:
+        for proc in (stranger, wide):
+            proc.kill()
+            proc.wait(timeout=30)
+    out = "".join(run.out)
+    assert code == 0, out + "".join(run.err)
+    records = _check_same_as(run_dir, reference3)
+    _degraded_then_whole(records, 1)
+    events = _events(run_dir)
+    refused = {e["spare"]: e["error"] for e in events if e["event"] == "spare_refused"}
+    assert f"spare {stranger_at} cannot take a slot" in refused[stranger_at], refused
+    assert "UNAUTHENTICATED" in refused[stranger_at] and "wrong auth token" in refused[stranger_at], refused
+    assert "it has 2 device(s), the run's pods have 1" in refused[wide_at], refused
+    (swap,) = [e for e in events if e["event"] == "hot_swap"]
+    spare_at = next(e["spare"] for e in events if e["event"] == "spare_ready")
+    assert swap["slot"] == 1 and swap["new_address"] == spare_at != swap["old_address"]
+    assert swap["bytes"] > 0 and 10 < swap["step"] <= REJOIN_BY
+    assert f"hot-swap: slot 1 trains again at {spare_at}" in out
+    # The killed worker was not started again: slot 1 is the spare's from then on.
+    assert len(re.findall(r"serving on", (run_dir / "worker-1.log").read_text())) == 1
+    assert "pod 1: a spare takes this slot" in (run_dir / "spare-0.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["hot_swaps"] == 1 and summary["rejoins"] == 1 and summary["restarts"] == 0

@@ -1,0 +1,103 @@
+"""Standby pods (hot-swap): the pool's order and refusals, offers through the run directory's spares
+file (as `multipod attach` writes them), the checks that refuse a spare that does not fit, and the
+--spares flag's format."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from multipod.controller.cluster.pods import Cluster
+from multipod.controller.cluster.spares import SPARES_FILE, Spare, SparePool, offer
+from multipod.controller.commands import parse_spares
+from multipod.controller.core.errors import RunError
+from multipod.controller.core.run_config import ConfigError
+from multipod.protos import PROTOCOL_VERSION, multipod_pb2 as pb
+from tests.unit.controller.fakes import FakePod, make_config
+
+
+def _pool(bad: set[str] = frozenset(), run_dir=None, poll_s: float = 60.0):
+    refused: list[tuple[str, str]] = []
+
+    def check(spare: Spare) -> None:
+        if spare.name in bad:
+            raise RunError(f"spare {spare.name} cannot take a slot: no")
+    return SparePool(check, lambda spare, why: refused.append((spare.name, why)), run_dir, poll_s), refused
+
+
+def test_spares_are_taken_first_offered_first_and_a_refused_one_is_named_and_dropped():
+    pool, refused = _pool(bad={"b:2"})
+    assert pool.add(["a:1"]) and not pool.add(["b:2"]) and pool.add(["c:3", "c:4"])
+    assert not pool.add(["a:1"])      # offered twice: once is enough
+    assert refused == [("b:2", "spare b:2 cannot take a slot: no")]
+    assert len(pool) == 2
+    assert pool.take() == Spare(("a:1",)) and pool.take() == Spare(("c:3", "c:4")) and pool.take() is None
+
+
+def test_offers_in_the_run_directory_are_read_whole_lines_only(tmp_path):
+    pool, refused = _pool(bad={"bad:1"}, run_dir=tmp_path)
+    try:
+        assert pool.take() is None                      # no file yet
+        offer(tmp_path, ["x:1"])
+        offer(tmp_path, ["bad:1"])
+        with (tmp_path / SPARES_FILE).open("a") as f:
+            f.write("y:1,y:2  # two hosts\nz:")         # z: is still being written
+        assert pool.take() == Spare(("x:1",))
+        assert pool.take() == Spare(("y:1", "y:2"))
+        assert pool.take() is None and refused == [("bad:1", "spare bad:1 cannot take a slot: no")]
+        with (tmp_path / SPARES_FILE).open("a") as f:
+            f.write("9\n")
+        assert pool.take() == Spare(("z:9",))
+    finally:
+        pool.close()
+
+
+def test_the_pool_watches_the_file_on_its_own(tmp_path):
+    pool, _ = _pool(run_dir=tmp_path, poll_s=0.01)
+    try:
+        offer(tmp_path, ["w:1"])
+        deadline = time.monotonic() + 10
+        while not len(pool) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(pool) == 1
+    finally:
+        pool.close()
+
+
+def test_offer_refuses_what_is_not_a_list_of_host_ports(tmp_path):
+    for hosts in ([], ["nohost"], ["a:1,b:2"], [""]):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            offer(tmp_path, hosts)
+    assert not (tmp_path / SPARES_FILE).exists()
+
+
+def _status(**fields) -> pb.StatusReply:
+    base = dict(protocol_version=PROTOCOL_VERSION, pod_index=-1, spare=True, configured=False, num_devices=2)
+    return pb.StatusReply(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields,hosts,why", [
+    ({}, ("a:1",), None),
+    ({"protocol_version": PROTOCOL_VERSION + 1}, ("a:1",), "protocol"),
+    ({"spare": False, "pod_index": 3}, ("a:1",), "serves pod 3 already (start a standby worker with --spare)"),
+    ({"configured": True}, ("a:1",), "configured already"),
+    ({"num_devices": 4}, ("a:1",), "it has 4 device(s), the run's pods have 2"),
+    ({}, ("a:1", "a:2"), "it has 2 host(s), the run's pods have 1"),
+])
+def test_a_spare_that_does_not_fit_the_run_is_refused_with_why(fields, hosts, why):
+    cluster = Cluster([FakePod(0), FakePod(1)], make_config())
+    cluster.device_counts = [2, 2]
+    spare = Spare(hosts)
+    if why is None:
+        cluster._check_spare_status(spare, _status(**fields))
+        return
+    with pytest.raises(RunError, match=re.escape(f"spare {spare.name} cannot take a slot: ") + ".*" + re.escape(why)):
+        cluster._check_spare_status(spare, _status(**fields))
+
+
+def test_the_spares_flag_takes_the_workers_format_and_the_run_s_host_count():
+    assert parse_spares("a:1,b:1", 1) == [["a:1"], ["b:1"]]
+    assert parse_spares("a:1,a:2;", 2) == [["a:1", "a:2"]]
+    with pytest.raises(ConfigError, match="--spares.*2 host"):
+        parse_spares("a:1,b:1", 2)
