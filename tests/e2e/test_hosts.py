@@ -142,6 +142,35 @@ def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_ho
     assert [e["pods"] for e in events if e["event"] == "rejoin"] == [[1]]     # both hosts came back as one pod
 
 
+def test_a_spare_pod_of_two_hosts_takes_the_slot_of_a_pod_whose_host_died(two_hosts, tmp_path, env):
+    # Hot-swap of a whole pod: with --spares 1 the killed host's pod is not restarted; the spare
+    # pod (two --spare workers, a jax.distributed cluster of their own) takes slot 1 and receives
+    # the state host to host. Its other host, left alone, is stopped.
+    run_dir = tmp_path / "run"
+    run = _Live("local", *TWO_HOSTS, *COMMON, "--spares", "1", "--run-dir", str(run_dir),
+                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
+
+    def host_1_of_pod_1() -> int:
+        return int(re.findall(r"\(pid (\d+)\)", (run_dir / "worker-1-host-1.log").read_text())[-1])
+
+    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods", step=2)
+    assert code == 0, "".join(run.out) + "".join(run.err)
+    records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(two_hosts)}
+    assert [r["step"] for r in records] == list(range(STEPS))
+    for r in records:
+        assert set(r["checksums"]) == set(expected[r["step"]]["checksums"]), r["step"]
+    assert json.loads((run_dir / "summary.json").read_text())["checksum"] == \
+        json.loads((two_hosts / "summary.json").read_text())["checksum"]
+    events = _events(run_dir)
+    (spare,) = [e["spare"] for e in events if e["event"] == "spare_ready"]
+    (swap,) = [e for e in events if e["event"] == "hot_swap"]
+    assert swap["slot"] == 1 and swap["new_address"] == spare and len(spare.split(",")) == 2
+    for host in (0, 1):
+        log = (run_dir / f"spare-0-host-{host}.log").read_text()
+        assert f"pod 1 host {host}: a spare takes this slot" in log
+        assert len(re.findall(r"serving on", (run_dir / f"worker-1-host-{host}.log").read_text())) == 1
+
+
 def test_a_host_index_out_of_range_is_refused_naming_the_host():
     result = run_cli("worker", "--pod-index", "1", "--host-index", "2", "--hosts-per-pod", "2",
                      "--pod-coordinator", "127.0.0.1:1", "--insecure-no-auth", timeout=60)
