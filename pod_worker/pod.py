@@ -108,6 +108,9 @@ class Pod(PodMembership):
         self._writer = checkpoint.Writer()
         # (step, on-device checksum) of the state as of its last change, for Status: never recomputed there.
         self._checksum: tuple[int, str] = (0, "")
+        # A spare's trainer compiled on standby: (config hash, pod count, trainer), taken by the
+        # configure that gives it a slot.
+        self._standby: tuple[str, int, PodTrainer] | None = None
 
     @property
     def trainer(self) -> PodTrainer | None:
@@ -123,13 +126,23 @@ class Pod(PodMembership):
 
     # -- configure -----------------------------------------------------------------------------
     def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
-                  pod_index: int | None = None) -> tuple[PodTrainer, str]:
+                  pod_index: int | None = None, standby: bool = False) -> tuple[PodTrainer, str]:
         """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id` with
         `peers` (every pod's data-plane address, in pod order);
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
         refused from now on. A spare (pod_index None) becomes pod `pod_index` here, for good once
-        the configure succeeds."""
+        the configure succeeds. standby: a spare only builds and compiles the trainer, and stays a
+        spare; a later configure of the same config and pod count takes that trainer at once."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
+            if standby:
+                if self.pod_index is not None:
+                    raise InvalidRequest(f"pod {self.pod_index} is not a spare: only a spare (worker --spare) "
+                                         f"compiles on standby")
+                trainer = self._build(config, num_pods)
+                self._standby = (config.config_hash(), num_pods, trainer)
+                log.info("spare: compiled on standby for a run of %d pod(s), config %s", num_pods,
+                         config.config_hash())
+                return trainer, trainer.fingerprint()
             if self.pod_index is None:
                 if pod_index is None:
                     raise InvalidRequest("a spare needs the pod index of the slot it takes")
@@ -140,6 +153,12 @@ class Pod(PodMembership):
                     self._take_slot(None)      # still a spare: another run (or slot) may take it
                     raise
             return self._configure(config, num_pods, peers, run_id)
+
+    def _build(self, config: WorkerConfig, num_pods: int) -> PodTrainer:
+        """A trainer for `config`, its programs compiled for this pod's shard of num_pods."""
+        trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
+        trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
+        return trainer
 
     def _take_slot(self, pod_index: int | None) -> None:
         """A spare takes slot `pod_index` (None: gives it back): the data plane accepts that
@@ -152,8 +171,11 @@ class Pod(PodMembership):
 
     def _configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> tuple[PodTrainer, str]:
         """configure's work, inside its hold."""
-        trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
-        trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
+        standby, self._standby = self._standby, None
+        if standby is not None and standby[:2] == (config.config_hash(), num_pods):
+            trainer = standby[2]        # compiled on standby, still in its initial state
+        else:
+            trainer = self._build(config, num_pods)
         # Built before the old one closes: if it fails, the pod keeps a working exchange.
         exchange = self._new_exchange(run_id, trainer, config, list(peers))
         if self.exchange is not None:

@@ -206,7 +206,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"protocol version mismatch: controller speaks {request.protocol_version}, "
                                f"{self.pod.layout.name(pod_index)} speaks {protos.PROTOCOL_VERSION}")
-        if pod_index is not None and request.pod_index != pod_index:
+        if pod_index is not None and request.pod_index != pod_index and not request.standby:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"this worker serves pod {pod_index}, not pod {request.pod_index}")
         if request.num_pods < 1 or len(request.peer_addresses) != request.num_pods:
@@ -233,10 +233,11 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
             trainer, fp = self.pod.reattach(config, request.num_pods, dcn_addresses, request.run_id,
                                             _deadline(context))
         else:
-            # A spare takes the slot it is configured for (and keeps it: it is that pod from now on).
+            # A spare takes the slot it is configured for (and keeps it: it is that pod from now on),
+            # or with standby only compiles.
             trainer, fp = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id,
-                                             pod_index=int(request.pod_index))
-        pod_index = self.pod.pod_index
+                                             pod_index=int(request.pod_index), standby=request.standby)
+        pod_index = self.pod.pod_index if self.pod.pod_index is not None else request.pod_index
         import jax
         return pb.ConfigureReply(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=pod_index,

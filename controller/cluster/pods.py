@@ -283,6 +283,21 @@ class Cluster:
             client.close()
         self._check_spare_status(spare, status)
 
+    def prepare_spare(self, spare: Spare) -> None:
+        """Have a checked spare compile the run's programs on standby (it stays a spare; taking a
+        slot later costs no compile). RunError naming it if that fails."""
+        client = spare.client(SPARE_INDEX)
+        request = pb.ConfigureRequest(
+            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=self.size,
+            peer_addresses=[c.address for c in self.clients], worker_config_json=self.config.worker_config().to_json(),
+            run_id=f"{self.base_run_id}.standby", dcn_addresses=self.dcn_addresses, standby=True)
+        try:
+            client.configure(request, self.config.run.configure_timeout_s)
+        except WorkerError as exc:
+            raise RunError(f"spare {spare.name} could not compile the run's programs: {exc}") from None
+        finally:
+            client.close()
+
     def _check_spare_status(self, spare: Spare, status: pb.StatusReply) -> None:
         why = ""
         if status.protocol_version != protos.PROTOCOL_VERSION:

@@ -109,17 +109,18 @@ def _reattach(cluster: Cluster, run_dir: pathlib.Path):
 
 
 def _spare_pool(cluster: Cluster, run_dir: pathlib.Path, events: EventLog, spares) -> SparePool:
-    """The run's standby pods: `spares` checked now, and those offered later in RUN_DIR/spares."""
+    """The run's standby pods: `spares` and any already in RUN_DIR/spares, checked now, and those
+    offered there later; each compiles the run's programs on standby while the run goes on."""
     def refused(spare: Spare, why: str) -> None:
         out(f"spare refused: {why}")
         events.write(EventKind.SPARE_REFUSED, spare=spare.name, error=why)
 
-    pool = SparePool(cluster.check_spare, refused, run_dir)
-    for hosts in spares:
-        if pool.add(list(hosts)):
-            out(f"spare ready: {','.join(hosts)} (takes the slot of a pod that fails)")
-            events.write(EventKind.SPARE_READY, spare=",".join(hosts))
-    return pool
+    def ready(spare: Spare) -> None:
+        out(f"spare ready: {spare.name} (compiled on standby; takes the slot of a pod that fails)")
+        events.write(EventKind.SPARE_READY, spare=spare.name)
+
+    return SparePool(cluster.check_spare, refused, ready, prepare=cluster.prepare_spare, run_dir=run_dir,
+                     offers=spares)
 
 
 def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: ProgressLine | None = None,

@@ -227,16 +227,17 @@ def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_pa
         run = _Live("local", *_args(3), "--spares", "1", "--run-dir", str(tmp_path / "run"), env=run_env)
         run_dir = tmp_path / "run"
         try:
-            _wait_for_step(run.proc, run_dir, 2)
+            deadline = time.monotonic() + 120
+            while not (run_dir / "config.json").exists():      # a run directory from then on
+                assert run.proc.poll() is None and time.monotonic() < deadline, "".join(run.out + run.err)
+                time.sleep(0.05)
             for address in (stranger_at, wide_at):
                 offered = _run("attach", str(run_dir), "--worker", address, env=env, timeout=60)
                 assert offered.returncode == 0, offered.stdout + offered.stderr
-            run.wait_for("spare refused", 60)
-            run.wait_for("spare refused", 60)
         except BaseException:
             run.proc.kill()
             raise
-        code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods")
+        code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods", step=2)
     finally:
         for proc in (stranger, wide):
             proc.kill()

@@ -62,3 +62,36 @@ def test_a_spare_takes_the_slot_its_first_successful_configure_gives_it(spare, m
         _configure(stub, 0, CONFIG.to_json())
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "serves pod 1, not pod 0" in info.value.details()
+
+
+def test_a_spare_compiles_on_standby_and_takes_that_trainer_with_its_slot(spare):
+    stub, service = spare
+    reply = stub.Configure(pb.ConfigureRequest(
+        protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=2, peer_addresses=["a:1"] * 2,
+        dcn_addresses=["tcp://127.0.0.1:1"] * 2, worker_config_json=CONFIG.to_json(), run_id="spare-test.standby",
+        standby=True), timeout=300)
+    status = stub.Status(pb.StatusRequest(), timeout=10)
+    assert status.spare and not status.configured and status.pod_index == -1     # still waiting for a slot
+    compiled = service.pod._standby[2]
+    assert reply.fingerprint == compiled.fingerprint()
+
+    assert _configure(stub, 0, CONFIG.to_json(), num_pods=1).pod_index == 0      # another pod count: built anew
+    assert service.pod.trainer is not compiled and service.pod._standby is None
+
+    with pytest.raises(grpc.RpcError) as info:      # a pod with a slot does not compile on standby
+        stub.Configure(pb.ConfigureRequest(
+            protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=2, peer_addresses=["a:1"] * 2,
+            dcn_addresses=["tcp://127.0.0.1:1"] * 2, worker_config_json=CONFIG.to_json(), run_id="x", standby=True),
+            timeout=60)
+    assert "only a spare" in info.value.details()
+
+
+def test_the_slot_s_configure_takes_the_standby_trainer(spare):
+    stub, service = spare
+    stub.Configure(pb.ConfigureRequest(
+        protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=2, peer_addresses=["a:1"] * 2,
+        dcn_addresses=["tcp://127.0.0.1:1"] * 2, worker_config_json=CONFIG.to_json(), run_id="spare-test.standby",
+        standby=True), timeout=300)
+    compiled = service.pod._standby[2]
+    _configure(stub, 1, CONFIG.to_json())
+    assert service.pod.trainer is compiled and service.pod.pod_index == 1

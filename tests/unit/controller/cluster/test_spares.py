@@ -4,6 +4,7 @@ file (as `multipod attach` writes them), the checks that refuse a spare that doe
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -23,31 +24,42 @@ def _pool(bad: set[str] = frozenset(), run_dir=None, poll_s: float = 60.0):
     def check(spare: Spare) -> None:
         if spare.name in bad:
             raise RunError(f"spare {spare.name} cannot take a slot: no")
-    return SparePool(check, lambda spare, why: refused.append((spare.name, why)), run_dir, poll_s), refused
+    pool = SparePool(check, lambda spare, why: refused.append((spare.name, why)), run_dir=run_dir, poll_s=poll_s)
+    return pool, refused
 
 
 def test_spares_are_taken_first_offered_first_and_a_refused_one_is_named_and_dropped():
     pool, refused = _pool(bad={"b:2"})
-    assert pool.add(["a:1"]) and not pool.add(["b:2"]) and pool.add(["c:3", "c:4"])
-    assert not pool.add(["a:1"])      # offered twice: once is enough
-    assert refused == [("b:2", "spare b:2 cannot take a slot: no")]
-    assert len(pool) == 2
-    assert pool.take() == Spare(("a:1",)) and pool.take() == Spare(("c:3", "c:4")) and pool.take() is None
+    try:
+        assert pool.add(["a:1"]) and not pool.add(["b:2"]) and pool.add(["c:3", "c:4"])
+        assert not pool.add(["a:1"])      # offered twice: once is enough
+        pool.offer(["d:5"])               # checked at the pool's next round
+        assert len(pool) == 2
+        pool.poll()
+        assert refused == [("b:2", "spare b:2 cannot take a slot: no")]
+        assert len(pool) == 3
+        assert pool.take() == Spare(("a:1",)) and pool.take() == Spare(("c:3", "c:4"))
+        assert pool.take() == Spare(("d:5",)) and pool.take() is None
+    finally:
+        pool.close()
 
 
 def test_offers_in_the_run_directory_are_read_whole_lines_only(tmp_path):
     pool, refused = _pool(bad={"bad:1"}, run_dir=tmp_path)
     try:
+        pool.poll()
         assert pool.take() is None                      # no file yet
         offer(tmp_path, ["x:1"])
         offer(tmp_path, ["bad:1"])
         with (tmp_path / SPARES_FILE).open("a") as f:
             f.write("y:1,y:2  # two hosts\nz:")         # z: is still being written
+        pool.poll()
         assert pool.take() == Spare(("x:1",))
         assert pool.take() == Spare(("y:1", "y:2"))
         assert pool.take() is None and refused == [("bad:1", "spare bad:1 cannot take a slot: no")]
         with (tmp_path / SPARES_FILE).open("a") as f:
             f.write("9\n")
+        pool.poll()
         assert pool.take() == Spare(("z:9",))
     finally:
         pool.close()
@@ -61,6 +73,30 @@ def test_the_pool_watches_the_file_on_its_own(tmp_path):
         while not len(pool) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(pool) == 1
+    finally:
+        pool.close()
+
+
+def test_a_spare_is_ready_once_prepared_and_refused_if_that_fails(tmp_path):
+    release, events = threading.Event(), []
+
+    def prepare(spare: Spare) -> None:
+        release.wait(10)
+        if spare.name == "slow-bad:1":
+            raise RunError("spare slow-bad:1 could not compile the run's programs: boom")
+    offer(tmp_path, ["early:1"])            # offered before the run began: checked when the pool is made
+    pool = SparePool(lambda spare: None, lambda spare, why: events.append(("refused", spare.name, why)),
+                     lambda spare: events.append(("ready", spare.name)), prepare=prepare, run_dir=tmp_path,
+                     poll_s=60.0, offers=[["given:1"], ["slow-bad:1"]])
+    try:
+        assert len(pool) == 0 and pool.take() is None and events == []     # compiling
+        release.set()
+        deadline = time.monotonic() + 10
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        why = "spare slow-bad:1 could not compile the run's programs: boom"
+        assert sorted(events) == [("ready", "early:1"), ("ready", "given:1"), ("refused", "slow-bad:1", why)]
+        assert {pool.take(), pool.take()} == {Spare(("early:1",)), Spare(("given:1",))} and pool.take() is None
     finally:
         pool.close()
 
