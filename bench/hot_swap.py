@@ -6,14 +6,14 @@ For each config, --rounds runs of `multipod local --pods 3 --spares 1 --devices-
 failure-detection settings of tests/e2e/test_failover.py (health.interval_s 0.5, timeout 2: a
 dead pod is named after two missed checks). Once step --kill-step is recorded, pod 1 is killed
 with SIGKILL (never restarted: a spare takes its slot). From the run's events.jsonl (Unix times on
-this machine, as the kill's):
+this machine, as the kill's), the kill coming once the spare is ready (compiled on standby):
 
 - detect_s: kill -> the pod_failure event (the watchdog, or a step failing on the dead peer);
 - kill_to_training_s: kill -> the hot_swap event, written once the spare holds the state and the
   new membership, so the next step it computes is its slot's (what the target bounds);
 - transfer_s: the state transfer to the spare (its `seconds`);
 - swap_minus_transfer_s: kill_to_training_s - transfer_s, against the target of 2 s: detection,
-  the spare's configure (its compile, from the run's persistent compilation cache), and the
+  the spare's configure (its trainer compiled on standby), the steps in flight drained, and the
   wait for the next step boundary;
 - lost_steps (summary.json) and whether the run's steps were each recorded once.
 
@@ -60,7 +60,10 @@ def one_run(config: str, steps: int, kill_step: int, run_dir: pathlib.Path, extr
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + DEADLINE_S
         try:
-            while not any(r["step"] >= kill_step for r in _records(run_dir)):
+            # A spare waits long before a failure in a real run: kill once it is ready (compiled).
+            out_path = pathlib.Path(log.name)
+            while not (any(r["step"] >= kill_step for r in _records(run_dir))
+                       and "spare ready" in out_path.read_text()):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"no step {kill_step}: see {log.name}")
                 time.sleep(0.02)
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     # Long enough that the spare trains well before the end, whatever the model's step time.
-    steps = {"configs/tiny.toml": 400, "configs/default.toml": 60}
+    steps = {"configs/tiny.toml": 400, "configs/default.toml": 150}
     out: dict = {"command": "python -m bench.hot_swap " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "load_start": _load(), "configs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-hot-swap-") as tmp:
