@@ -11,6 +11,11 @@ node of its own). Each host's worker runs under a Ray actor (controller/launch/r
   - watches the actors: Ray restarts a dead one (max_restarts); a pod that Ray cannot bring back
     within the deadline, or will not restart any more, is reported, and the run goes on with the
     surviving pods (degraded mode);
+  - replaces a pod that Ray will not bring back at its address (its actor is dead for good, or
+    Ray placed it again on another node): a new placement group wherever Ray finds room, its
+    workers started with --spare, offered to the run (RUN_DIR/spares, controller/cluster/spares.py)
+    so that the controller hot-swaps the failed slot to it; once it has, `swapped` makes the
+    replacement the slot's pod (the old actors are killed for good);
   - removes every actor and placement group it made when the run ends, fails or is interrupted.
     If the controller is killed outright, Ray itself removes them: they belong to its job.
 
@@ -71,14 +76,19 @@ class RayPods(Launched):
         self._down_since: dict[int, float] = {}     # pod -> when the monitor first saw it down
         self._reported: dict[int, str] = {}         # pod -> what was said about it ("late" | "dead")
         self._stopped: dict[int, dict[int, int]] = {}   # pod -> {host: pid} of the workers check() stopped
+        self._replacing: set[int] = set()           # pods whose replacement is being placed or waits as a spare
+        # replacements started: their (group, actors, addresses, nodes, pids), by their pod address
+        self._spares: dict[str, tuple] = {}
+        self._spare_count = 0
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="ray-monitor")
 
     @property
     def multi_host(self) -> bool:
         return self.hosts_per_pod > 1
 
-    def log_path(self, pod: int, host: int = 0) -> pathlib.Path:
-        name = f"worker-{pod}.log" if not self.multi_host else f"worker-{pod}-host-{host}.log"
+    def log_path(self, pod: int, host: int = 0, spare: bool = False) -> pathlib.Path:
+        kind = "spare" if spare else "worker"
+        name = f"{kind}-{pod}.log" if not self.multi_host else f"{kind}-{pod}-host-{host}.log"
         return (self.run_dir / name).absolute()
 
     # -- start -----------------------------------------------------------------------------------
@@ -122,21 +132,26 @@ class RayPods(Launched):
             self.pids.append([info["pid"] for info in mine])
         self._monitor.start()
 
-    def _bundle(self, pod: int, host: int):
+    def _bundle(self, pod: int, host: int, group=None):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        return PlacementGroupSchedulingStrategy(placement_group=self.groups[pod], placement_group_bundle_index=host)
+        return PlacementGroupSchedulingStrategy(placement_group=group or self.groups[pod],
+                                                placement_group_bundle_index=host)
 
-    def _host_specs(self) -> list[list[HostSpec]]:
-        """Each host's ports, picked on its own node (a task in its bundle), and its worker's spec."""
+    def _host_specs(self, groups: list | None = None, spare: int | None = None) -> list[list[HostSpec]]:
+        """Each host's ports, picked on its own node (a task in its bundle), and its worker's spec:
+        for every pod, or with `spare` (its number) for the one replacement pod in groups[0]."""
         probe = self.ray.remote(free_ports)
         count = 3 if self.multi_host else 2     # gRPC, data plane (and host 0's coordinator)
-        refs = [[probe.options(scheduling_strategy=self._bundle(pod, host), **actor_options(self.resources))
-                 .remote(count) for host in range(self.hosts_per_pod)] for pod in range(self.num_pods)]
+        groups = groups or self.groups
+        refs = [[probe.options(scheduling_strategy=self._bundle(pod, host, group), **actor_options(self.resources))
+                 .remote(count) for host in range(self.hosts_per_pod)] for pod, group in enumerate(groups)]
         found = self._get([r for hosts in refs for r in hosts], self.place_timeout_s, "probe ports on")
         here = self.ray.util.get_node_ip_address()
         # Loopback when the whole run is on the controller's machine: nothing then leaves it (and
         # the workers need no encryption); otherwise each worker listens on its node's address.
-        self.on_this_machine = all(ip == here for ip, _ in found)
+        if spare is None:
+            self.on_this_machine = all(ip == here for ip, _ in found)
+        loopback = self.on_this_machine and all(ip == here for ip, _ in found)
         flags = self._worker_flags()
         env = tuple(sorted((k, v) for k, v in os.environ.items()
                            if (k.startswith("MULTIPOD_") or k.startswith("JAX_")) and k != TOKEN_ENV))
@@ -145,14 +160,16 @@ class RayPods(Launched):
             env += (("JAX_COMPILATION_CACHE_DIR", str((self.run_dir / ".jax-cache").absolute())),
                     ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
         specs = []
-        for pod in range(self.num_pods):
+        for pod in range(len(groups)):
             mine = found[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
-            hosts = ["127.0.0.1" if self.on_this_machine else ip for ip, _ in mine]
+            hosts = ["127.0.0.1" if loopback else ip for ip, _ in mine]
             coordinator = f"{hosts[0]}:{mine[0][1][2]}" if self.multi_host else ""
-            specs.append([HostSpec(run_id=self.run_id, pod=pod, host=h, hosts_per_pod=self.hosts_per_pod,
-                                   listen_host=hosts[h], port=ports[0], dcn_port=ports[1], coordinator=coordinator,
-                                   devices=self.devices_per_host, log_path=str(self.log_path(pod, h)),
-                                   flags=flags, env=env)
+            index = pod if spare is None else spare
+            specs.append([HostSpec(run_id=self.run_id if spare is None else f"{self.run_id}-spare{spare}", pod=index,
+                                   host=h, hosts_per_pod=self.hosts_per_pod, listen_host=hosts[h], port=ports[0],
+                                   dcn_port=ports[1], coordinator=coordinator, devices=self.devices_per_host,
+                                   log_path=str(self.log_path(index, h, spare is not None)), flags=flags, env=env,
+                                   spare=spare is not None)
                           for h, (_, ports) in enumerate(mine)])
         return specs
 
@@ -289,12 +306,81 @@ class RayPods(Launched):
             host, why = dead[0]
             gone = (f"{why}" if states[host][0] == "moved" else
                     f"host {host}'s actor is gone: {why}; --max-restarts {self.max_restarts} per host")
-            out(f"pod {pod}: it cannot rejoin ({gone}); the run goes on with the surviving pods")
+            out(f"pod {pod}: it cannot rejoin ({gone}); the run goes on with the surviving pods, and Ray is "
+                f"asked for a replacement")
+            if pod not in self._replacing:
+                self._replacing.add(pod)
+                threading.Thread(target=self._replace, args=(pod,), daemon=True, name=f"replace-{pod}").start()
         elif not dead and pod not in reported and now - down_since[pod] > self.place_timeout_s:
             reported[pod] = "late"
             why = "; ".join(f"host {h}: {w}" for h, (s, w) in enumerate(states) if s != "up")
             out(f"pod {pod}: Ray could not place it again within {self.place_timeout_s:g}s ({why}); "
                 f"the run goes on with the surviving pods")
+
+    def _replace(self, pod: int) -> None:
+        """A replacement for `pod` wherever Ray finds room (a placement group of its own, its
+        workers started with --spare), offered to the run as a spare; said if Ray cannot."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        from multipod.controller.cluster.spares import offer
+        ray = self.ray
+        self._spare_count += 1
+        number = self._spare_count
+        group = placement_group([dict(self.resources)] * self.hosts_per_pod, strategy=self.strategy,
+                                name=f"multipod-{self.run_id}-spare{number}")
+        actors: list = []
+        try:
+            ready, _ = ray.wait([group.ready()], timeout=self.place_timeout_s)
+            if not ready:
+                raise LaunchError(f"Ray could not place it within {self.place_timeout_s:g}s; free now: "
+                                  f"{fmt(ray.available_resources())}")
+            specs = self._host_specs([group], spare=number)[0]
+            Host = ray.remote(WorkerHost)
+            actors = [Host.options(name=f"multipod-{self.run_id}-spare{number}-host{host}", namespace=NAMESPACE,
+                                   max_restarts=self.max_restarts, max_task_retries=0, max_concurrency=4,
+                                   scheduling_strategy=self._bundle(0, host, group), **actor_options(self.resources))
+                      .remote(specs[host], self.security.token) for host in range(self.hosts_per_pod)]
+            infos = self._get([a.ready.remote(self.start_timeout_s) for a in actors], self.start_timeout_s + 30,
+                              "start the replacement of")
+        except (LaunchError, ray.exceptions.RayError) as exc:
+            out(f"pod {pod}: no replacement: {exc}")
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(group)
+            self._replacing.discard(pod)
+            return
+        if self._stopping.is_set():
+            return
+        hosts = [info["address"] for info in infos]
+        self._spares[",".join(hosts)] = (group, actors, hosts, [i["node"] for i in infos], [i["pid"] for i in infos])
+        out(f"pod {pod}: Ray placed a replacement (spare {number}) at {','.join(hosts)} on node(s) "
+            f"{', '.join(i['node'] for i in infos)}; offered to the run")
+        offer(self.run_dir, hosts)
+
+    def swapped(self, slot: int, address: str) -> None:
+        """The controller hot-swapped `slot` to the pod at `address`: a replacement of ours becomes
+        the slot's pod (watched, stopped at the end), and the slot's old actors go for good."""
+        spare = self._spares.pop(address, None)
+        if spare is None:
+            return
+        group, actors, hosts, nodes, pids = spare
+        old_actors, old_group = self.actors[slot], self.groups[slot]
+        self.groups[slot], self.actors[slot] = group, actors
+        self.host_addresses[slot], self.nodes[slot], self.pids[slot] = hosts, nodes, pids
+        self._down_since.pop(slot, None)
+        self._reported.pop(slot, None)
+        self._stopped.pop(slot, None)
+        self._replacing.discard(slot)
+        from ray.util.placement_group import remove_placement_group
+        for actor in old_actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:   # already gone
+                pass
+        try:
+            remove_placement_group(old_group)
+        except Exception:
+            pass
 
     # -- the end ---------------------------------------------------------------------------------
     def stop(self, grace_s: float = 5.0) -> None:
@@ -304,7 +390,8 @@ class RayPods(Launched):
         self._stopping.set()
         if self._monitor.is_alive():
             self._monitor.join(timeout=PING_S * self.hosts_per_pod * 2 + 5)
-        actors = [a for hosts in self.actors for a in hosts]
+        actors = [a for hosts in self.actors for a in hosts] + [a for s in self._spares.values() for a in s[1]]
+        groups = list(self.groups) + [s[0] for s in self._spares.values()]
         if actors:
             try:
                 ray.wait([a.stop.remote(grace_s) for a in actors], num_returns=len(actors), timeout=grace_s + 10)
@@ -316,12 +403,12 @@ class RayPods(Launched):
             except Exception:
                 pass
         from ray.util.placement_group import remove_placement_group
-        for group in self.groups:
+        for group in groups:
             try:
                 remove_placement_group(group)
             except Exception:
                 pass
-        self.actors, self.groups = [], []
+        self.actors, self.groups, self._spares = [], [], {}
 
 
 class RayContext:

@@ -50,14 +50,17 @@ class HostSpec:
     log_path: str               # the worker's log, RUN_DIR/worker-P[-host-H].log on the node's file system
     flags: tuple[str, ...] = ()  # further worker flags (--dcn-encrypt, --insecure, TLS files)
     env: tuple[tuple[str, str], ...] = ()   # environment passed on from the controller (MULTIPOD_*, JAX_*)
+    spare: bool = False         # a replacement started with --spare (hot-swap); `pod` then counts the spares
 
     @property
     def name(self) -> str:
-        return f"pod {self.pod}" + (f" host {self.host}" if self.hosts_per_pod > 1 else "")
+        return f"{'spare' if self.spare else 'pod'} {self.pod}" + (f" host {self.host}" if self.hosts_per_pod > 1
+                                                                   else "")
 
     def command(self, port_file: pathlib.Path) -> list[str]:
         """The worker's argv (no secret in it)."""
-        cmd = [sys.executable, "-m", "multipod.cli", "worker", "--pod-index", str(self.pod),
+        who = ["--spare"] if self.spare else ["--pod-index", str(self.pod)]
+        cmd = [sys.executable, "-m", "multipod.cli", "worker", *who,
                "--listen", f"{self.listen_host}:{self.port}", "--dcn-listen", f"{self.listen_host}:{self.dcn_port}",
                "--devices", str(self.devices), "--port-file", str(port_file), "--exit-with-parent"]
         if self.hosts_per_pod > 1:
@@ -89,7 +92,7 @@ class WorkerHost:
         self.spec = spec
         self.state_dir = pathlib.Path(tempfile.gettempdir()) / f"multipod-ray-{os.getuid()}" / spec.run_id
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"pod-{spec.pod}-host-{spec.host}"
+        stem = f"{'spare' if spec.spare else 'pod'}-{spec.pod}-host-{spec.host}"
         self.port_file = self.state_dir / f"{stem}.port"
         self.pid_file = self.state_dir / f"{stem}.pid"
         self._stopping = threading.Event()

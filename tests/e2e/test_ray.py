@@ -218,6 +218,47 @@ def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_if_uninterrupted
     _wait_nothing_left()
 
 
+def test_an_actor_gone_for_good_is_replaced_where_ray_places_it_and_hot_swapped(cluster, ray_env, tmp_path):
+    """Pod 1's actor is killed without restart (a node lost for good): the launcher asks Ray for a
+    replacement pod, started with --spare at ports of its own and offered to the run, which
+    hot-swaps slot 1 to it; the run ends bitwise as `multipod local`'s, with nothing left behind.
+    From step REJOIN_BY the controller waits for the failed slot to be ready (a test hook), so the
+    swap is an event the run waits for, however slow the machine."""
+    steps, rejoin_by = 200, "150"
+    reference = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--run-dir", str(tmp_path / "ref"),
+                        *_args(steps), env=ray_env, timeout=600)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    run_dir = tmp_path / "ray"
+    run = _Live("ray", "--address", cluster, "--pods", "2", "--devices-per-host", "1", "--run-dir", str(run_dir),
+                *_args(steps), env=dict(ray_env, MULTIPOD_TEST_REJOIN_BY_STEP=rejoin_by))
+    try:
+        _wait_for_step(run.proc, run_dir, 20)
+        (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith("multipod-") and a["name"].endswith("-pod1-host0")]
+        old = re.findall(r"serving on ([\d.]+:\d+)", (run_dir / "worker-1.log").read_text())[-1]
+        ray.kill(ray.get_actor(name, namespace=a_namespace(name)), no_restart=True)
+        run.wait_for("asked for a replacement", 120)
+        run.wait_for("hot-swap: slot 1 trains again", 300)
+        code = run.finish(600)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert code == 0, "".join(run.out + run.err)
+    _identical_every_step(run_dir, steps)
+    assert _checksum(run_dir) == _checksum(tmp_path / "ref")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    (swap,) = [e for e in events if e["event"] == "hot_swap"]
+    assert swap["slot"] == 1 and swap["old_address"] == old and swap["new_address"] != old
+    assert "pod 1: a spare takes this slot" in (run_dir / "spare-1.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_steps"] == 0 and summary["hot_swaps"] == 1
+    _wait_nothing_left()
+
+
+def a_namespace(name: str) -> str:
+    return next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name)
+
+
 @pytest.mark.slow
 def test_pods_of_two_hosts_a_killed_host_restarts_its_pod_which_rejoins(cluster, ray_env, tmp_path):
     """2 pods x 2 hosts packed on this one node: host 1 of pod 1 loses its actor; the pod's other
