@@ -25,16 +25,13 @@ model.remat, the block is a remat region here as there, so only what the policy 
 
 Microbatches (model.microbatches = M > 1): the shard is split as the fused step splits it
 (programs.split_microbatches: microbatch m holds rows m, m+M, ...), and every microbatch runs the
-same chain of programs. The gradient is accumulated part by part in float32, in the fixed order
-
-    acc = g_0;  acc = acc + g_1;  ...;  gradient = (acc + g_{M-1}) cast to the parameters' dtype
-
-each g_m the output of the same programs whichever microbatch it is (the adds are programs of
-their own, never fused into a backward program), so a microbatch's gradient can be computed
-anywhere and summed in this order to the same bits. The fused step's scan adds in the same order
-(from zeros: 0 + g_0 = g_0). Only the last microbatch's parts are sent: each is its sum, ready as
-soon as that microbatch's backward program for it has run, so the exchange still overlaps the
-last backward pass. The loss sums add up in the same order.
+same chain of programs. The gradient is accumulated part by part in the fixed order of
+pod_worker/accumulate.py (float32 from g_0, by add programs of their own; the fused step uses
+the same programs), so a microbatch's gradient can be computed on another pod and summed in this
+order to the same bits (`gradient` computes one batch's without summing). Only the last
+microbatch's parts are sent: each is its sum, ready as soon as that microbatch's backward program
+for it has run, so the exchange still overlaps the last backward pass. The loss sums add up in
+the same order.
 
 The result equals the fused step's to float tolerance, not bitwise (XLA fuses differently across
 program boundaries); every pod runs the same programs on the same mesh shape, so the pods'
@@ -54,10 +51,10 @@ import numpy as np
 
 from multipod.model import ModelConfig, abstract_params, token_losses
 from multipod.model.layers import RESIDUAL, RMSNorm, constrain
-from multipod.model.partitioning import activate_rules, batch_sharding, rules_for
+from multipod.model.partitioning import activate_rules, rules_for
 from multipod.model.transformer import block_class, embed_tokens, unembed
+from multipod.pod_worker.accumulate import MicrobatchSum
 from multipod.pod_worker.hosts import start_host_copy
-from multipod.pod_worker.programs import split_microbatches
 
 
 def block_names(model_cfg: ModelConfig) -> list[str]:
@@ -149,8 +146,9 @@ class OverlappedGradStep:
     """The split gradient step of one pod, compiled over its mesh with the fused step's shardings
     and logical rules. `launch` dispatches it; the caller reads the leaves in `order`."""
 
-    def __init__(self, model_cfg: ModelConfig, mesh, param_sharding):
+    def __init__(self, model_cfg: ModelConfig, mesh, param_sharding, summer: MicrobatchSum | None = None):
         self.config = model_cfg
+        self.summer = summer or MicrobatchSum(model_cfg, mesh)
         self.mesh = mesh
         self.param_sharding = param_sharding
         shapes = abstract_params(model_cfg)
@@ -184,10 +182,6 @@ class OverlappedGradStep:
         def embed_backward_pinned(*args):
             return pin(embed_backward(*args), emb_sharding)
 
-        def microbatch(tokens, m):
-            with rules_for(model_cfg):
-                return split_microbatches(tokens, model_cfg.microbatches)[m]
-
         with activate_rules(mesh):
             self._embed = jax.jit(embed)
             self._block_forward = jax.jit(block_forward)
@@ -197,14 +191,6 @@ class OverlappedGradStep:
             self._first_block_early = jax.jit(first_block_early)
             self._first_block_rest = jax.jit(first_block_rest)
             self._embed_backward = jax.jit(embed_backward_pinned, donate_argnums=(3,))
-            # Microbatches: one program takes microbatch m (its rows stay on their devices); the
-            # float32 adds of the accumulation are programs of their own (see the module).
-            self._microbatch = jax.jit(microbatch, static_argnums=1, out_shardings=batch_sharding(mesh))
-            self._as_f32 = jax.jit(lambda g: jax.tree.map(lambda x: x.astype(jnp.float32), g))
-            self._add = jax.jit(lambda acc, g: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g),
-                                donate_argnums=0)
-            self._add_last = jax.jit(lambda acc, g: jax.tree.map(lambda a, x: (a + x.astype(a.dtype)).astype(x.dtype),
-                                                                 acc, g), donate_argnums=0)
 
     def launch(self, params, tokens: jax.Array, normalizer: jax.Array, to_host: bool = True) -> Launched:
         """Dispatch the whole step (forward, head, backward block by block, for each microbatch)
@@ -235,28 +221,35 @@ class OverlappedGradStep:
         threading.Thread(target=watch, name="overlap-backward-end", daemon=True).start()
         return Launched(leaves, list(self.order), ce, z, done, done_at)
 
+    def gradient(self, params, tokens, normalizer):
+        """(gradient tree, ce, z) of one batch (e.g. one microbatch) through the chain of
+        programs, dispatched and not waited for; nothing summed, nothing copied."""
+        with activate_rules(self.mesh):
+            return self._chain(params, tokens, normalizer, lambda index, g: g)
+
     def _accumulate(self, params, tokens, normalizer, m_count: int, start_copies):
-        """Every microbatch through the chain; each part's gradient summed in float32 in microbatch
-        order (0, 1, ..., M-1), the last microbatch's sums handed out (and copied) as they are
-        dispatched. Returns (gradient tree, ce, z)."""
+        """Every microbatch through the chain; each part's gradient summed in microbatch order
+        (0, 1, ..., M-1) by the summer's programs, the last microbatch's sums handed out (and
+        copied) as they are dispatched. Returns (gradient tree, ce, z)."""
         acc: list = []      # by part, in the order _chain yields them
-        ce = z = None
+        losses = None
         for m in range(m_count):
-            micro = self._microbatch(tokens, m)
+            micro = self.summer.microbatch(tokens, m)
 
             def part(index, g, m=m):
+                total = self.summer.fold(acc[index] if m else None, g, m)
                 if m == 0:
-                    acc.append(self._as_f32(g))
+                    acc.append(total)
                     return g
+                acc[index] = total
                 if m < m_count - 1:
-                    acc[index] = self._add(acc[index], g)
                     return g
-                total = self._add_last(acc[index], g)
                 start_copies(total)
                 return total
             grads, ce_m, z_m = self._chain(params, micro, normalizer, part)
-            ce, z = (ce_m, z_m) if m == 0 else self._add((ce, z), (ce_m, z_m))
-        return grads, ce, z
+            losses = self.summer.add_losses(losses, ce_m, z_m)
+        assert losses is not None
+        return grads, *losses
 
     def _chain(self, params, tokens, normalizer, part):
         """Dispatch one batch's forward and backward programs; `part(index, gradient)` is called

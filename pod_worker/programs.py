@@ -7,6 +7,7 @@ model.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import flax.linen as nn
@@ -74,6 +75,26 @@ def make_grad_step(model_cfg: ModelConfig):
             (grads, ce, z), _ = jax.lax.scan(accumulate, zeros, micro)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
             return grads, ce, z
+    return grad_step
+
+
+def make_microbatch_grad_step(model_cfg: ModelConfig):
+    """(params, tokens [b, T+1], normalizer, m) -> (gradient, ce_sum, z_sum) of microbatch m of
+    the shard alone (split_microbatches' rows m, m+k, ...; m an int32 on the devices).
+
+    One program serves every microbatch, so each microbatch's gradient has the same bits whichever
+    microbatch, shard or pod it is: the pieces that pod_worker/accumulate.py sums in a fixed order,
+    on one pod or (degraded mode) over several. The microbatch is taken inside the program, from
+    the shard laid out as the step's input, so a microbatch need not split evenly over the data
+    axis (as inside make_grad_step's scan)."""
+    k = model_cfg.microbatches
+    unsplit = make_grad_step(dataclasses.replace(model_cfg, microbatches=1))
+
+    def grad_step(params, tokens, normalizer, m):
+        with rules_for(model_cfg):
+            batch = jax.lax.dynamic_index_in_dim(split_microbatches(tokens, k), m, keepdims=False)
+            batch = nn.with_logical_constraint(batch, ("batch", "length"))
+        return unsplit(params, batch, normalizer)
     return grad_step
 
 

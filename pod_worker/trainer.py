@@ -20,13 +20,15 @@ import numpy as np
 
 from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
-from multipod.pod_worker import overlap, programs
+from multipod.pod_worker import overlap, programs, split
+from multipod.pod_worker.accumulate import MicrobatchSum
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
 from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
 from multipod.pod_worker.outcome import StepOutcome, StepResult
 from multipod.pod_worker.schema import WorkerConfig, resolve_overlap
+from multipod.pod_worker.split import Piece, Relay
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +102,18 @@ class PodTrainer:
 
     # -- compiled programs ---------------------------------------------------------------------
     def _compile(self) -> None:
-        grad_step = programs.make_grad_step(self.config.model)
+        # With microbatches, one program computes one microbatch's gradient, run once per
+        # microbatch; the programs of pod_worker/accumulate.py sum them in their fixed order (so a
+        # failed pod's microbatches can be computed on several pods and summed to the same bits).
+        k = self.config.model.microbatches
+        grad_step = programs.make_grad_step(self.config.model) if k == 1 else \
+            programs.make_microbatch_grad_step(self.config.model)
         apply_update = programs.make_apply_update(self.tx)
         eval_step = programs.make_eval_step(self.config.model)
         p, o, b, s = self.param_sharding, self.opt_sharding, self.batch_sharding, self.scalar_sharding
         with activate_rules(self.mesh):
-            self._grad_step = jax.jit(grad_step, in_shardings=(p, b, s), out_shardings=(p, s, s))
+            self._grad_step = jax.jit(grad_step, in_shardings=(p, b, s) + ((s,) if k > 1 else ()),
+                                      out_shardings=(p, s, s))
             self._apply_update = jax.jit(apply_update, in_shardings=(p, o, p), out_shardings=(p, o, s, s),
                                          donate_argnums=(0, 1))
             self._eval_step = jax.jit(eval_step, in_shardings=(p, b), out_shardings=(s, s))
@@ -113,6 +121,7 @@ class PodTrainer:
             self._checksum = jax.jit(programs.state_checksum, in_shardings=(p, o), out_shardings=s)
             # Narrow token batches (uint8/uint16 on the wire) become int32 on the devices.
             self._widen = jax.jit(lambda t: t.astype(jnp.int32), in_shardings=b, out_shardings=b)
+        self.summer = MicrobatchSum(self.config.model, self.mesh)
         self._overlapped: overlap.OverlappedGradStep | None = None
         self._choose_step(self.config.train.global_batch)
 
@@ -124,7 +133,8 @@ class PodTrainer:
         if not overlapped:
             self._overlapped = None
         elif self._overlapped is None:     # jit wrappers only: each program compiles at its first call
-            self._overlapped = overlap.OverlappedGradStep(self.config.model, self.mesh, self.param_sharding)
+            self._overlapped = overlap.OverlappedGradStep(self.config.model, self.mesh, self.param_sharding,
+                                                          self.summer)
         return overlapped
 
     def compile_for(self, batch_shape: tuple[int, int]) -> dict:
@@ -137,8 +147,11 @@ class PodTrainer:
         start = time.perf_counter()
         batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.scalar_sharding)
+        inputs = self._grad_inputs(self.abstract_batch(batch), norm)
+        if self.config.model.microbatches > 1:
+            inputs += (jax.ShapeDtypeStruct((), jnp.int32, sharding=self.scalar_sharding),)
         with activate_rules(self.mesh):
-            self._grad_compiled = self._grad_step.lower(*self._grad_inputs(self.abstract_batch(batch), norm)).compile()
+            self._grad_compiled = self._grad_step.lower(*inputs).compile()
             self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
             self._checksum_compiled = self._checksum.lower(self.params, self.opt_state).compile()
         self._compiled_shape = tuple(batch_shape)
@@ -148,15 +161,21 @@ class PodTrainer:
         """Memory and hardware FLOPs of the programs `compile_for` compiled, from XLA.
 
         Memory is per device: the gradient program's arguments/outputs/temporaries (the step's
-        peak, where activations live) and the update program's peak. hardware_flops_per_step is
-        the whole pod's (per-device FLOPs x devices) for one step: gradient program, recompute
-        included, plus the update.
+        peak, where activations live; with microbatches, one microbatch's program plus the
+        float32 sum it adds into) and the update program's peak. hardware_flops_per_step is the
+        whole pod's (per-device FLOPs x devices) for one step: gradient program (once per
+        microbatch), recompute included, plus the update.
         """
         if not hasattr(self, "_grad_compiled"):
             raise RuntimeError("compiled_stats() needs compile_for() first")
         grad_mem = programs.memory_stats(self._grad_compiled)
+        k = self.config.model.microbatches
+        if k > 1 and grad_mem["peak_bytes"] is not None:
+            grad_mem["peak_bytes"] += sum(4 * int(np.prod(sharding.shard_shape(leaf.shape)))
+                                          for leaf, sharding in zip(jax.tree.leaves(self.params),
+                                                                    jax.tree.leaves(self.param_sharding)))
         update_mem = programs.memory_stats(self._update_compiled)
-        grad_flops = programs.program_flops(self._grad_compiled, self.config.model.microbatches)
+        grad_flops = programs.program_flops(self._grad_compiled, k)
         update_flops = programs.program_flops(self._update_compiled)
         hw = None if grad_flops is None else (grad_flops + (update_flops or 0.0)) * self.num_devices
         return {**grad_mem, "update_peak_bytes": update_mem["peak_bytes"], "hardware_flops_per_step": hw}
@@ -189,17 +208,64 @@ class PodTrainer:
         """Forward/backward on this pod's shard; returns the gradient leaves (still on the device;
         with to_host, every device->host copy already started, so the exchange can take them one
         by one while later ones are still copying) and the loss sums."""
-        inputs = self._grad_inputs(tokens, self._normalizer(global_tokens))
-        if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
-            grads, ce, z = self._grad_compiled(*inputs)
-        else:
-            with activate_rules(self.mesh):
-                grads, ce, z = self._grad_step(*inputs)
+        leaves, ce, z = self._dispatch_gradients(tokens, self._normalizer(global_tokens), to_host)
+        return leaves, float(ce), float(z)
+
+    def _dispatch_gradients(self, tokens: jax.Array, norm: jax.Array, to_host: bool
+                            ) -> tuple[list, jax.Array, jax.Array]:
+        """gradients, without waiting: (leaves, ce, z) on the devices, being computed."""
+        k = self.config.model.microbatches
+        grads, ce, z = self._grad(tokens, norm) if k == 1 else self.microbatches(tokens, norm, 0, k)
         leaves = jax.tree.leaves(grads)
         if to_host and self.assembler is None:
             for leaf in leaves:     # start every device->host copy before waiting on any of them
                 leaf.copy_to_host_async()
-        return leaves, float(ce), float(z)
+        return leaves, ce, z
+
+    def _grad(self, tokens, norm, m: int | None = None):
+        """The gradient program on a shard: the whole of it, or with microbatches its microbatch m."""
+        inputs = self._grad_inputs(tokens, norm)
+        if m is not None:
+            inputs += (self._microbatch_index(m),)
+        if getattr(self, "_compiled_shape", None) == tuple(tokens.shape):
+            return self._grad_compiled(*inputs)
+        with activate_rules(self.mesh):
+            return self._grad_step(*inputs)
+
+    def _microbatch_index(self, m: int) -> jax.Array:
+        """m on the devices (put there once per value)."""
+        cache = self.__dict__.setdefault("_index_cache", {})
+        if m not in cache:
+            cache[m] = jax.device_put(np.int32(m), self.scalar_sharding)
+        return cache[m]
+
+    def microbatch_gradient(self, tokens: jax.Array, norm: jax.Array, m: int):
+        """(gradient tree, ce, z) of microbatch m of a shard, by the step's own programs (the fused
+        step's or the overlapped one's), all on the devices and dispatched, not waited for."""
+        if self._overlapped is not None:
+            return self._overlapped.gradient(self.params, self.summer.microbatch(tokens, m), norm)
+        return self._grad(tokens, norm, m)
+
+    def microbatches(self, tokens: jax.Array, norm: jax.Array, start: int, stop: int, partial=None):
+        """Microbatches [start, stop) of a shard added, in order, to `partial` (the float32 sum of
+        its microbatches [0, start), a tree on the devices; None iff start = 0): (the sum of
+        [0, stop), ce, z of [start, stop)). The sum is float32 until stop is the last microbatch;
+        then it is the shard's gradient in the parameters' dtypes, bitwise what this pod's step
+        computes for the whole shard (accumulate.py). Dispatched, not waited for."""
+        losses = None
+        for m in range(start, stop):
+            g, ce, z = self.microbatch_gradient(tokens, norm, m)
+            partial = self.summer.fold(partial, g, m)
+            losses = self.summer.add_losses(losses, ce, z)
+        if losses is None:
+            raise ValueError(f"no microbatch in [{start}, {stop})")
+        return partial, *losses
+
+    def put_partial(self, leaves: list) -> dict:
+        """A partial sum that came from another pod (float32 host leaves, in tree order) onto this
+        pod's devices, laid out as the gradient."""
+        return jax.device_put(jax.tree.unflatten(self._treedef, [np.asarray(leaf) for leaf in leaves]),
+                              self.param_sharding)
 
     def abstract_batch(self, tokens: jax.ShapeDtypeStruct):
         """What put_batch makes of tokens shaped so, without data (compile_for)."""
@@ -210,7 +276,8 @@ class PodTrainer:
         return self.params, batch, norm
 
     def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None,
-                   take_fingerprint: bool = False, extra: dict[int, jax.Array] | None = None) -> StepOutcome:
+                   take_fingerprint: bool = False, extra: dict[int, jax.Array] | None = None,
+                   pieces: list[Piece] | None = None, relay: Relay | None = None) -> StepOutcome:
         """The per-step core: gradients -> exchange -> update -> checksum.
 
         all_reduce(grads) -> (summed, stats) sums the pods' gradient leaves in pod order (the DCN
@@ -222,14 +289,23 @@ class PodTrainer:
         extra (degraded mode): {slot: batch} of failed pods' shards this pod computes too, each
         with the very program of its own shard (so each gradient is bitwise the one that pod
         would have computed); they reach all_reduce as extra={slot: leaves}, kept apart, and the
-        exchange sums each in its slot."""
+        exchange sums each in its slot.
+
+        pieces (degraded mode, a failed slot's microbatches split over the live pods,
+        pod_worker/split.py): this pod's runs of microbatches, computed first (other pods wait
+        for them); each continues the partial sum relay.receive brings and passes its own on
+        with relay.send, or, ending the slot, reaches all_reduce as that slot's extra leaves (and
+        its loss, carried along the chain, is reported as that slot's shard)."""
         extra = dict(sorted((extra or {}).items()))
-        if extra and all_reduce is None:
+        pieces = sorted(pieces or [], key=lambda piece: piece.slot)
+        if (extra or pieces) and all_reduce is None:
             raise ValueError("extra shards need an exchange to sum them in their slots")
+        if pieces and (relay is None or self.assembler is not None):
+            raise ValueError("split shards need a relay for their partial sums, on a pod of one host")
         if self._overlapped is not None:
-            outcome = self._train_step_overlapped(batch, global_tokens, all_reduce, extra)
+            outcome = self._train_step_overlapped(batch, global_tokens, all_reduce, extra, pieces, relay)
         else:
-            outcome = self._train_step_fused(batch, global_tokens, all_reduce, extra)
+            outcome = self._train_step_fused(batch, global_tokens, all_reduce, extra, pieces, relay)
         if take_fingerprint:
             start = time.perf_counter()
             outcome.fingerprint = self.fingerprint()
@@ -240,17 +316,24 @@ class PodTrainer:
         """The targets the loss counts in a batch put_batch made."""
         return int(batch.shape[0] * (batch.shape[1] - 1))
 
-    def _train_step_fused(self, batch: jax.Array, global_tokens: int, all_reduce, extra: dict) -> StepOutcome:
+    def _train_step_fused(self, batch: jax.Array, global_tokens: int, all_reduce, extra: dict,
+                          pieces: list[Piece], relay: Relay | None) -> StepOutcome:
         """One compiled gradient program, then the exchange of its leaves, then the update.
         exposed_exchange_s: from the end of the gradient program until every summed leaf is on the
         devices (here the whole exchange, since nothing overlaps it)."""
         t0 = time.perf_counter()
-        # Returns once the program is done; a single pod's gradient never leaves the device.
-        grads, ce, z = self.gradients(batch, global_tokens, to_host=all_reduce is not None)
+        norm = self._normalizer(global_tokens)
+        launched = split.launch_pieces(self, pieces, norm)
+        # A single pod's gradient never leaves the device.
+        grads, ce_d, z_d = self._dispatch_gradients(batch, norm, to_host=all_reduce is not None)
+        assembled, piece_shards = split.relay_pieces(self, launched, relay)
+        ce, z = float(ce_d), float(z_d)     # the pod's own gradient program is done
         shards, extra_grads = [(None, ce + z, z, self.target_count(batch))], {}
         for slot, shard in extra.items():
             extra_grads[slot], ce_k, z_k = self.gradients(shard, global_tokens, to_host=True)
             shards.append((slot, ce_k + z_k, z_k, self.target_count(shard)))
+        extra_grads = dict(sorted({**extra_grads, **assembled}.items()))
+        shards += piece_shards
         t1 = time.perf_counter()
         summed, link = self._exchange(all_reduce, grads, extra_grads)
         t2 = time.perf_counter()
@@ -261,7 +344,8 @@ class PodTrainer:
         return self._finish(shards, result, t3, link, compute_s=t1 - t0, exchange_s=t2 - t1,
                             update_s=t3 - t2, exposed_exchange_s=t_ready - t1)
 
-    def _train_step_overlapped(self, batch: jax.Array, global_tokens: int, all_reduce, extra: dict) -> StepOutcome:
+    def _train_step_overlapped(self, batch: jax.Array, global_tokens: int, all_reduce, extra: dict,
+                               pieces: list[Piece], relay: Relay | None) -> StepOutcome:
         """train_step with dcn.overlap: every per-layer program is dispatched at once, and the
         exchange takes the gradient leaves in readiness order (all_reduce(grads, order=...)),
         blocking on each only when its turn comes while later backward programs keep running.
@@ -271,18 +355,21 @@ class PodTrainer:
         every summed leaf is on the devices."""
         t0 = time.perf_counter()
         norm = self._normalizer(global_tokens)
+        piece_sums = split.launch_pieces(self, pieces, norm)
         launched = self._overlapped.launch(self.params, batch, norm, to_host=all_reduce is not None)
         # Failed pods' shards: the same per-layer programs, dispatched now, summed in their slots.
         others = {slot: self._overlapped.launch(self.params, shard, norm) for slot, shard in extra.items()}
+        assembled, piece_shards = split.relay_pieces(self, piece_sums, relay)
         t1 = time.perf_counter()
-        summed, link = self._exchange(all_reduce, launched.leaves, {slot: o.leaves for slot, o in others.items()},
-                                      order=launched.order)
+        extra_leaves = dict(sorted({**{slot: o.leaves for slot, o in others.items()}, **assembled}.items()))
+        summed, link = self._exchange(all_reduce, launched.leaves, extra_leaves, order=launched.order)
         jax.block_until_ready(summed)
         t2 = time.perf_counter()
         backward_end = max(o.backward_end(timeout=self.config.dcn.timeout_s) for o in (launched, *others.values()))
         shards = [(None, float(launched.ce) + float(launched.z), float(launched.z), self.target_count(batch))]
         shards += [(slot, float(o.ce) + float(o.z), float(o.z), self.target_count(extra[slot]))
                    for slot, o in others.items()]
+        shards += piece_shards
         result = self.apply(summed)
         t3 = time.perf_counter()
         return self._finish(shards, result, t3, link, compute_s=backward_end - t0, exchange_s=t2 - t1,
