@@ -3,17 +3,21 @@
 
 Healthy, every pod computes its own slot of the pod-ordered sum. Degraded (`hosts`), a live pod
 also computes the slots of failed pods the controller gave it; the sum is bitwise the healthy one
-(collectives.SlotGather). abort() ends a step stuck waiting on a hung pod at once."""
+(collectives.SlotGather); a failed slot's microbatches may be split over several live pods, which
+pass its partial sum on (send_partial, receive_partial). abort() ends a step stuck waiting on a
+hung pod at once."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from multipod.model.config import ConfigError
 from multipod.pod_worker.dcn.collectives import ReduceScatterAllGather, SlotGather, WholeGradient
 from multipod.pod_worker.dcn.inbox import ExchangeError, Inbox
 from multipod.pod_worker.dcn.outbox import Outbox, Pacer
-from multipod.pod_worker.dcn.plan import LeafSpec, Plan
+from multipod.pod_worker.dcn.plan import PARTIAL_DTYPE, LeafSpec, Plan, partial_phase
 from multipod.pod_worker.dcn.transport import Listener, parse_address
 from multipod.pod_worker.schema import Compression, DcnConfig
 
@@ -89,6 +93,7 @@ class Exchange:
         self.listener = listener
         self.outbox: Outbox | None = None
         self._closed = ""       # why, once closed or aborted
+        self._partial_bytes: dict[int, int] = {}    # by step: partial sums sent (send_partial)
         live = self.plan.live
         if len(live) > 1 or (listener is not None and self.num_pods > 1):
             if listener is None:
@@ -165,4 +170,49 @@ class Exchange:
         # that does not get it fails its own step. The links drain while this pod updates.
         results = self.collective.run(step, leaves, order, on_leaf, deadline, stats, extra)
         stats.bytes_received = sum(s.bytes for s in state.slots.values())
+        stats.bytes_sent += self._partial_bytes.pop(step, 0)
         return results, stats
+
+    # -- a failed slot's microbatches split over the live pods -------------------------------------
+    def _check_partial(self, slot: int, pod: int) -> None:
+        if slot not in self.plan.failed:
+            raise ValueError(f"slot {slot} is not a failed pod's slot (hosts {list(self.plan.hosts)}): "
+                             f"its gradient is not split")
+        if pod == self.pod_index or pod not in self.plan.live:
+            raise ValueError(f"pod {pod} is not another live pod (the live pods are {self.plan.live})")
+        if self._closed:
+            raise ExchangeError(self._closed)
+
+    def send_partial(self, step: int, slot: int, pod: int, leaves, losses) -> int:
+        """Queue this pod's partial sum of failed slot `slot`'s gradient (float32 leaves in tree
+        order, host or device arrays; the sum of the slot's microbatches up to this pod's last,
+        pod_worker/accumulate.py) and of its loss sums (`losses`: float32 [ce, z]) for live pod
+        `pod`, which continues it. Raw bytes whatever dcn.compression: the slot's gradient must
+        come out bitwise. Returns the bytes queued (counted in the step's ExchangeStats.bytes_sent)."""
+        self._check_partial(slot, pod)
+        if self.outbox is None:     # there is another live pod, so there is an outbox
+            raise RuntimeError(f"pod {self.pod_index} has no outbox")
+        if len(leaves) != len(self.plan.leaves):
+            raise ValueError(f"a partial sum of {len(leaves)} leaves, the gradient has {len(self.plan.leaves)}")
+        deadline = time.monotonic() + self.timeout_s
+        sent = 0
+        for i, leaf in enumerate([*leaves, losses]):
+            values = np.asarray(leaf).reshape(-1)
+            if values.dtype != PARTIAL_DTYPE or values.size != self.plan.partial_sizes[i]:
+                what = f"leaf {i}" if i < len(leaves) else "the losses"
+                raise ValueError(f"{what} of a partial sum: {values.size} {values.dtype} values, expected "
+                                 f"{self.plan.partial_sizes[i]} float32")
+            for a, b in self.plan.partial_chunks(i):
+                sent += self.outbox.put(step, deadline, pod, partial_phase(slot), i, a, values[a:b])
+        self._partial_bytes[step] = self._partial_bytes.get(step, 0) + sent
+        return sent
+
+    def receive_partial(self, step: int, slot: int, pod: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """Wait (within the exchange's deadline) for failed slot `slot`'s partial sum from live
+        pod `pod`: (its float32 leaves, shaped, in tree order; its loss sums [ce, z]).
+        ExchangeError if it does not come."""
+        self._check_partial(slot, pod)
+        deadline = time.monotonic() + self.timeout_s
+        leaves = [self.inbox.wait_partial(step, slot, pod, i, deadline).reshape(spec.shape)
+                  for i, spec in enumerate(self.plan.leaves)]
+        return leaves, self.inbox.wait_partial(step, slot, pod, len(leaves), deadline)

@@ -10,6 +10,10 @@ that peer's bytes fails at the deadline saying why.
 Degraded mode (plan.hosts): a slot's chunks are accepted only from the live pod that hosts the
 slot, on the slot grid (plan.slot_grid); wait_slots hands the step every other live pod's slots.
 Pods that are not live have no place in a step: nothing of theirs is accepted or waited for.
+A failed slot's partial sum (split microbatches, plan.partial_phase) is accepted from any other
+live pod, whole float32 leaves on the plan's partial grid, raw; its buffer is made when its first
+chunk (or the step's wait for it) comes, so at most one per failed slot and live peer per step
+(two steps at a time); the step waits only for the one its predecessor sends (wait_partial).
 
 abort() makes every wait fail at once and refuses every later chunk (the exchange is done for).
 """
@@ -21,7 +25,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_SLOT_BASE, PHASE_WHOLE, LeafSpec, Plan, slot_phase
+from multipod.pod_worker.dcn.plan import (
+    PARTIAL_DTYPE,
+    PHASE_GATHER,
+    PHASE_PARTIAL_BASE,
+    PHASE_SLOT_BASE,
+    PHASE_WHOLE,
+    LeafSpec,
+    Plan,
+    partial_phase,
+    slot_phase,
+)
 
 
 class InvalidChunk(ValueError):
@@ -127,8 +141,10 @@ class Inbox:
         if phase not in self.plan.phases():
             raise InvalidChunk(f"phase {phase} is not used with {self.num_pods} pods (expected one of "
                                f"{self.plan.phases()})")
-        if leaf >= len(self.leaves):
+        if leaf >= len(self.leaves) + (phase >= PHASE_PARTIAL_BASE):    # a partial sum has the losses too
             raise InvalidChunk(f"leaf {leaf} out of range (the gradient has {len(self.leaves)} leaves)")
+        if phase >= PHASE_PARTIAL_BASE:
+            return self._accept_partial(pod, step, phase - PHASE_PARTIAL_BASE, leaf, offset, size)
         if self.plan.degraded:
             return self._accept_slot(pod, step, phase - PHASE_SLOT_BASE, leaf, offset, size)
         state = self._state(step)
@@ -173,13 +189,42 @@ class Inbox:
         slot.seen[leaf].add(index)
         return slot, slot.targets[leaf][offset:stop], None
 
+    def _partial_slot(self, state: _StepState, slot_index: int, pod: int) -> _Slot:
+        """The buffer of failed slot `slot_index`'s partial sum from `pod` in a step (made at first use)."""
+        key = (partial_phase(slot_index), pod)
+        if key not in state.slots:
+            plan = self.plan
+            sizes = plan.partial_sizes
+            state.slots[key] = _Slot([(0, n) for n in sizes], [np.empty(n, PARTIAL_DTYPE) for n in sizes],
+                                     [plan.partial_count(i) for i in range(len(sizes))])
+        return state.slots[key]
+
+    def _accept_partial(self, pod: int, step: int, slot_index: int, leaf: int, offset: int, size: int):
+        total = self.plan.partial_sizes[leaf]
+        if not 0 <= offset < total or offset % self.plan.partial_elems:
+            raise InvalidChunk(f"leaf {leaf}: offset {offset} is not on the grid of slot {slot_index}'s partial sums")
+        count = min(self.plan.partial_elems, total - offset)
+        if size != count * PARTIAL_DTYPE.itemsize:
+            raise InvalidChunk(f"leaf {leaf}: a chunk of {size} bytes at offset {offset} of slot {slot_index}'s "
+                               f"partial sum, expected {count * PARTIAL_DTYPE.itemsize}")
+        slot = self._partial_slot(self._state(step), slot_index, pod)
+        index = offset // self.plan.partial_elems
+        if index in slot.seen[leaf]:
+            raise InvalidChunk(f"leaf {leaf}: duplicate chunk at offset {offset} of slot {slot_index}'s partial sum, "
+                               f"step {step}")
+        slot.seen[leaf].add(index)
+        return slot, slot.targets[leaf][offset:offset + count], None
+
     def receive(self, pod: int, step: int, phase: int, leaf: int, offset: int, payload) -> None:
         """One chunk from `pod` (authenticated by the transport). InvalidChunk if it does not fit;
         then nothing was written."""
         with self._cond:
             slot, target, own = self._accept(pod, step, phase, leaf, offset, len(payload))
         # Decode outside the lock: the chunk's place is reserved for it alone.
-        self.plan.codec.decode_into(payload, target, own)
+        if phase >= PHASE_PARTIAL_BASE:     # a partial sum: raw float32, whatever the compression
+            target[...] = np.frombuffer(payload, PARTIAL_DTYPE, count=target.size)
+        else:
+            self.plan.codec.decode_into(payload, target, own)
         with self._cond:
             slot.bytes += len(payload)
             slot.missing[leaf] -= 1
@@ -250,6 +295,16 @@ class Inbox:
         remote = {s: (slot_phase(s), h) for s, h in enumerate(hosts) if h != self.pod_index}
         return self._wait(step, leaf, deadline, remote, "of", lambda s: f"slot {s} from pod {hosts[s]}",
                           lambda p: f"pod {p} (computing slots {self._slots_of(p)})")
+
+    def wait_partial(self, step: int, slot: int, pod: int, leaf: int, deadline: float) -> np.ndarray:
+        """Degraded mode, split: block until `leaf` of failed slot `slot`'s partial sum from live
+        pod `pod` has arrived; returns it (flat float32). ExchangeError as wait_slots."""
+        with self._cond:
+            self._partial_slot(self._state(step), slot, pod)
+        got = self._wait(step, leaf, deadline, {slot: (partial_phase(slot), pod)}, "of",
+                         lambda s: f"slot {s}'s partial sum from pod {pod}",
+                         lambda p: f"pod {p} (computing slots {self._slots_of(p)})")
+        return got[slot]
 
     def _wait(self, step: int, leaf: int, deadline: float, sources: dict[int, tuple[int, int]], what: str,
               name: Callable[[int], str], failed: Callable[[int], str]) -> dict[int, np.ndarray]:

@@ -11,11 +11,18 @@ receiver knows every chunk it must get.
     live pod sends the whole gradient of every slot it hosts to every other live pod, in phase
     PHASE_SLOT_BASE + slot, cut on the grid the healthy algorithm encodes that slot's values on
     (slot_grid), so that every pod can rebuild the healthy sum bit for bit (collectives.SlotGather).
+    A failed slot's microbatches may be split over several live pods, each continuing its
+    predecessor's float32 partial sum (pod_worker/accumulate.py): a partial sum goes from one live
+    pod to the next in phase PHASE_PARTIAL_BASE + slot, whole leaves and then one more "leaf",
+    the loss sums (ce, z), raw float32 (never compressed: the sums must stay bitwise), on the
+    grid of partial_chunks. Which pod passes to
+    which is the step's (Exchange.send_partial / receive_partial); the plan checks the rest.
 
 The phase byte of a data frame, over the whole data plane:
     0 PHASE_WHOLE, 1 PHASE_REDUCE, 2 PHASE_GATHER      the healthy gradient exchange
     8 PHASE_STATE_MANIFEST, 9 PHASE_STATE              a state transfer (transfer.py)
     16 + slot (PHASE_SLOT_BASE), slot < MAX_PODS = 32  the degraded exchange
+    48 + slot (PHASE_PARTIAL_BASE)                     a failed slot's partial sum (degraded)
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ PHASE_STATE_MANIFEST = 8    # state transfer: the donor's step and fingerprint
 PHASE_STATE = 9             # state transfer: raw bytes of a parameter or optimizer-state leaf
 PHASE_SLOT_BASE = 16        # degraded: PHASE_SLOT_BASE + slot carries that slot's whole gradient
 MAX_SLOTS = 32              # the phase byte leaves room for 240; the worker serves at most 32 pods
+PHASE_PARTIAL_BASE = PHASE_SLOT_BASE + MAX_SLOTS    # degraded, split: + slot carries a partial sum
+PARTIAL_DTYPE = np.dtype("<f4")     # a partial sum's values: float32 (accumulate.py), raw on the wire
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,11 @@ def slot_phase(slot: int) -> int:
     return PHASE_SLOT_BASE + slot
 
 
+def partial_phase(slot: int) -> int:
+    """The phase of the chunks carrying a partial sum of failed slot `slot`'s gradient."""
+    return PHASE_PARTIAL_BASE + slot
+
+
 class Plan:
     def __init__(self, num_pods: int, leaves: list[LeafSpec], chunk_bytes: int, compression: str,
                  hosts: list[int] | tuple[int, ...] | None = None):
@@ -104,11 +118,25 @@ class Plan:
                 grid = self._slot_grid(i)
                 self._grids.append(grid)
                 self._grid_at.append({a: (k, b) for k, (a, b) in enumerate(grid)})
+        # A partial sum's chunks: chunk_bytes of float32 values.
+        self.partial_elems = max(1, chunk_bytes // PARTIAL_DTYPE.itemsize)
+        self.partial_sizes = [l.size for l in leaves] + [2]     # the gradient's leaves, then (ce, z)
+        self.failed = [s for s, h in enumerate(self.hosts) if h != s]
 
     def phases(self) -> tuple[int, ...]:
         if self.degraded:
-            return tuple(slot_phase(s) for s in range(self.num_pods))
+            return (*(slot_phase(s) for s in range(self.num_pods)), *(partial_phase(s) for s in self.failed))
         return (PHASE_WHOLE,) if self.whole else (PHASE_REDUCE, PHASE_GATHER)
+
+    def partial_chunks(self, leaf: int):
+        """(start, stop) of each chunk of partial-sum leaf `leaf` (a whole gradient leaf, float32,
+        or, as leaf len(leaves), the loss sums)."""
+        size, step = self.partial_sizes[leaf], self.partial_elems
+        for a in range(0, size, step):
+            yield a, min(a + step, size)
+
+    def partial_count(self, leaf: int) -> int:
+        return math.ceil(self.partial_sizes[leaf] / self.partial_elems)
 
     def hosted(self, pod: int) -> list[int]:
         """The slots `pod` computes (degraded mode), its own first; [pod] when healthy."""
