@@ -38,6 +38,7 @@ from multipod.pod_worker.outcome import StepOutcome
 from multipod.pod_worker.prompt_trainer import PromptTrainer
 from multipod.pod_worker.schema import WorkerConfig
 from multipod.pod_worker.sequencer import Sequencer
+from multipod.pod_worker.split import Piece, Relay, my_run
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb
 
@@ -192,40 +193,72 @@ class Pod(PodMembership):
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
              is_active: Callable[[], bool], take_fingerprint: bool = False,
              extra: dict[int, np.ndarray] | None = None, loss_mask: np.ndarray | None = None,
-             extra_masks: dict[int, np.ndarray] | None = None) -> tuple[StepOutcome, float]:
+             extra_masks: dict[int, np.ndarray] | None = None,
+             splits: dict[int, list[int]] | None = None) -> tuple[StepOutcome, float]:
         """Run training step `step` on this pod's shard (validated against `setup`) once the steps
         before it are done; returns the outcome and the seconds spent waiting for them. The
         sequencer's errors say why a step cannot run; a step that fails leaves the state as it
         was and refuses later steps until the pod is restored or reconfigured. With
         take_fingerprint the outcome carries the new state's fingerprint too. extra: {slot:
         tokens} of the failed pods' shards this pod computes too (exactly setup.extra_slots).
-        loss_mask, extra_masks: the targets the loss counts, for a prompt-tuning pod (None: all)."""
+        loss_mask, extra_masks: the targets the loss counts, for a prompt-tuning pod (None: all).
+        splits: {slot: microbatch_hosts} of the extra shards split by microbatch over the live
+        pods (pod_worker/split.py); this pod computes its run of each, and the slots it hosts
+        are those extra shards or split ones it ends."""
         trainer = setup.trainer
         extra = extra or {}
-        want = setup.extra_slots(self.pod_index)
-        if sorted(extra) != want:
-            raise InvalidRequest(f"step {step}: pod {self.pod_index} computes the extra shards of slots {want}, "
-                                 f"the request carries {sorted(extra)}")
+        runs = self._split_runs(setup, step, extra, {s: list(h) for s, h in (splits or {}).items() if h})
         self.seq.check_not_done(step)
         # The shard goes to the devices now, while an earlier step may still be computing.
         extra_masks = extra_masks or {}
         on_device = trainer.put_batch(tokens, loss_mask)
         extra_on_device = {slot: trainer.put_batch(t, extra_masks.get(slot)) for slot, t in extra.items()}
+        pieces = [Piece(slot, extra_on_device.pop(slot), *run) for slot, run in runs.items()]
         wait_start = time.perf_counter()
         self.seq.begin_step(step, setup.epoch, deadline, is_active)
         wait_s = time.perf_counter() - wait_start
         ok = False
         try:
-            outcome = self._train(setup, step, on_device, global_tokens, take_fingerprint, extra_on_device, deadline)
+            outcome = self._train(setup, step, on_device, global_tokens, take_fingerprint, extra_on_device, deadline,
+                                  pieces)
             self._checksum = (trainer.step, outcome.checksum)
             ok = True
         finally:
             self.seq.finish_step(step, trainer.step, ok)
         return outcome, wait_s
 
+    def _split_runs(self, setup: Setup, step: int, extra: dict, splits: dict[int, list[int]]
+                    ) -> dict[int, tuple[int, int, int | None, int | None]]:
+        """The extra shards checked against the membership: {slot: (start, stop, source, target)}
+        of this pod's run of each split one (split.my_run) that is not the whole shard on its
+        host (that one is computed as a whole extra shard). InvalidRequest, naming what does not fit."""
+        hosted = setup.extra_slots(self.pod_index)
+        if sorted(s for s in extra if s not in splits) != [s for s in hosted if s not in splits] or \
+                any(s not in extra for s in splits):
+            raise InvalidRequest(f"step {step}: pod {self.pod_index} computes the extra shards of slots {hosted}, "
+                                 f"the request carries {sorted(extra)}")
+        runs = {}
+        count = setup.config.model.microbatches
+        for slot, microbatch_hosts in sorted(splits.items()):
+            if setup.hosts is None or setup.hosts[slot] == slot:
+                raise InvalidRequest(f"step {step}: slot {slot} is not a failed pod's slot: its shard is not split")
+            if len(microbatch_hosts) != count:
+                raise InvalidRequest(f"step {step}: slot {slot}: {len(microbatch_hosts)} microbatch hosts, the model "
+                                     f"has {count} microbatches")
+            if self.layout.multi and set(microbatch_hosts) != {self.pod_index}:
+                raise InvalidRequest(f"step {step}: slot {slot}: a pod of several hosts computes a failed slot's "
+                                     f"shard whole, not split")
+            try:
+                run = my_run(microbatch_hosts, self.pod_index, slot, setup.hosts)
+            except ValueError as exc:
+                raise InvalidRequest(f"step {step}: {exc}") from None
+            if run != (0, count, None, None):
+                runs[slot] = run
+        return runs
+
     def _train(self, setup: Setup, step: int, on_device, global_tokens: int,
-               take_fingerprint: bool = False, extra: dict | None = None, deadline: float | None = None
-               ) -> StepOutcome:
+               take_fingerprint: bool = False, extra: dict | None = None, deadline: float | None = None,
+               pieces: list[Piece] | None = None) -> StepOutcome:
         trainer, exchange = setup.trainer, self.exchange
         faults.hang_if_asked(self.pod_index, step)     # test hook (pod_worker/faults.py)
         if self.layout.multi:
@@ -245,8 +278,12 @@ class Pod(PodMembership):
             all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=on_leaf, **kw)
         if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)
+        relay = None
+        if pieces:      # partial sums of split shards, over this step's exchange
+            relay = Relay(send=lambda slot, pod, leaves, losses: exchange.send_partial(step, slot, pod, leaves, losses),
+                          receive=lambda slot, pod: exchange.receive_partial(step, slot, pod))
         outcome = trainer.train_step(on_device, global_tokens, all_reduce, take_fingerprint=take_fingerprint,
-                                     extra=extra)
+                                     extra=extra, pieces=pieces, relay=relay)
         exchange.inbox.set_next_step(trainer.step)
         return outcome
 

@@ -256,15 +256,16 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         mask = _decode_mask(setup, request.loss_mask, tokens)
         if request.global_tokens <= 0:
             raise _invalid("global_tokens must be positive")
-        extra, extra_masks = {}, {}
+        extra, extra_masks, splits = {}, {}, {}
         for shard in request.extra_shards:
             if shard.slot in extra or shard.slot == self.pod.pod_index or shard.slot >= setup.num_pods:
                 raise _invalid(f"extra shard for slot {shard.slot}: a duplicate, this pod's own, or out of range")
             extra[shard.slot] = _decode_tokens(setup, shard.tokens, rows)
             extra_masks[shard.slot] = _decode_mask(setup, shard.loss_mask, extra[shard.slot])
+            splits[shard.slot] = [int(h) for h in shard.microbatch_hosts]    # checked by Pod.step
         outcome, wait_s = self.pod.step(setup, request.step, tokens, request.global_tokens, _deadline(context),
                                         context.is_active, take_fingerprint=request.take_fingerprint, extra=extra,
-                                        loss_mask=mask, extra_masks=extra_masks)
+                                        loss_mask=mask, extra_masks=extra_masks, splits=splits)
         link = outcome.link
         shards = [pb.ShardResult(slot=self.pod.pod_index if slot is None else slot, loss_sum=loss, z_loss_sum=z,
                                  tokens=count) for slot, loss, z, count in outcome.shards]

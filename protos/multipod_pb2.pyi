@@ -101,14 +101,16 @@ class StepRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., take_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("slot", "tokens", "loss_mask")
+    __slots__ = ("slot", "tokens", "loss_mask", "microbatch_hosts")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_HOSTS_FIELD_NUMBER: _ClassVar[int]
     slot: int
     tokens: bytes
     loss_mask: bytes
-    def __init__(self, slot: _Optional[int] = ..., tokens: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
+    microbatch_hosts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot: _Optional[int] = ..., tokens: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., microbatch_hosts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardResult(_message.Message):
     __slots__ = ("slot", "loss_sum", "z_loss_sum", "tokens")

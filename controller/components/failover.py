@@ -55,6 +55,25 @@ def reassign(hosts: list[int], failed: set[int]) -> list[int]:
     return new
 
 
+def split_microbatches(hosts: list[int], microbatches: int) -> dict[int, list[int]]:
+    """{failed slot: microbatch_hosts}: each failed slot's microbatches over the live pods, one
+    contiguous run per pod, as even as the count allows (the larger runs last), the runs in
+    live-pod order with the slot's host last (it ends the slot's sum; pod_worker/split.py). With
+    fewer microbatches than live pods, the last ones in that order (the host included) take one
+    each. Every live pod then computes its own shard and about 1/(live pods) of every failed
+    slot's, instead of one survivor computing a whole failed shard. {} when no slot has failed."""
+    live = sorted(set(hosts))
+    splits = {}
+    for slot, host in enumerate(hosts):
+        if host == slot:
+            continue
+        chain = [p for p in live if p != host] + [host]
+        chain = chain[max(0, len(chain) - microbatches):]
+        bounds = [microbatches * j // len(chain) for j in range(len(chain) + 1)]
+        splits[slot] = [pod for j, pod in enumerate(chain) for _ in range(bounds[j], bounds[j + 1])]
+    return splits
+
+
 class _Rejoin:
     """One failed pod on its way back: a thread that hands its slot to a spare if the pool has one
     (hot-swap), or else waits for it to serve, and configures it if it was restarted (that

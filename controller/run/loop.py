@@ -3,7 +3,8 @@ shards of step s+1 travel while step s computes, so the controller stays off the
 each finished step is checked (every pod's state checksum and skip decision must agree), recorded,
 and shown to the components' hooks: the checkpointer and the failover (rejoins) at every step
 boundary, the spike policy after every step. Each step goes to the live pods: in degraded mode
-a pod also gets the shards of the failed pods it hosts (Cluster.hosts). The cluster is an
+a pod also gets the shards of the failed pods it hosts (Cluster.hosts), or with microbatches
+its run of every failed pod's shard (split by microbatch over the live pods). The cluster is an
 argument, so tests drive the loop with fake pods."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import grpc
 
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster, Watchdog
+from multipod.controller.components.failover import split_microbatches
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import RunError
 from multipod.controller.data.batches import Prefetcher, StepData, token_dtype
@@ -135,15 +137,27 @@ class StepLoop:
         full = bool(every) and (step + 1) % every == 0    # the state after a multiple of N steps
         hosts = list(self.cluster.hosts)
         clients = self.cluster.live_clients
+        splits = self._splits(hosts)
         calls = []
         for client in clients:
             pod = client.pod_index
-            extra = [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot])
-                     for slot, host in enumerate(hosts) if host == pod and slot != pod]
+            extra = [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot],
+                              microbatch_hosts=splits.get(slot, []))
+                     for slot, host in enumerate(hosts)
+                     if slot != pod and (pod in splits[slot] if slot in splits else host == pod)]
             request = pb.StepRequest(step=step, tokens=shards.tokens[pod], loss_mask=shards.masks[pod],
                                      global_tokens=shards.global_tokens, take_fingerprint=full, extra_shards=extra)
             calls.append(client.step_async(request, timeout))
         self._pending.append((step, (clients, hosts), calls))
+
+    def _splits(self, hosts: list[int]) -> dict[int, list[int]]:
+        """{failed slot: microbatch_hosts} of the shards split over the live pods (failover.split_microbatches);
+        a pod of several hosts computes a failed slot's shard whole, and so does the slot's host when
+        the shard has one microbatch."""
+        if hosts == list(range(len(hosts))) or len(getattr(self.cluster.clients[0], "hosts", [None])) > 1:
+            return {}
+        splits = split_microbatches(hosts, self.cluster.config.model.microbatches)
+        return {slot: run for slot, run in splits.items() if len(set(run)) > 1}
 
     def _record_partial(self, step: int, clients, hosts, replies) -> None:
         """The record of a step the survivors finished while a failed pod did not: its loss
