@@ -116,38 +116,12 @@ def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_dev
         assert r["loss"] == pytest.approx(original[r["step"]]["loss"], rel=1e-5), r["step"]
 
 
-def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_hosts, tmp_path, env):
-    # Host 1 of pod 1 is killed once step 2 is recorded; from step 5 the controller waits for the
-    # pod's two hosts to be ready to rejoin (a test hook, controller/core/fault_hooks.py), so their
-    # return is an event the run waits for, not a race with its end. The uninterrupted run is the
-    # shared one: the same command.
-    run_dir = tmp_path / "run"
-    run = _Live("local", *TWO_HOSTS, *COMMON, "--run-dir", str(run_dir),
-                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
-
-    def host_1_of_pod_1() -> int:
-        log = (run_dir / "worker-1-host-1.log").read_text()
-        return int(re.findall(r"\(pid (\d+)\)", log)[-1])
-
-    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods", step=2)
-    assert code == 0, "".join(run.out) + "".join(run.err)
-    records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(two_hosts)}
-    assert [r["step"] for r in records] == list(range(STEPS))
-    for r in records:
-        assert set(r["checksums"]) == set(expected[r["step"]]["checksums"]), r["step"]
-    assert json.loads((run_dir / "summary.json").read_text())["checksum"] == \
-        json.loads((two_hosts / "summary.json").read_text())["checksum"]
-    events = _events(run_dir)
-    assert [e["pods"] for e in events if e["event"] == "pod_failure"] == [[1]]
-    assert [e["pods"] for e in events if e["event"] == "rejoin"] == [[1]]     # both hosts came back as one pod
-
-
-def test_a_spare_pod_of_two_hosts_takes_the_slot_of_a_pod_whose_host_died(two_hosts, tmp_path, env):
-    # Hot-swap of a whole pod: with --spares 1 the killed host's pod is not restarted; the spare
-    # pod (two --spare workers, a jax.distributed cluster of their own) takes slot 1 and receives
-    # the state host to host. Its other host, left alone, is stopped.
-    run_dir = tmp_path / "run"
-    run = _Live("local", *TWO_HOSTS, *COMMON, "--spares", "1", "--run-dir", str(run_dir),
+def _kill_host_1_of_pod_1(run_dir, two_hosts, env, *extra: str) -> None:
+    """The shared run's command (and `extra`), host 1 of pod 1 killed once step 2 is recorded; from
+    step 5 the controller waits for the failed pod to be ready again (a test hook,
+    controller/core/fault_hooks.py), so its return is an event the run waits for, not a race with
+    its end. Checks that every step is recorded once with the shared run's checksums."""
+    run = _Live("local", *TWO_HOSTS, *COMMON, *extra, "--run-dir", str(run_dir),
                 env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
 
     def host_1_of_pod_1() -> int:
@@ -161,6 +135,23 @@ def test_a_spare_pod_of_two_hosts_takes_the_slot_of_a_pod_whose_host_died(two_ho
         assert set(r["checksums"]) == set(expected[r["step"]]["checksums"]), r["step"]
     assert json.loads((run_dir / "summary.json").read_text())["checksum"] == \
         json.loads((two_hosts / "summary.json").read_text())["checksum"]
+
+
+def test_a_killed_host_fails_its_pod_and_the_run_ends_as_if_uninterrupted(two_hosts, tmp_path, env):
+    # The pod's two hosts are restarted and rejoin; the uninterrupted run is the shared one.
+    run_dir = tmp_path / "run"
+    _kill_host_1_of_pod_1(run_dir, two_hosts, env)
+    events = _events(run_dir)
+    assert [e["pods"] for e in events if e["event"] == "pod_failure"] == [[1]]
+    assert [e["pods"] for e in events if e["event"] == "rejoin"] == [[1]]     # both hosts came back as one pod
+
+
+def test_a_spare_pod_of_two_hosts_takes_the_slot_of_a_pod_whose_host_died(two_hosts, tmp_path, env):
+    # Hot-swap of a whole pod: with --spares 1 the killed host's pod is not restarted; the spare
+    # pod (two --spare workers, a jax.distributed cluster of their own) takes slot 1 and receives
+    # the state host to host. Its other host, left alone, is stopped.
+    run_dir = tmp_path / "run"
+    _kill_host_1_of_pod_1(run_dir, two_hosts, env, "--spares", "1")
     events = _events(run_dir)
     (spare,) = [e["spare"] for e in events if e["event"] == "spare_ready"]
     (swap,) = [e for e in events if e["event"] == "hot_swap"]
