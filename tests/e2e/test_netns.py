@@ -3,10 +3,11 @@ own, over kernel links through a bridge (controller/launch/netns.py), with TLS a
 run's own certificates.
 
 Pods of two hosts in namespaces train bitwise as the same run on loopback, through a pod killed
-with -9 (degraded mode, and the rejoin across namespaces); a worker in a namespace without
-encryption and without --insecure refuses to start; and nothing is left behind (namespaces, links,
-/etc/netns files, processes) after a run, after an error and after Ctrl-C. These tests need root
-(CI runs as root) and skip, saying why, only where namespaces cannot be made."""
+with -9 (degraded mode, and a spare pod at other addresses taking its slot across namespaces); a
+worker in a namespace without encryption and without --insecure refuses to start; and nothing is
+left behind (namespaces, links, /etc/netns files, processes) after a run, after an error and
+after Ctrl-C. These tests need root (CI runs as root) and skip, saying why, only where
+namespaces cannot be made."""
 from __future__ import annotations
 
 import json
@@ -57,7 +58,8 @@ def _nothing_left(run_id: str, pids: list[int]) -> None:
 
 
 def _pids(run_dir) -> list[int]:
-    return [int(p) for log in run_dir.glob("worker-*.log") for p in re.findall(r"\(pid (\d+)\)", log.read_text())]
+    return [int(p) for pattern in ("worker-*.log", "spare-*.log") for log in run_dir.glob(pattern)
+            for p in re.findall(r"\(pid (\d+)\)", log.read_text())]
 
 
 def test_the_network_is_shaped_reachable_and_removed_and_a_killed_run_s_is_cleaned(tmp_path):
@@ -121,14 +123,16 @@ def loopback(tmp_path_factory, env):
 
 
 def test_pods_of_two_hosts_in_namespaces_lose_a_pod_and_train_bitwise_as_on_loopback(loopback, tmp_path, env):
-    # One run for three claims: pods in namespaces over shaped links, with TLS and CURVE, train
-    # bitwise as on loopback; pods of two hosts work across namespaces; and a pod killed with -9
-    # (host 1 of pod 1, once step 2 is recorded) restarts as a whole in its namespaces on its old
-    # addresses and rejoins (from step 5 the controller waits for it: a test hook), the run still
-    # bitwise equal to the uninterrupted one.
+    # One run for four claims: pods in namespaces over shaped links, with TLS and CURVE, train
+    # bitwise as on loopback; pods of two hosts work across namespaces; a pod killed with -9 (host
+    # 1 of pod 1, once step 2 is recorded) leaves the run degraded; and the spare pod, in
+    # namespaces of its own at other addresses, takes its slot from a live peer's state across
+    # namespaces (hot-swap; from step 5 the controller waits for the slot: a test hook), the run
+    # still bitwise equal to the uninterrupted one. A pod restarting in place and rejoining is
+    # test_hosts.py's (on loopback).
     run_dir = tmp_path / "run"
-    run = _Live("local", "--netns", "--netns-rate-gbps", "1", *TWO_HOSTS, *COMMON, "--run-dir", str(run_dir),
-                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
+    run = _Live("local", "--netns", "--netns-rate-gbps", "1", *TWO_HOSTS, *COMMON, "--spares", "1",
+                "--run-dir", str(run_dir), env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
 
     def host_1_of_pod_1() -> int:
         return int(re.findall(r"\(pid (\d+)\)", (run_dir / "worker-1-host-1.log").read_text())[-1])
@@ -149,13 +153,19 @@ def test_pods_of_two_hosts_in_namespaces_lose_a_pod_and_train_bitwise_as_on_loop
     events = _events(run_dir)
     assert [e["pods"] for e in events if e["event"] == "pod_failure"] == [[1]]
     assert [e["pods"] for e in events if e["event"] == "rejoin"] == [[1]]
-    for pod in range(2):
-        for host in range(2):     # each on its namespace's address, encrypted; pod 1 twice on the same
-            log = (run_dir / f"worker-{pod}-host-{host}.log").read_text()
+    addresses = {}
+    for name in ("worker-0", "worker-1", "spare-0"):
+        for host in range(2):     # each once, on its namespace's own address, encrypted
+            log = (run_dir / f"{name}-host-{host}.log").read_text()
             served = re.findall(r"serving on ([\d.]+:\d+) \(pid \d+\), data plane on (\S+)", log)
-            assert len(served) == (2 if pod == 1 else 1) and len(set(served)) == 1, served
+            assert len(served) == 1, served
             assert not served[0][0].startswith("127.") and served[0][1].startswith("curve://"), served
             assert "UNENCRYPTED" not in log
+            addresses.setdefault(name, []).append(served[0][0])
+    (swap,) = [e for e in events if e["event"] == "hot_swap"]
+    assert swap["slot"] == 1 and swap["old_address"] == ",".join(addresses["worker-1"])
+    assert swap["new_address"] == ",".join(addresses["spare-0"])
+    assert {a.split(":")[0] for a in addresses["spare-0"]}.isdisjoint(a.split(":")[0] for a in addresses["worker-1"])
     assert not (run_dir / ".tls").exists()       # the run's keys went with it
     _nothing_left(_run_id(out), _pids(run_dir))
 

@@ -4,6 +4,7 @@ cluster here (tests/e2e/test_ray.py runs one)."""
 from __future__ import annotations
 
 import pathlib
+import threading
 
 import pytest
 
@@ -111,13 +112,17 @@ def test_a_pod_down_past_the_deadline_is_reported_once_then_its_return(monkeypat
     assert len(printed) == 2                # a pod that never went down is not mentioned
 
 
-def test_a_pod_ray_will_not_restart_is_reported_at_once(monkeypatch):
+def test_a_pod_ray_will_not_restart_is_reported_at_once_and_replaced_once(monkeypatch):
     printed: list[str] = []
     pods = _pods(1, printed, monkeypatch)
+    asked: list[int] = []
+    replaced = threading.Event()
+    monkeypatch.setattr(pods, "_replace", lambda pod: (asked.append(pod), replaced.set()))
     pods.check(0, [("dead", "max_restarts reached")], now=0.0)
     pods.check(0, [("dead", "max_restarts reached")], now=100.0)
     assert printed == ["pod 0: it cannot rejoin (host 0's actor is gone: max_restarts reached; --max-restarts 3 "
-                       "per host); the run goes on with the surviving pods"]
+                       "per host); the run goes on with the surviving pods, and Ray is asked for a replacement"]
+    assert replaced.wait(10) and asked == [0]      # once: the second look asks nothing more
 
 
 def test_when_one_host_of_a_pod_goes_down_its_other_hosts_are_stopped_once(monkeypatch):
