@@ -171,6 +171,8 @@ class Exchange:
         results = self.collective.run(step, leaves, order, on_leaf, deadline, stats, extra)
         stats.bytes_received = sum(s.bytes for s in state.slots.values())
         stats.bytes_sent += self._partial_bytes.pop(step, 0)
+        for old in [s for s in self._partial_bytes if s < step]:     # steps that failed before their exchange
+            del self._partial_bytes[old]
         return results, stats
 
     # -- a failed slot's microbatches split over the live pods -------------------------------------
