@@ -18,6 +18,9 @@ mode, and the state-transfer rate against the data plane's exchange, in one invo
 3. Restore (recovery.on_pod_failure = "restore"): the same kill under `multipod local`; every pod goes
    back to the last checkpoint (checkpoint.every = --checkpoint-every), so the steps after it
    are trained twice.
+5. Split (issue 21, item 2; bench/failover_split.py): degraded throughput with a killed pod's
+   microbatches spread over the survivors, each pod pinned to its own core, on a compute-bound
+   model, against a healthy run estimated from 2 pinned pods (what a 2-core machine allows).
 4. State transfer vs exchange, in this process: two Listeners on 127.0.0.1 sharing one secret.
    send_state streams a state with the leaf shapes of bench/dcn.py's gradient (25.7M float32
    values, ~103 MB) from pod 0 to pod 1's StateReceiver; Exchange.all_reduce exchanges the same
@@ -53,6 +56,7 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import failover_split  # noqa: E402
 from bench.procs import stop, wait_for_port  # noqa: E402
 
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -446,7 +450,7 @@ def main() -> None:
                         help="checkpoint.every of every run (default 40; --quick 25)")
     parser.add_argument("--warmup", type=int, default=20, help="first steps left out of the healthy median")
     parser.add_argument("--repeats", type=int, help="transfer/exchange rounds after a warm-up (default 7; --quick 3)")
-    parser.add_argument("--only", choices=("degrade", "no_restart", "restore", "transfer"), action="append",
+    parser.add_argument("--only", choices=("degrade", "no_restart", "restore", "transfer", "split"), action="append",
                         help="run only these parts (repeatable; default all)")
     parser.add_argument("--set", dest="settings", action="append", default=[],
                         help="extra config override for every run, e.g. health.interval_s=0.5")
@@ -457,7 +461,7 @@ def main() -> None:
     kill_step = args.kill_step or (70 if quick else 150)
     every = args.checkpoint_every or (25 if quick else 40)
     repeats = args.repeats or (3 if quick else 7)
-    parts = args.only or ["degrade", "no_restart", "restore", "transfer"]
+    parts = args.only or ["degrade", "no_restart", "restore", "transfer", "split"]
     report = {"benchmark": "failover", "quick": quick, "at_start": _machine(), "pods": PODS, "killed_pod": KILLED,
               "kill_step": kill_step, "checkpoint_every": every, "model": MODEL, "health": HEALTH,
               "settings": args.settings}
@@ -471,7 +475,7 @@ def main() -> None:
             sub.mkdir()
             try:
                 report[name] = measure(sub)
-            except RunFailed as exc:            # recorded, and the other parts still run
+            except (RunFailed, failover_split.SplitRunFailed) as exc:   # recorded; the other parts still run
                 report[name] = {"error": str(exc)[-4000:]}
             print(f"{name}: done ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
 
@@ -493,6 +497,10 @@ def main() -> None:
             part("restore", restore)
         if "transfer" in parts:
             report["transfer_vs_exchange"] = transfer_vs_exchange(repeats)
+        if "split" in parts:
+            part("split", lambda sub: failover_split.measure(
+                sub, env, TINY, steps=40 if quick else 80, kill_step=20 if quick else 30, warmup=5 if quick else 10,
+                live=_Live, records=_records, wait_for_step=_wait_for_step, extra=tuple(args.settings)))
     report["at_end"] = _machine()
     print(json.dumps(report, indent=2))
 
