@@ -8,6 +8,10 @@ MULTIPOD_TEST_HANG="POD:STEP" makes pod POD's worker stop itself (SIGSTOP) when 
 run step STEP: a hung pod at a step of the test's choosing, not at whatever step the test's
 process happened to reach. A restarted worker rejoins past that step, so it does not hang again.
 
+MULTIPOD_TEST_FLIP_BIT="POD:STEP" flips one bit of one parameter on pod POD right after step
+STEP's update, once per worker process: silent data corruption, for the pods' state vote and the
+controller's majority to catch (docs/reliability.md).
+
 Tests set them on the process that starts the workers (LocalPods passes its environment on).
 """
 from __future__ import annotations
@@ -19,6 +23,8 @@ import numpy as np
 
 NAN_GRADIENT_ENV = "MULTIPOD_TEST_NAN_GRADIENT"
 HANG_ENV = "MULTIPOD_TEST_HANG"
+FLIP_BIT_ENV = "MULTIPOD_TEST_FLIP_BIT"
+_flipped: set[tuple[int, int]] = set()      # (pod, step) flipped in this process: a replay does not flip again
 
 
 def _pod_step(name: str, pod_index: int, step: int) -> bool:
@@ -60,3 +66,27 @@ def poisoned(all_reduce):
         grads = poison(grads)
         return all_reduce(grads, **kwargs) if all_reduce is not None else (grads, None)
     return run
+
+
+def flip_bit_at(pod_index: int, step: int) -> bool:
+    """Whether the test hook asks this pod to flip a parameter bit after this step (once)."""
+    if (pod_index, step) in _flipped or not _pod_step(FLIP_BIT_ENV, pod_index, step):
+        return False
+    _flipped.add((pod_index, step))
+    return True
+
+
+def flip_bit(params) -> tuple[object, str]:
+    """(params with the lowest bit of the first value of the first leaf flipped, that leaf's
+    path): the smallest corruption there is, the kind a faulty chip or memory makes."""
+    import jax
+
+    from multipod.pod_worker.hosts import host_value
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    path, leaf = flat[0]
+    values = np.array(host_value(leaf))
+    bits = values.reshape(-1).view(np.dtype(f"u{values.dtype.itemsize}"))
+    bits[0] ^= 1
+    flipped = jax.make_array_from_callback(values.shape, leaf.sharding, lambda index: values[index])
+    leaves = [flipped] + [value for _, value in flat[1:]]
+    return jax.tree_util.tree_unflatten(treedef, leaves), jax.tree_util.keystr(path)

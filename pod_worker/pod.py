@@ -282,8 +282,18 @@ class Pod(PodMembership):
         if pieces:      # partial sums of split shards, over this step's exchange
             relay = Relay(send=lambda slot, pod, leaves, losses: exchange.send_partial(step, slot, pod, leaves, losses),
                           receive=lambda slot, pod: exchange.receive_partial(step, slot, pod))
+        if all_reduce is not None:
+            # The state vote: the step is applied only if every live pod starts it from this state.
+            state = int(self._checksum[1], 16)
+            exchange.send_vote(step, state)
+            all_reduce = _voted(all_reduce, lambda: exchange.check_votes(step, state))
         outcome = trainer.train_step(on_device, global_tokens, all_reduce, take_fingerprint=take_fingerprint,
                                      extra=extra, pieces=pieces, relay=relay)
+        if faults.flip_bit_at(self.pod_index, step):     # test hook (pod_worker/faults.py)
+            trainer.params, leaf = faults.flip_bit(trainer.params)
+            log.warning("test hook: flipped a bit of %s after step %d", leaf, step)
+            outcome = dataclasses.replace(outcome, checksum=trainer.checksum(),
+                                          fingerprint=trainer.fingerprint() if outcome.fingerprint else "")
         exchange.inbox.set_next_step(trainer.step)
         return outcome
 
@@ -445,3 +455,13 @@ class Pod(PodMembership):
             self.exchange.close()
         if self.listener is not None:
             self.listener.close()
+
+
+def _voted(all_reduce, check):
+    """all_reduce, then `check()` (the state vote) before its sum is returned, so before any
+    update uses it: a StateVoteError fails the step with the state untouched."""
+    def exchange(*args, **kwargs):
+        result = all_reduce(*args, **kwargs)
+        check()
+        return result
+    return exchange

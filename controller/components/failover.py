@@ -27,7 +27,7 @@ from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.cluster.spares import SparePool
 from multipod.controller.core import fault_hooks
-from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.core.errors import Divergence, PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
 from multipod.controller.observe.events import EventKind, EventLog
 from multipod.controller.observe.metrics import out
@@ -153,6 +153,7 @@ class Failover:
         self.config = config
         self.cluster, self.events, self.supervisor, self.spares = cluster, events, supervisor, spares
         self.hot_swaps = 0
+        self.outvoted = 0
         self.failures = 0
         self.rejoins = 0
         self.transfer_bytes = 0
@@ -207,6 +208,19 @@ class Failover:
         self.events.write(EventKind.DEGRADED, step=step, live_pods=live, hosts=list(cluster.hosts),
                           failed=sorted(failed))
         return step
+
+    def outvote(self, diverged: Divergence) -> int:
+        """Pods whose state a strict majority outvotes (silent corruption): taken out like failed
+        pods (their shards go to the survivors), to rejoin from a majority peer's state once
+        they serve; returns the step to continue from. The pods' state vote (pod_worker/dcn)
+        kept the step after it from being applied anywhere with their gradients."""
+        pods = list(diverged.outvoted)
+        out(f"silent corruption: after step {diverged.step} the state of pod(s) {pods} differs from the majority's "
+            f"({diverged.majority}): they are taken out and rejoin from a majority peer")
+        self.events.write(EventKind.OUTVOTED, step=diverged.step, pods=pods, majority=diverged.majority,
+                          checksums={str(p): c for p, c in diverged.checksums.items()}, leaf=None)
+        self.outvoted += len(pods)
+        return self.degrade(PodFailure(str(diverged), pods))
 
     def _align(self, live: list[int], replies) -> int:
         """The step to continue from: the furthest any survivor got. Survivors there must hold the

@@ -32,6 +32,13 @@ class EventKind(enum.StrEnum):
     # step, slot, old_address, new_address, bytes, seconds (the state transfer), since_failure_s: a
     # spare took a failed pod's slot (hot-swap) and trains from `step` on
     HOT_SWAP = "hot_swap"
+    # step, pods (outvoted), checksums ({pod: checksum}), majority (the checksum most pods hold),
+    # leaf (null: the controller sees checksums only): pods whose state differs from a strict
+    # majority's after `step` (silent corruption); they are taken out and rejoin from a majority peer
+    OUTVOTED = "outvoted"
+    # step, checksums, why: the pods' states differ and no majority tells which is right (two
+    # pods): every pod goes back to the last checkpoint
+    DIVERGED = "diverged"
 
 
 @dataclasses.dataclass(frozen=True)

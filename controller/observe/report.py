@@ -31,6 +31,8 @@ MARKERS = {
     EventKind.RECOVERED: ("restored", "restored from checkpoint", "tab:purple", "-."),
     EventKind.REJOIN: ("rejoin", "pod rejoined", "tab:green", "-"),
     EventKind.HOT_SWAP: ("hot_swap", "spare took a slot", "tab:cyan", "-"),
+    EventKind.OUTVOTED: ("outvoted", "corrupted pod outvoted", "tab:brown", "-"),
+    EventKind.DIVERGED: ("diverged", "pods diverged: restored", "tab:purple", "--"),
     EventKind.REWIND: ("rewind", "loss-spike rewind", "tab:orange", "--"),
     EventKind.CHECKPOINT_SAVED: ("checkpoint", "checkpoint saved", "tab:gray", ":"),
     EventKind.CHECKPOINT_FAILED: ("checkpoint_failed", "checkpoint FAILED", "black", "--"),

@@ -17,7 +17,7 @@ from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster, Watchdog
 from multipod.controller.components.failover import split_microbatches
 from multipod.controller.components.spike import Spike, SpikePolicy
-from multipod.controller.core.errors import RunError
+from multipod.controller.core.errors import Divergence, RunError
 from multipod.controller.data.batches import Prefetcher, StepData, token_dtype
 from multipod.controller.observe.metrics import Accounting, Recorder, step_record
 from multipod.controller.observe.records import StepRecord
@@ -28,12 +28,12 @@ DATA_TIMEOUT_S = 60.0  # the data pipeline must deliver a step's shards within t
 
 
 def check_agreement(step: int, clients, replies) -> None:
-    """RunError naming the step and the pods if the pods' state checksums (and fingerprints, when
-    the step took them) or skip decisions differ: the pods must stay bitwise identical."""
+    """Divergence (naming the pods, and those a majority outvotes) if the pods' state checksums
+    differ, RunError if their fingerprints (when the step took them) or skip decisions do: the
+    pods must stay bitwise identical."""
     sums = [r.checksum for r in replies]
     if len(set(sums)) > 1:
-        detail = ", ".join(f"{c.name}: {p}" for c, p in zip(clients, sums))
-        raise RunError(f"step {step}: pods diverged, their state checksums differ ({detail})")
+        raise Divergence(step, {c.pod_index: s for c, s in zip(clients, sums)})
     full = [r.fingerprint for r in replies]
     if any(full) and len(set(full)) > 1:
         detail = ", ".join(f"{c.name}: {p or 'missing'}" for c, p in zip(clients, full))
@@ -202,7 +202,14 @@ class StepLoop:
             errors.sort(key=lambda e: e[1].code in knock_on)
             suspects = [pod for pod, e in errors if e.code not in knock_on]
             raise self.cluster.diagnose(f"step {step} failed: " + "; ".join(str(e) for _, e in errors), suspects)
-        check_agreement(step, clients, results)
+        try:
+            check_agreement(step, clients, results)
+        except Divergence as diverged:
+            if diverged.outvoted:
+                # The majority's state is the run's: the step counts (its record shows every pod's
+                # checksum); the outvoted pods are taken out and brought back from a majority peer.
+                self.recorder.write(self._record(step, results, time.perf_counter() - self._last_done, hosts))
+            raise
         now = time.perf_counter()
         record = self.spike.with_test_spike(self._record(step, results, now - self._last_done, hosts))
         self._last_done, self._last_progress = now, time.monotonic()

@@ -16,7 +16,7 @@ from multipod.controller.components.evaluation import Evaluator
 from multipod.controller.components.failover import Failover
 from multipod.controller.components.recovery import Recovery
 from multipod.controller.components.spike import Spike, SpikePolicy
-from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.core.errors import Divergence, PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
 from multipod.controller.core.run_config import Config, ConfigError
 from multipod.controller.data.corpus import RunData, prepare, write_beside_checkpoints
@@ -191,6 +191,14 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
                         start = failover.degrade(failure)
                     else:
                         start = recovery.recover(failure)
+                except Divergence as diverged:
+                    if degrade and diverged.outvoted:
+                        start = failover.outvote(diverged)
+                    else:       # no majority to trust: every pod back to the last checkpoint
+                        out(f"{diverged}: restoring every pod to the last checkpoint")
+                        events.write(EventKind.DIVERGED, step=diverged.step, why=str(diverged),
+                                     checksums={str(p): c for p, c in diverged.checksums.items()})
+                        start = recovery.recover(PodFailure(str(diverged)))
                 except Spike as spiked:
                     start = recovery.rewind(spiked)
         finally:
@@ -209,7 +217,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
              "last_checkpoint": checkpointer.last_good.path if checkpointer.last_good else None,
              "on_pod_failure": config.recovery.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
              "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
-             "hot_swaps": failover.hot_swaps,
+             "hot_swaps": failover.hot_swaps, "outvoted": failover.outvoted,
              "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
              "first_step": first_step, "reattached": reattached is not None, "base_fingerprint": base_fingerprint}
     if extra["pod_failures"]:

@@ -4,7 +4,8 @@ One job per module, each read top to bottom:
   wire.py         the wire codec: none, bf16, int8 with one scale per block of <= 256 values
   plan.py         who sends which slice of which leaf to whom, in which chunks
   transport.py    zmq sockets, the HMAC handshake that binds a connection to a pod, frames, CURVE
-  inbox.py        validation of every chunk, preallocated receive buffers, waiting for leaves
+  inbox.py        validation of every chunk, preallocated receive buffers, waiting for leaves and
+                  for the peers' state votes
   outbox.py       the links to the peers (threads that send queued chunks) and the slow-link Pacer
   collectives.py  WholeGradient (2 pods), ReduceScatterAllGather (N > 2) and SlotGather (degraded
                   mode: failed pods' slots computed by survivors), one interface
@@ -12,7 +13,7 @@ One job per module, each read top to bottom:
   transfer.py     send_state / StateReceiver: a live pod's state to a rejoining pod
 """
 from multipod.pod_worker.dcn.exchange import Exchange, ExchangeStats
-from multipod.pod_worker.dcn.inbox import ExchangeError, InvalidChunk
+from multipod.pod_worker.dcn.inbox import ExchangeError, InvalidChunk, StateVoteError
 from multipod.pod_worker.dcn.outbox import Pacer
 from multipod.pod_worker.dcn.plan import (
     PHASE_GATHER,
@@ -30,4 +31,4 @@ from multipod.pod_worker.dcn.wire import BLOCK, WireCodec
 
 __all__ = ["BLOCK", "PHASE_GATHER", "PHASE_REDUCE", "PHASE_SLOT_BASE", "PHASE_STATE", "PHASE_STATE_MANIFEST",
            "PHASE_WHOLE", "Exchange", "ExchangeError", "ExchangeStats", "InvalidChunk", "LeafSpec", "Listener", "Pacer",
-           "Plan", "StateReceiver", "TransferError", "TransferStats", "WireCodec", "send_state"]
+           "Plan", "StateReceiver", "StateVoteError", "TransferError", "TransferStats", "WireCodec", "send_state"]

@@ -15,9 +15,9 @@ import numpy as np
 
 from multipod.model.config import ConfigError
 from multipod.pod_worker.dcn.collectives import ReduceScatterAllGather, SlotGather, WholeGradient
-from multipod.pod_worker.dcn.inbox import ExchangeError, Inbox
+from multipod.pod_worker.dcn.inbox import ExchangeError, Inbox, StateVoteError
 from multipod.pod_worker.dcn.outbox import Outbox, Pacer
-from multipod.pod_worker.dcn.plan import PARTIAL_DTYPE, LeafSpec, Plan, partial_phase
+from multipod.pod_worker.dcn.plan import PARTIAL_DTYPE, PHASE_VOTE, VOTE_DTYPE, LeafSpec, Plan, partial_phase
 from multipod.pod_worker.dcn.transport import Listener, parse_address
 from multipod.pod_worker.schema import Compression, DcnConfig
 
@@ -174,6 +174,29 @@ class Exchange:
         for old in [s for s in self._partial_bytes if s < step]:     # steps that failed before their exchange
             del self._partial_bytes[old]
         return results, stats
+
+    # -- the state vote: every live pod starts a step from the same state -------------------------
+    def send_vote(self, step: int, state: int) -> None:
+        """Tell every live peer this pod's state checksum as `step` starts (a few bytes, sent first
+        so that they are there when the step is about to be applied)."""
+        if self.outbox is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        vote = np.array([state], VOTE_DTYPE)
+        for pod in self.plan.live:
+            if pod != self.pod_index:
+                self.outbox.put(step, deadline, pod, PHASE_VOTE, 0, 0, vote)
+
+    def check_votes(self, step: int, state: int) -> None:
+        """Before `step` is applied: StateVoteError unless every live peer started it from this
+        pod's state (their votes, within the exchange's deadline). A silently corrupted pod (its
+        state differs from the others' after an update) is caught here, before its gradient,
+        computed from that state, changes anyone's parameters."""
+        if self.outbox is None:
+            return
+        votes = self.inbox.wait_votes(step, time.monotonic() + self.timeout_s)
+        if any(v != state for v in votes.values()):
+            raise StateVoteError(step, {self.pod_index: state, **votes})
 
     # -- a failed slot's microbatches split over the live pods -------------------------------------
     def _check_partial(self, slot: int, pod: int) -> None:

@@ -30,7 +30,9 @@ from multipod.pod_worker.dcn.plan import (
     PHASE_GATHER,
     PHASE_PARTIAL_BASE,
     PHASE_SLOT_BASE,
+    PHASE_VOTE,
     PHASE_WHOLE,
+    VOTE_DTYPE,
     LeafSpec,
     Plan,
     partial_phase,
@@ -45,6 +47,16 @@ class InvalidChunk(ValueError):
 class ExchangeError(RuntimeError):
     """The exchange of a step failed: a peer's gradient did not arrive complete within the
     deadline, a peer's connection broke, or sending to a peer failed."""
+
+
+class StateVoteError(ExchangeError):
+    """The live pods started a step from different states (their state checksums differ): the
+    step is not applied anywhere. `states`: {pod: its state checksum} of every live pod."""
+
+    def __init__(self, step: int, states: dict[int, int]):
+        self.step, self.states = step, dict(states)
+        detail = ", ".join(f"pod {p}: {s:016x}" for p, s in sorted(self.states.items()))
+        super().__init__(f"step {step}: the pods start from different states ({detail}): the step is not applied")
 
 
 class _Slot:
@@ -138,6 +150,15 @@ class Inbox:
             raise InvalidChunk(f"pod {pod} is not a peer of pod {self.pod_index} (pods 0..{self.num_pods - 1})")
         if pod not in self.plan.live:
             raise InvalidChunk(f"pod {pod} is not taking part in the exchange (the live pods are {self.plan.live})")
+        if phase == PHASE_VOTE:
+            if leaf or offset or size != VOTE_DTYPE.itemsize:
+                raise InvalidChunk(f"a state vote is one uint64 at leaf 0, offset 0, got leaf {leaf}, offset "
+                                   f"{offset}, {size} bytes")
+            slot = self._vote_slot(self._state(step), pod)
+            if slot.seen[0]:
+                raise InvalidChunk(f"a second state vote of pod {pod} for step {step}")
+            slot.seen[0].add(0)
+            return slot, slot.targets[0], None
         if phase not in self.plan.phases():
             raise InvalidChunk(f"phase {phase} is not used with {self.num_pods} pods (expected one of "
                                f"{self.plan.phases()})")
@@ -199,6 +220,13 @@ class Inbox:
                                      [plan.partial_count(i) for i in range(len(sizes))])
         return state.slots[key]
 
+    def _vote_slot(self, state: _StepState, pod: int) -> _Slot:
+        """Where `pod`'s state vote for a step lands (made at first use)."""
+        key = (PHASE_VOTE, pod)
+        if key not in state.slots:
+            state.slots[key] = _Slot([(0, 1)], [np.zeros(1, VOTE_DTYPE)], [1])
+        return state.slots[key]
+
     def _accept_partial(self, pod: int, step: int, slot_index: int, leaf: int, offset: int, size: int):
         total = self.plan.partial_sizes[leaf]
         if not 0 <= offset < total or offset % self.plan.partial_elems:
@@ -223,6 +251,8 @@ class Inbox:
         # Decode outside the lock: the chunk's place is reserved for it alone.
         if phase >= PHASE_PARTIAL_BASE:     # a partial sum: raw float32, whatever the compression
             target[...] = np.frombuffer(payload, PARTIAL_DTYPE, count=target.size)
+        elif phase == PHASE_VOTE:
+            target[...] = np.frombuffer(payload, VOTE_DTYPE, count=1)
         else:
             self.plan.codec.decode_into(payload, target, own)
         with self._cond:
@@ -295,6 +325,18 @@ class Inbox:
         remote = {s: (slot_phase(s), h) for s, h in enumerate(hosts) if h != self.pod_index}
         return self._wait(step, leaf, deadline, remote, "of", lambda s: f"slot {s} from pod {hosts[s]}",
                           lambda p: f"pod {p} (computing slots {self._slots_of(p)})")
+
+    def wait_votes(self, step: int, deadline: float) -> dict[int, int]:
+        """Block until every other live pod's state vote for `step` has arrived; {pod: checksum}.
+        ExchangeError as wait_slots."""
+        peers = [p for p in self.plan.live if p != self.pod_index]
+        with self._cond:
+            state = self._state(step)
+            for pod in peers:
+                self._vote_slot(state, pod)
+        got = self._wait(step, 0, deadline, {p: (PHASE_VOTE, p) for p in peers}, "from",
+                         lambda p: f"the state vote of pod {p}", lambda p: f"pod {p}")
+        return {p: int(v[0]) for p, v in got.items()}
 
     def wait_partial(self, step: int, slot: int, pod: int, leaf: int, deadline: float) -> np.ndarray:
         """Degraded mode, split: block until `leaf` of failed slot `slot`'s partial sum from live

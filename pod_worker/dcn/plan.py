@@ -21,6 +21,7 @@ receiver knows every chunk it must get.
 The phase byte of a data frame, over the whole data plane:
     0 PHASE_WHOLE, 1 PHASE_REDUCE, 2 PHASE_GATHER      the healthy gradient exchange
     8 PHASE_STATE_MANIFEST, 9 PHASE_STATE              a state transfer (transfer.py)
+    10 PHASE_VOTE                                      the sender's state checksum before the step
     16 + slot (PHASE_SLOT_BASE), slot < MAX_PODS = 32  the degraded exchange
     48 + slot (PHASE_PARTIAL_BASE)                     a failed slot's partial sum (degraded)
 """
@@ -38,6 +39,8 @@ PHASE_REDUCE = 1    # N > 2: the receiver's slice of the sender's gradient
 PHASE_GATHER = 2    # N > 2: the sender's reduced slice
 PHASE_STATE_MANIFEST = 8    # state transfer: the donor's step and fingerprint
 PHASE_STATE = 9             # state transfer: raw bytes of a parameter or optimizer-state leaf
+PHASE_VOTE = 10             # every step: the sender's state checksum as the step starts (one uint64)
+VOTE_DTYPE = np.dtype("<u8")
 PHASE_SLOT_BASE = 16        # degraded: PHASE_SLOT_BASE + slot carries that slot's whole gradient
 MAX_SLOTS = 32              # the phase byte leaves room for 240; the worker serves at most 32 pods
 PHASE_PARTIAL_BASE = PHASE_SLOT_BASE + MAX_SLOTS    # degraded, split: + slot carries a partial sum
@@ -124,6 +127,7 @@ class Plan:
         self.failed = [s for s, h in enumerate(self.hosts) if h != s]
 
     def phases(self) -> tuple[int, ...]:
+        """The gradient's phases in this exchange (PHASE_VOTE, every step's, aside)."""
         if self.degraded:
             return (*(slot_phase(s) for s in range(self.num_pods)), *(partial_phase(s) for s in self.failed))
         return (PHASE_WHOLE,) if self.whole else (PHASE_REDUCE, PHASE_GATHER)

@@ -8,7 +8,7 @@ import pytest
 
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.components.spike import Spike, SpikePolicy
-from multipod.controller.core.errors import PodFailure, RunError
+from multipod.controller.core.errors import Divergence, PodFailure, RunError
 from multipod.controller.observe.metrics import Accounting, Recorder
 from multipod.controller.run.loop import StepLoop
 from tests.unit.controller.fakes import (
@@ -126,15 +126,31 @@ def test_a_step_that_never_finishes_hits_the_progress_deadline():
     assert time.monotonic() - started < 5
 
 
-def test_diverged_pods_stop_the_run_naming_the_step_and_the_pods():
+def test_two_diverged_pods_stop_the_loop_naming_the_step_and_the_pods_with_no_majority():
     def step(pod, s, data):
         return step_reply(pod, s, checksum="odd" if pod == 1 and s == 3 else None)
     loop, sink = _loop([FakePod(0, step), FakePod(1, step)], steps=5)
-    with pytest.raises(RunError, match=r"step 3: pods diverged") as info:
+    with pytest.raises(Divergence, match=r"step 3: pods diverged") as info:
         loop.run(0)
     assert not isinstance(info.value, PodFailure)
-    assert "pod 0 (fake:0): fp3" in str(info.value) and "pod 1 (fake:1): odd" in str(info.value)
-    assert [r.step for r in sink.records] == [0, 1, 2]
+    assert "pod 0: fp3, pod 1: odd" in str(info.value) and "no majority among 2 pods" in str(info.value)
+    assert info.value.outvoted == () and info.value.majority is None
+    assert [r.step for r in sink.records] == [0, 1, 2]     # the step no one can vouch for is not recorded
+
+
+def test_a_pod_outvoted_by_the_majority_is_named_and_its_step_recorded():
+    def step(pod, s, data):
+        return step_reply(pod, s, checksum="odd" if pod == 1 and s == 3 else None)
+    config = make_config(run={"steps": 5}, data={"global_batch": 6})
+    sink = ListSink([])
+    loop = StepLoop(Cluster([FakePod(p, step) for p in range(3)], config), FakeBatches(rows=6),
+                    BoundaryLog([], ()), SpikePolicy(config.spike), Recorder(sink, NoProgress()),
+                    Accounting(model_flops_per_token=1.0))
+    with pytest.raises(Divergence, match=r"pod\(s\) \[1\] differ from the majority") as info:
+        loop.run(0)
+    assert info.value.outvoted == (1,) and info.value.majority == "fp3" and info.value.step == 3
+    assert [r.step for r in sink.records] == [0, 1, 2, 3]  # the majority's state is the run's
+    assert sink.records[-1].checksums == ("fp3", "odd", "fp3")
 
 
 def test_a_nan_step_skipped_on_every_pod_is_recorded_and_the_run_goes_on():
