@@ -49,6 +49,12 @@ def make_grad_step(model_cfg: ModelConfig):
     that of b/k sequences. The result equals the unsplit step to float tolerance (only the order
     of the sums differs), and is still one deterministic program, so pods stay bitwise identical.
     The sequence-parallel rules (model_cfg.sequence_parallel) are entered here, at trace time.
+
+    A pod's step runs this program only unsplit (k = 1): with k > 1 it runs
+    make_microbatch_grad_step once per microbatch and sums in pod_worker/accumulate.py's fixed
+    order, which a gradient assembled on other pods can match bitwise (this scan cannot promise
+    that: XLA may fuse its adds into the backward). The scan form stays as the single-program
+    reference of within-pod microbatching (tests/unit/pod_worker/test_within_pod.py).
     """
     k = model_cfg.microbatches
 
