@@ -282,7 +282,10 @@ def test_a_silently_corrupted_pod_is_outvoted_and_the_run_ends_as_if_uninterrupt
     assert outvoted["step"] == 10 and outvoted["pods"] == [1]
     assert outvoted["majority"] == next(r for r in read_metrics(reference3) if r["step"] == 10)["checksums"][0]
     assert "test hook: flipped a bit of" in (tmp_path / "worker-1.log").read_text()
-    _degraded_then_whole(records, 1)
+    # Pod 1 serves all along, so it may rejoin at the very next step boundary, before any step
+    # runs without it: whether a degraded step is recorded depends on the machine's speed.
+    assert records[-1]["hosts"] == [0, 1, 2] and records[-1]["live_pods"] == 3
+    assert [e["pods"] for e in _events(tmp_path) if e["event"] == "rejoin"] == [[1]]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["outvoted"] == 1 and summary["rejoins"] == 1
 
