@@ -137,3 +137,16 @@ def test_the_spares_flag_takes_the_workers_format_and_the_run_s_host_count():
     assert parse_spares("a:1,a:2;", 2) == [["a:1", "a:2"]]
     with pytest.raises(ConfigError, match="--spares.*2 host"):
         parse_spares("a:1,b:1", 2)
+
+
+def test_attach_offers_to_a_run_directory_and_refuses_anything_else(tmp_path, capsys):
+    import argparse
+
+    from multipod.controller.commands import attach
+    with pytest.raises(ConfigError, match="is not a run directory"):
+        attach(argparse.Namespace(run_dir=str(tmp_path), worker="a:1"))
+    assert not (tmp_path / SPARES_FILE).exists()
+    (tmp_path / "config.json").write_text("{}")
+    assert attach(argparse.Namespace(run_dir=str(tmp_path), worker="a:1, b:2")) == 0
+    assert (tmp_path / SPARES_FILE).read_text() == "a:1,b:2\n"
+    assert "offered a:1,b:2" in capsys.readouterr().out
