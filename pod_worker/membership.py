@@ -78,7 +78,7 @@ class PodMembership:
         order) among `hosts` (None: every pod computes its own slot). Also built by configure
         and restore (pod.py)."""
         peers = [self._host_address(a) for a in peers]
-        return Exchange(run_id, self.pod_index, peers, trainer.exchange_specs, self.listener, dcn=config.dcn,
+        return Exchange(run_id, self.pod_index, peers, trainer.exchange_specs, self.listener, dcn=config.exchange_dcn(),
                         hosts=list(hosts) if hosts is not None else None)
 
     def _start_timeline(self, run_id: str, hosts: tuple[int, ...] | None, why: str) -> Setup:
@@ -90,7 +90,7 @@ class PodMembership:
         if self.exchange is not None:
             self.exchange.close()
         self.exchange = exchange
-        exchange.inbox.set_next_step(trainer.step)
+        exchange.inbox.set_next_step(trainer.exchange_key)
         epoch = self.seq.reset(trainer.step, why)
         self._setup = dataclasses.replace(setup, epoch=epoch, hosts=hosts, run_id=run_id)
         return self._setup
@@ -205,7 +205,7 @@ class PodMembership:
             trainer.load_state(params, opt_state, step)
             self._checksum = (trainer.step, trainer.checksum())
             if self.exchange is not None:
-                self.exchange.inbox.set_next_step(trainer.step)
+                self.exchange.inbox.set_next_step(trainer.exchange_key)
             epoch = self.seq.reset(trainer.step, "given a peer's state")
             self._setup = dataclasses.replace(setup, epoch=epoch)
         return Transferred(step, fp, nbytes, time.perf_counter() - start)

@@ -31,3 +31,4 @@ class StepOutcome:
     fingerprint_s: float = 0.0       # the time it took (0 if not taken)
     # Degraded mode: every shard computed, own first (None for own), as (slot, loss_sum, z_loss_sum, tokens).
     shards: list = field(default_factory=list)
+    outer: object | None = None      # DiLoCo: the outer step this step applied (diloco.OuterReport), if any

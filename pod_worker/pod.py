@@ -22,7 +22,7 @@ import numpy as np
 from multipod.model import Chunk, Sampling
 from multipod.pod_worker import checkpoint, faults
 from multipod.pod_worker.checkpoint import CheckpointError
-from multipod.pod_worker.dcn import Exchange, Listener
+from multipod.pod_worker.dcn import Exchange, ExchangeStats, Listener
 from multipod.pod_worker.errors import (
     Busy,
     CorruptCheckpoint,
@@ -159,6 +159,8 @@ class Pod(PodMembership):
         """A trainer for `config`, its programs compiled for this pod's shard of num_pods."""
         trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
         trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
+        if config.sync.diloco:
+            trainer.start_outer(num_pods)
         return trainer
 
     def _take_slot(self, pod_index: int | None) -> None:
@@ -261,6 +263,8 @@ class Pod(PodMembership):
                pieces: list[Piece] | None = None) -> StepOutcome:
         trainer, exchange = setup.trainer, self.exchange
         faults.hang_if_asked(self.pod_index, step)     # test hook (pod_worker/faults.py)
+        if trainer.outer is not None:
+            return self._train_inner(setup, step, on_device, take_fingerprint, extra, pieces)
         if self.layout.multi:
             # Every host of the pod starts this very step, or none runs it (see hosts.meet).
             wait = min(setup.config.dcn.timeout_s, (deadline or time.monotonic() + 60) - time.monotonic())
@@ -295,6 +299,35 @@ class Pod(PodMembership):
             outcome = dataclasses.replace(outcome, checksum=trainer.checksum(),
                                           fingerprint=trainer.fingerprint() if outcome.fingerprint else "")
         exchange.inbox.set_next_step(trainer.step)
+        return outcome
+
+    def _train_inner(self, setup: Setup, step: int, on_device, take_fingerprint: bool, extra: dict | None,
+                     pieces: list[Piece] | None) -> StepOutcome:
+        """DiLoCo (sync.mode): an inner step on this pod's own shard (its loss normalised by the
+        shard's own tokens; no DCN traffic), then the outer step and the outer sync due now
+        (trainer.outer_step; the sync's exchange runs on the data plane, keyed by its number)."""
+        trainer, exchange = setup.trainer, self.exchange
+        if extra or pieces:
+            raise InvalidRequest(f"step {step}: a DiLoCo run does not compute a failed pod's shard (sync.mode = "
+                                 f"\"diloco\" has no degraded mode yet)")
+        all_reduce = None
+        if setup.num_pods > 1:
+            def all_reduce(sync, leaves, order):
+                exchange.inbox.set_next_step(sync)
+                return exchange.all_reduce(sync, leaves, order=order, subset=True)
+        outcome = trainer.train_step(on_device, trainer.target_count(on_device), None)
+        start = time.perf_counter()
+        report = trainer.outer_step(all_reduce)
+        link = None
+        if report is not None:
+            link = dataclasses.replace(ExchangeStats(), bytes_sent=report.bytes_sent,
+                                       bytes_received=report.bytes_received)
+        outcome = dataclasses.replace(outcome, checksum=trainer.checksum(), outer=report, link=link,
+                                      update_s=outcome.update_s + time.perf_counter() - start)
+        if take_fingerprint:
+            fp_start = time.perf_counter()
+            outcome.fingerprint = trainer.fingerprint()
+            outcome.fingerprint_s = time.perf_counter() - fp_start
         return outcome
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -383,7 +416,7 @@ class Pod(PodMembership):
                 exchange = self._new_exchange(run_id, trainer, setup.config, self._peers, setup.hosts)
                 self.exchange.close()
                 self.exchange = exchange
-            self.exchange.inbox.set_next_step(trainer.step)
+            self.exchange.inbox.set_next_step(trainer.exchange_key)
             epoch = self.seq.reset(trainer.step, "restored to a checkpoint")
             self._setup = dataclasses.replace(setup, epoch=epoch)
         return Restored(path=path, step=trainer.step, fingerprint=fp, metadata=metadata)

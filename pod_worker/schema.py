@@ -24,6 +24,7 @@ class Compression(enum.StrEnum):
     NONE = "none"
     BF16 = "bf16"
     INT8 = "int8"     # one scale per block of <= 256 values
+    INT4 = "int4"     # two values per byte, one scale per block of <= 256 values
 
 
 class Overlap(enum.StrEnum):
@@ -133,6 +134,92 @@ class DcnConfig:
         non_negative("dcn.link_latency_ms", self.link_latency_ms)
 
 
+class SyncMode(enum.StrEnum):
+    """sync.mode: how the pods' parameters meet."""
+    EVERY_STEP = "every_step"   # the gradient is summed over the pods every step (DESIGN.md invariant 1)
+    DILOCO = "diloco"           # (Streaming) DiLoCo: inner steps on each pod, outer steps on fragments
+
+
+class OuterOptimizer(enum.StrEnum):
+    """sync.outer_optimizer: the update the averaged pseudo-gradient drives (pod_worker/diloco.py)."""
+    NESTEROV = "nesterov"       # SGD with Nesterov momentum (the DiLoCo papers' choice)
+    SGD = "sgd"                 # SGD, with heavy-ball momentum if sync.outer_momentum > 0
+
+
+class OuterDtype(enum.StrEnum):
+    """sync.outer_dtype: how an outer gradient travels; summed in float32 whatever the encoding."""
+    FLOAT32 = "float32"
+    BF16 = "bf16"
+    INT8 = "int8"               # one float32 scale per block of <= 256 values
+    INT4 = "int4"               # two values per byte, one float32 scale per block of <= 256 values
+
+    @property
+    def compression(self) -> Compression:
+        """The data plane's encoding of it (pod_worker/dcn/wire.py)."""
+        return Compression.NONE if self is OuterDtype.FLOAT32 else Compression(self.value)
+
+
+class OuterFailure(enum.StrEnum):
+    """sync.on_pod_failure: what an outer step does when a pod died since the last one."""
+    REPLAY = "replay"           # a survivor recomputes its inner steps: bitwise the uninterrupted run
+    DROP = "drop"               # the outer step averages over the pods that finished
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How the pods stay in step. every_step: today's exact data parallelism over the DCN.
+    diloco: Streaming DiLoCo (Douillard et al. 2023; Douillard et al. 2025): each pod takes inner
+    steps on its own shard with its own optimizer state; the parameters are cut into `fragments`
+    contiguous groups of layers, and fragment f meets every `inner_steps` (H) steps, at its own
+    offset in the cycle: the pods average its pseudo-gradient (the last agreed values minus their
+    own), encoded in `outer_dtype`, and apply one outer step. With `overlap_steps` (tau) the
+    exchange runs on the data plane while tau more inner steps go on; the fragment then takes the
+    outer step's result. After a fragment's outer step its values and the outer state are bitwise
+    identical on every pod."""
+    mode: SyncMode = SyncMode.EVERY_STEP
+    inner_steps: int = 20               # H: inner steps between two outer steps of a fragment
+    outer_optimizer: OuterOptimizer = OuterOptimizer.NESTEROV
+    outer_lr: float = 0.7               # the DiLoCo paper's
+    outer_momentum: float = 0.9
+    fragments: int = 1                  # F: 1 is DiLoCo; more is Streaming DiLoCo
+    overlap_steps: int = 0              # tau: inner steps a fragment's exchange overlaps (< H / F)
+    outer_dtype: OuterDtype = OuterDtype.FLOAT32
+    on_pod_failure: OuterFailure = OuterFailure.REPLAY
+
+    def __post_init__(self):
+        for name, kind in (("mode", SyncMode), ("outer_optimizer", OuterOptimizer), ("outer_dtype", OuterDtype),
+                           ("on_pod_failure", OuterFailure)):
+            object.__setattr__(self, name, to_enum(f"sync.{name}", kind, getattr(self, name)))
+
+    @property
+    def diloco(self) -> bool:
+        return self.mode is SyncMode.DILOCO
+
+    @property
+    def period(self) -> int:
+        """Inner steps between two consecutive outer steps (of successive fragments): H / F."""
+        return self.inner_steps // self.fragments
+
+    def validate(self) -> None:
+        positive("sync.inner_steps", self.inner_steps)
+        positive("sync.fragments", self.fragments)
+        positive("sync.outer_lr", self.outer_lr)
+        non_negative("sync.overlap_steps", self.overlap_steps)
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError("sync.outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_optimizer is OuterOptimizer.NESTEROV and self.outer_momentum == 0.0:
+            raise ConfigError("sync.outer_momentum", "Nesterov needs a momentum > 0 (outer_optimizer = \"sgd\" "
+                                                     "takes none)")
+        if self.inner_steps % self.fragments:
+            raise ConfigError("sync.fragments", f"{self.fragments} fragments do not divide sync.inner_steps = "
+                                                f"{self.inner_steps}: each fragment meets once every H steps, at "
+                                                f"offsets H / F apart")
+        if self.overlap_steps and self.overlap_steps >= self.period:
+            raise ConfigError("sync.overlap_steps", f"{self.overlap_steps} must be below sync.inner_steps / "
+                                                    f"sync.fragments = {self.period}: a fragment's exchange must end "
+                                                    f"before the next fragment's starts")
+
+
 @dataclass(frozen=True)
 class TrainShape:
     """What a pod needs to know about the run as a whole: the seed of its initial parameters, the
@@ -186,6 +273,7 @@ def validate_sections(config, seq_len_field: str, seq_len: int) -> None:
         getattr(config, section.name).validate()
     check_fits(seq_len_field, seq_len, config.model, config.prompt)
     check_prompt(config.prompt, config.dcn, config.model)
+    check_sync(config.sync, config.model, config.prompt)
 
 
 @dataclass(frozen=True)
@@ -197,6 +285,7 @@ class WorkerConfig:
     dcn: DcnConfig = field(default_factory=DcnConfig)
     train: TrainShape = field(default_factory=TrainShape)
     prompt: PromptConfig = field(default_factory=PromptConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def validate(self) -> WorkerConfig:
         validate_sections(self, "train.seq_len", self.train.seq_len)
@@ -218,7 +307,16 @@ class WorkerConfig:
             # (the prompt checkpoint records it), whatever folder it is read from.
             key["prompt"] = {"kind": self.prompt.kind.value, "virtual_tokens": self.prompt.virtual_tokens,
                              "hidden": self.prompt.hidden}
+        if self.sync.diloco:    # the outer state and where each pod is in the cycle
+            key["sync"] = plain(self.sync)
         return key
+
+    def exchange_dcn(self) -> DcnConfig:
+        """The data plane's settings for what the pods exchange: every step's gradient in
+        dcn.compression, or in DiLoCo mode the outer gradients in sync.outer_dtype."""
+        if not self.sync.diloco:
+            return self.dcn
+        return dataclasses.replace(self.dcn, compression=self.sync.outer_dtype.compression)
 
     def to_dict(self) -> dict:
         return plain(self)
@@ -268,6 +366,17 @@ def check_fits(name: str, seq_len: int, model: ModelConfig, prompt: PromptConfig
     if seq_len + virtual > model.max_seq_len:
         after = f" after prompt.virtual_tokens={virtual}" if virtual else ""
         raise ConfigError(name, f"{seq_len}{after} exceeds model.max_seq_len={model.max_seq_len}")
+
+
+def check_sync(sync: SyncConfig, model: ModelConfig, prompt: PromptConfig) -> None:
+    """ConfigError naming the field if DiLoCo cannot run with these settings."""
+    if not sync.diloco:
+        return
+    if prompt.enabled:
+        raise ConfigError("sync.mode", "prompt tuning syncs every step (its gradient is a few kilobytes)")
+    if sync.fragments > model.n_layers:
+        raise ConfigError("sync.fragments", f"{sync.fragments} fragments of contiguous layers, the model has "
+                                            f"{model.n_layers} layers")
 
 
 def check_prompt(prompt: PromptConfig, dcn: DcnConfig, model: ModelConfig) -> None:

@@ -192,6 +192,14 @@ def _accounting(trainer) -> dict:
             "memory_temp_bytes": stats["temp_bytes"] or 0, "memory_peak_bytes": stats["peak_bytes"] or 0}
 
 
+def _outer_step(report) -> pb.OuterStep | None:
+    """A DiLoCo outer step's report (pod_worker/diloco.py OuterReport) on the wire; None if none."""
+    if report is None:
+        return None
+    return pb.OuterStep(sync=report.sync, fragment=report.fragment, started_step=report.started_at,
+                        seconds=report.seconds, exposed_s=report.exposed_s)
+
+
 class PodWorkerService(pb_grpc.PodWorkerServicer):
     """The PodWorker service: the controller's requests, validated, run on the pod."""
 
@@ -280,7 +288,8 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
                                    idle_s=link.idle_s if link else 0.0,
                                    exposed_exchange_s=outcome.exposed_exchange_s),
             dcn_bytes_sent=link.bytes_sent if link else 0,
-            dcn_bytes_received=link.bytes_received if link else 0, shards=shards)
+            dcn_bytes_received=link.bytes_received if link else 0, shards=shards,
+            outer=_outer_step(outcome.outer))
 
     @_handler
     def Evaluate(self, request: pb.EvaluateRequest, context) -> pb.EvaluateReply:

@@ -23,6 +23,7 @@ from multipod.model.partitioning import activate_rules, batch_sharding, make_mes
 from multipod.pod_worker import overlap, programs, split
 from multipod.pod_worker.accumulate import MicrobatchSum
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
+from multipod.pod_worker.diloco import OuterReport, OuterSync
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
 from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
@@ -75,7 +76,37 @@ class PodTrainer:
         # Several hosts: each exchanges one block of every leaf with its peers on the other pods.
         self.assembler = (Assembler(self.mesh, [s.shape for s in self.leaf_specs],
                                     jax.tree.leaves(self.param_sharding), layout) if layout.multi else None)
+        self.outer: OuterSync | None = None     # DiLoCo (sync.mode): the agreed state, set by start_outer
         self._compile()
+
+    def start_outer(self, num_pods: int) -> None:
+        """DiLoCo mode (sync.mode = "diloco") for a run of num_pods pods: from now on the steps are
+        inner steps and the outer syncs of pod_worker/diloco.py follow them (outer_step)."""
+        if self.layout.multi:
+            from multipod.model.config import ConfigError
+            raise ConfigError("sync.mode", "DiLoCo runs on pods of one host each for now (this pod has "
+                                           f"{self.layout.hosts_per_pod} hosts)")
+        self.outer = OuterSync(self.config.sync, self.params, self.param_sharding, self.scalar_sharding,
+                               self.config.model.n_layers, num_pods)
+        self._outer_checksum = jax.jit(programs.state_checksum, out_shardings=self.scalar_sharding)
+
+    def outer_step(self, all_reduce) -> OuterReport | None:
+        """DiLoCo: after an inner step, the outer step due now (if any) and the start of the outer
+        sync due now (pod_worker/diloco.py); the report of an outer step applied."""
+        self.params, report = self.outer.after_step(self.step, self.params, all_reduce)
+        return report
+
+    @property
+    def exchange_key(self) -> int:
+        """The key of the next exchange on the data plane (Inbox.set_next_step): the next step, or
+        in DiLoCo mode the number of the next outer sync."""
+        return self.step if self.outer is None else self.outer.next_sync(self.step)
+
+    @property
+    def agreed_params(self):
+        """The parameters every pod holds alike: the trained ones, or in DiLoCo mode the agreed
+        ones (each fragment as of its last outer step). Evaluation and generation use these."""
+        return self.params if self.outer is None else self.outer.agreed_params()
 
     def _initial_params(self):
         """(shardings, parameters) of what this pod trains: the whole model, laid out by the rules
@@ -461,7 +492,7 @@ class PodTrainer:
         else:
             batch = self.put_batch(tokens)
         with activate_rules(self.mesh):
-            ce, z = self._eval_step(self.params, batch)
+            ce, z = self._eval_step(self.agreed_params, batch)
         return float(ce), int(tokens.shape[0] * (tokens.shape[1] - 1))
 
     def save_metadata(self) -> dict:
@@ -474,12 +505,21 @@ class PodTrainer:
 
     def fingerprint(self) -> str:
         """The fingerprint: BLAKE2b of a host copy of every parameter and optimizer-state leaf (at
-        checkpoints, transfers, and every run.fingerprint_every steps)."""
+        checkpoints, transfers, and every run.fingerprint_every steps); in DiLoCo mode, of the
+        agreed state (the agreed parameters and the outer optimizer's), which every pod shares."""
+        if self.outer is not None:
+            return fingerprint(*self.outer.agreed_state())
         return fingerprint(self.params, self.opt_state)
 
     def checksum(self) -> str:
         """The state checksum (every step): programs.state_checksum of the state, computed on the devices;
-        only its 8 bytes come to the host."""
+        only its 8 bytes come to the host. In DiLoCo mode, of the agreed state (as fingerprint)."""
+        if self.outer is not None:     # it changes only with an outer step: computed once per version
+            cached = getattr(self, "_outer_checksum_of", None)
+            if cached is None or cached[0] != self.outer.version:
+                value = programs.checksum_hex(host_value(self._outer_checksum(*self.outer.agreed_state())))
+                self._outer_checksum_of = cached = (self.outer.version, value)
+            return cached[1]
         program = getattr(self, "_checksum_compiled", None) or self._checksum
         return programs.checksum_hex(host_value(program(self.params, self.opt_state)))
 
@@ -491,8 +531,9 @@ class PodTrainer:
 
     def params_copy(self) -> dict:
         """A copy of the parameters on the devices, in their training layout, for generation: the
-        next update donates the live buffers. Take it between steps (a sequencer hold)."""
-        return jax.tree.map(jnp.copy, self.params)
+        next update donates the live buffers. Take it between steps (a sequencer hold). In DiLoCo
+        mode, of the agreed parameters."""
+        return jax.tree.map(jnp.copy, self.agreed_params)
 
     def host_state(self) -> dict:
         """Parameters, optimizer state and step as host arrays (for checkpoints and sampling)."""

@@ -145,7 +145,7 @@ class StepTimings(_message.Message):
     def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "checksum", "timings", "dcn_bytes_sent", "dcn_bytes_received", "fingerprint", "shards")
+    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "checksum", "timings", "dcn_bytes_sent", "dcn_bytes_received", "fingerprint", "shards", "outer")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class StepReply(_message.Message):
     DCN_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
     step: int
     pod_index: int
     loss_sum: float
@@ -174,7 +175,22 @@ class StepReply(_message.Message):
     dcn_bytes_received: int
     fingerprint: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardResult]
-    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., checksum: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ...) -> None: ...
+    outer: OuterStep
+    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., checksum: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ..., outer: _Optional[_Union[OuterStep, _Mapping]] = ...) -> None: ...
+
+class OuterStep(_message.Message):
+    __slots__ = ("sync", "fragment", "started_step", "seconds", "exposed_s")
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
+    sync: int
+    fragment: int
+    started_step: int
+    seconds: float
+    exposed_s: float
+    def __init__(self, sync: _Optional[int] = ..., fragment: _Optional[int] = ..., started_step: _Optional[int] = ..., seconds: _Optional[float] = ..., exposed_s: _Optional[float] = ...) -> None: ...
 
 class MembershipRequest(_message.Message):
     __slots__ = ("run_id", "hosts", "num_pods", "dcn_addresses")

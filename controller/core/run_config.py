@@ -22,6 +22,7 @@ from multipod.pod_worker.schema import (
     MeshConfig,
     OptimizerConfig,
     PromptConfig,
+    SyncConfig,
     TrainShape,
     WorkerConfig,
     build,
@@ -262,6 +263,7 @@ class Config:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def validate(self) -> Config:
         """Check every section and the cross-section rules (the worker's too: a bad overlap or
@@ -280,7 +282,7 @@ class Config:
     def worker_config(self) -> WorkerConfig:
         """The part of the config a pod worker gets in Configure (and nothing else)."""
         return WorkerConfig(model=self.model, optimizer=self.optimizer, mesh=self.mesh, dcn=self.dcn,
-                            prompt=self.prompt, train=TrainShape(seed=self.run.seed, total_steps=self.run.steps,
+                            prompt=self.prompt, sync=self.sync, train=TrainShape(seed=self.run.seed, total_steps=self.run.steps,
                                              seq_len=self.data.seq_len, global_batch=self.data.global_batch))
 
     @classmethod

@@ -135,7 +135,7 @@ class Exchange:
         self.close()
 
     def all_reduce(self, step: int, leaves, on_leaf=None, order: list[int] | None = None,
-                   extra: dict[int, list] | None = None) -> tuple[list, ExchangeStats]:
+                   extra: dict[int, list] | None = None, subset: bool = False) -> tuple[list, ExchangeStats]:
         """Send this pod's gradient leaves, receive the peers', and return the sum over all pods in
         pod-index order (by leaf index), bitwise identical on every pod.
 
@@ -145,12 +145,18 @@ class Exchange:
         (e.g. an async host->device put) is called on each leaf as soon as it is summed; its
         results are returned.
 
+        subset: `order` names only some of the leaves (a DiLoCo fragment's, keyed by its outer sync
+        number as `step`); only those are read, sent and summed, the others' results are None.
+
         Degraded mode: `leaves` are this pod's own slot's; `extra` = {slot: leaves} of exactly the
         other slots `hosts` gives this pod (ValueError otherwise), each read in `order` too.
         ExchangeError if the exchange fails, times out, or was aborted or closed."""
         n = len(self.plan.leaves)
         order = list(range(n)) if order is None else [int(i) for i in order]
-        if sorted(order) != list(range(n)):
+        if subset:
+            if len(set(order)) != len(order) or not all(0 <= i < n for i in order):
+                raise ValueError(f"order must name distinct leaves among the {n}")
+        elif sorted(order) != list(range(n)):
             raise ValueError(f"order must be a permutation of the {n} leaf indices")
         extra = dict(extra or {})
         if sorted(extra) != self.hosted[1:]:

@@ -1,0 +1,215 @@
+"""Streaming DiLoCo on one pod (sync.mode = "diloco"): the outer state and the outer steps.
+
+Each pod takes inner steps on its own shard (PodTrainer's programs, with its own AdamW state, no
+DCN traffic). The parameters are cut into F fragments of contiguous layers (`fragment_leaves`);
+fragment f meets once every H inner steps, at its own offset: outer sync number n (n = 1, 2, ...)
+starts after inner step n * H/F and syncs fragment (n - 1) mod F. A sync:
+
+  1. pseudo-gradient: delta_f = agreed_f - local_f (the fragment's last agreed values minus this
+     pod's), on the devices;
+  2. the data plane sums every pod's delta_f in pod order, each encoded in sync.outer_dtype and
+     decoded alike on every pod (Exchange.all_reduce on the fragment's leaves, keyed by n);
+  3. after tau more inner steps (sync.overlap_steps; the exchange runs on a thread meanwhile), the
+     outer optimizer (optax SGD, Nesterov or not) steps agreed_f with the mean, and the pod's
+     fragment takes the new agreed values.
+
+Every input of steps 2-3 is bitwise the same on every pod (the pod-ordered sum of the same
+decoded bytes, the same agreed values, the same outer state), and so is the program: after a
+fragment's outer step, its values and the outer state are bitwise identical on every pod. The
+inner state (the local parameters between syncs, AdamW's moments) stays on each pod. The
+fragment takes the agreed values outright (the Streaming DiLoCo paper's mixing factor 0): mixing
+in the pod's own progress would leave the pods different after the outer step.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from multipod.pod_worker.optimizer import opt_shardings
+from multipod.pod_worker.schema import OuterOptimizer, SyncConfig
+
+log = logging.getLogger(__name__)
+
+_BLOCK = re.compile(r"block_(\d+)$")
+
+
+def fragment_leaves(params, num_layers: int, fragments: int) -> list[list[int]]:
+    """The leaf indices (in tree order) of each of `fragments` groups of contiguous layers: block i
+    goes to fragment i * F // L; the embedding (shared by input and output) joins the first
+    fragment, any other top-level parameter (the final norm) the last."""
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+        top = path[0].key if hasattr(path[0], "key") else str(path[0])
+        block = _BLOCK.match(str(top))
+        if block:
+            fragment = int(block.group(1)) * fragments // num_layers
+        else:
+            fragment = 0 if str(top) == "embedding" else fragments - 1
+        groups[fragment].append(index)
+    return groups
+
+
+@dataclasses.dataclass
+class OuterReport:
+    """One outer step this pod applied (reported in the StepReply of the inner step that applied it)."""
+    sync: int                 # the outer sync's number (1, 2, ...)
+    fragment: int
+    started_at: int           # the inner step count the pseudo-gradient was taken at
+    bytes_sent: int
+    bytes_received: int
+    seconds: float            # from the start of the exchange until the outer step was applied
+    exposed_s: float          # of which the inner steps waited (all of it without overlap)
+
+
+@dataclasses.dataclass
+class _Pending:
+    sync: int
+    fragment: int
+    started_at: int
+    apply_at: int
+    started: float                                  # perf_counter
+    result: concurrent.futures.Future
+
+
+class OuterSync:
+    """The agreed parameters and the outer optimizer's state of one pod, and its outer steps.
+
+    `params` and `shardings`: the trainer's (the agreed copy starts equal to the pods' identical
+    initial parameters); `scalar_sharding`: where a scalar of the outer state lives."""
+
+    def __init__(self, sync: SyncConfig, params, shardings, scalar_sharding, num_layers: int, num_pods: int):
+        self.sync, self.num_pods = sync, num_pods
+        self._scalar_sharding = scalar_sharding
+        self.fragments = fragment_leaves(params, num_layers, sync.fragments)
+        self._treedef = jax.tree.structure(params)
+        self._shardings = jax.tree.leaves(shardings)
+        self.agreed: list[jax.Array] = [jnp.copy(leaf) for leaf in jax.tree.leaves(params)]
+        self.tx = optax.sgd(sync.outer_lr, momentum=sync.outer_momentum or None,
+                            nesterov=sync.outer_optimizer is OuterOptimizer.NESTEROV)
+        self._programs = [self._compile(leaves) for leaves in self.fragments]
+        self.states = [program["init"]([self.agreed[i] for i in leaves])
+                       for program, leaves in zip(self._programs, self.fragments)]
+        self.pending: _Pending | None = None
+        self.version = 0        # outer steps applied by this object (the agreed state changes only then)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
+
+    def _compile(self, leaves: list[int]) -> dict:
+        shardings = [self._shardings[i] for i in leaves]
+
+        def update(agreed, state, summed, count):
+            mean = [s / count for s in summed]
+            updates, state = self.tx.update(mean, state, agreed)
+            return optax.apply_updates(agreed, updates), state
+
+        def delta(agreed, local):
+            return [a - b for a, b in zip(agreed, local)]
+
+        abstract = [jax.ShapeDtypeStruct(self.agreed[i].shape, self.agreed[i].dtype, sharding=self._shardings[i])
+                    for i in leaves]
+        state_shardings = opt_shardings(jax.eval_shape(self.tx.init, abstract), shardings, self._scalar_sharding)
+        return {"init": jax.jit(self.tx.init, out_shardings=state_shardings),
+                "delta": jax.jit(delta, out_shardings=shardings),
+                "update": jax.jit(update, out_shardings=(shardings, state_shardings)),
+                "copy": jax.jit(lambda values: [jnp.copy(v) for v in values], out_shardings=shardings)}
+
+    # -- the schedule ----------------------------------------------------------------------------
+    def sync_at(self, count: int) -> int | None:
+        """The number of the outer sync that starts once `count` inner steps are done, or None."""
+        period = self.sync.period
+        return count // period if count > 0 and count % period == 0 else None
+
+    def fragment_of(self, sync: int) -> int:
+        return (sync - 1) % self.sync.fragments
+
+    def next_sync(self, count: int) -> int:
+        """The number of the first outer sync not yet started after `count` inner steps (the key the
+        data plane expects next)."""
+        if self.pending is not None:
+            return self.pending.sync
+        return count // self.sync.period + 1
+
+    # -- the outer steps -------------------------------------------------------------------------
+    def after_step(self, count: int, params, all_reduce: Callable | None) -> tuple[object, OuterReport | None]:
+        """After inner step `count` (counted from 1): apply the outer step due now, start the sync
+        due now; returns (the parameters, changed where an outer step applied, and its report).
+        `all_reduce(sync, leaves, order)`: the pods' pod-order sum of the given leaves (None for
+        one pod, whose pseudo-gradient is its own)."""
+        report = None
+        leaves = jax.tree.leaves(params)
+        if self.pending is not None and count >= self.pending.apply_at:
+            leaves, report = self._apply(leaves)
+        sync = self.sync_at(count)
+        if sync is not None:
+            if self.pending is not None:    # the schedule forbids it (overlap_steps < H / F)
+                raise RuntimeError(f"outer sync {sync} starts while sync {self.pending.sync} is still pending")
+            self._start(sync, count, leaves, all_reduce)
+            if self.sync.overlap_steps == 0:
+                leaves, report = self._apply(leaves)
+        return jax.tree.unflatten(self._treedef, leaves), report
+
+    def _start(self, sync: int, count: int, leaves: list, all_reduce: Callable | None) -> None:
+        fragment = self.fragment_of(sync)
+        indices = self.fragments[fragment]
+        delta = self._programs[fragment]["delta"]([self.agreed[i] for i in indices], [leaves[i] for i in indices])
+        for value in delta:
+            value.copy_to_host_async()
+        by_index = dict(zip(indices, delta))
+        if all_reduce is None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(([by_index[i] for i in indices], None))
+            result = done
+        else:
+            full = [by_index.get(i) for i in range(len(leaves))]
+            result = self._thread.submit(self._exchange, all_reduce, sync, full, indices)
+        self.pending = _Pending(sync, fragment, count, count + self.sync.overlap_steps, time.perf_counter(), result)
+
+    @staticmethod
+    def _exchange(all_reduce: Callable, sync: int, full: list, indices: list[int]):
+        summed, stats = all_reduce(sync, full, indices)
+        return [summed[i] for i in indices], stats
+
+    def _apply(self, leaves: list) -> tuple[list, OuterReport]:
+        pending, self.pending = self.pending, None
+        wait_start = time.perf_counter()
+        summed, stats = pending.result.result()    # the exchange has its own deadline (dcn.timeout_s)
+        exposed = time.perf_counter() - wait_start
+        indices = self.fragments[pending.fragment]
+        program = self._programs[pending.fragment]
+        summed = [jax.device_put(value, self._shardings[i]) for value, i in zip(summed, indices)]
+        count = np.float32(self.num_pods)
+        agreed, self.states[pending.fragment] = program["update"]([self.agreed[i] for i in indices],
+                                                                  self.states[pending.fragment], summed, count)
+        local = program["copy"](agreed)    # the inner update donates the pod's parameters: never alias them
+        leaves = list(leaves)
+        for i, value, mine in zip(indices, agreed, local):
+            self.agreed[i] = value
+            leaves[i] = mine
+        self.version += 1
+        seconds = time.perf_counter() - pending.started
+        exposed = seconds if self.sync.overlap_steps == 0 else exposed
+        report = OuterReport(pending.sync, pending.fragment, pending.started_at,
+                             getattr(stats, "bytes_sent", 0), getattr(stats, "bytes_received", 0), seconds, exposed)
+        log.debug("outer sync %d (fragment %d) applied: %.3f s, %.3f s exposed", pending.sync, pending.fragment,
+                  seconds, exposed)
+        return leaves, report
+
+    # -- the agreed state ------------------------------------------------------------------------
+    def agreed_params(self):
+        """The agreed parameters (every fragment as of its last outer step), as a tree."""
+        return jax.tree.unflatten(self._treedef, self.agreed)
+
+    def agreed_state(self) -> tuple:
+        """What every pod holds bitwise alike: the agreed parameters and the outer optimizer states."""
+        return self.agreed_params(), self.states
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
