@@ -281,9 +281,10 @@ class Config:
 
     def worker_config(self) -> WorkerConfig:
         """The part of the config a pod worker gets in Configure (and nothing else)."""
+        train = TrainShape(seed=self.run.seed, total_steps=self.run.steps, seq_len=self.data.seq_len,
+                           global_batch=self.data.global_batch)
         return WorkerConfig(model=self.model, optimizer=self.optimizer, mesh=self.mesh, dcn=self.dcn,
-                            prompt=self.prompt, sync=self.sync, train=TrainShape(seed=self.run.seed, total_steps=self.run.steps,
-                                             seq_len=self.data.seq_len, global_batch=self.data.global_batch))
+                            prompt=self.prompt, sync=self.sync, train=train)
 
     @classmethod
     def from_dict(cls, data: dict) -> Config:
