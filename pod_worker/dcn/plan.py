@@ -103,8 +103,8 @@ class Plan:
         self.num_pods = num_pods
         self.leaves = leaves
         self.codec = WireCodec(compression)
-        # Values per chunk: chunk_bytes of wire values (int8 adds its scales on top).
-        self.chunk_elems = [max(1, chunk_bytes // self.codec.value_dtype(l.dtype).itemsize) for l in leaves]
+        # Values per chunk: chunk_bytes of wire values (int8 and int4 add their scales on top).
+        self.chunk_elems = [self.codec.chunk_values(chunk_bytes, l.dtype) for l in leaves]
         self.whole = num_pods <= 2
         self.ranges = [owned_ranges(l.size, num_pods) for l in leaves]
         self.total_bytes = sum(l.nbytes for l in leaves)
