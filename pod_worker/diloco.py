@@ -164,9 +164,7 @@ class OuterSync:
             value.copy_to_host_async()
         by_index = dict(zip(indices, delta))
         if all_reduce is None:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(([by_index[i] for i in indices], None))
-            result = done
+            result = _done(([by_index[i] for i in indices], None))
         else:
             full = [by_index.get(i) for i in range(len(leaves))]
             result = self._thread.submit(self._exchange, all_reduce, sync, full, indices)
@@ -211,5 +209,50 @@ class OuterSync:
         """What every pod holds bitwise alike: the agreed parameters and the outer optimizer states."""
         return self.agreed_params(), self.states
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self, timeout_s: float) -> tuple[dict, dict]:
+        """(arrays, metadata) of the outer state for a checkpoint, between steps: the agreed
+        parameters, the outer optimizer states' leaves, and a sync still pending (its exchange
+        waited for, within timeout_s: its pod-order sum is saved, so a resumed run applies the
+        very same outer step without exchanging again)."""
+        arrays = {"agreed": list(self.agreed), "states": jax.tree.leaves(self.states)}
+        meta: dict = {"pending": None}
+        pending = self.pending
+        if pending is not None:
+            summed, stats = pending.result.result(timeout=timeout_s)
+            pending.result = _done((summed, stats))
+            arrays["pending"] = [np.asarray(value) for value in summed]
+            meta["pending"] = {"sync": pending.sync, "fragment": pending.fragment,
+                               "started_at": pending.started_at, "apply_at": pending.apply_at}
+        return arrays, meta
+
+    def restore_target(self, meta: dict) -> dict:
+        """The restore target of checkpoint(): arrays shaped and laid out as this pod's."""
+        target = {"agreed": list(self.agreed), "states": jax.tree.leaves(self.states)}
+        pending = (meta or {}).get("pending")
+        if pending:
+            target["pending"] = [np.zeros(self.agreed[i].shape, self.agreed[i].dtype)
+                                 for i in self.fragments[int(pending["fragment"])]]
+        return target
+
+    def load(self, arrays: dict, meta: dict) -> None:
+        """Replace the outer state with a checkpoint's (restore_target's shape)."""
+        self.agreed = [jax.device_put(value, sharding) for value, sharding in zip(arrays["agreed"], self._shardings)]
+        self.states = jax.tree.unflatten(jax.tree.structure(self.states), list(arrays["states"]))
+        self.pending = None
+        pending = (meta or {}).get("pending")
+        if pending:
+            summed = [np.asarray(value) for value in arrays["pending"]]
+            self.pending = _Pending(int(pending["sync"]), int(pending["fragment"]), int(pending["started_at"]),
+                                    int(pending["apply_at"]), time.perf_counter(), _done((summed, None)))
+        self.version += 1
+
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _done(value) -> concurrent.futures.Future:
+    """A future that already holds `value`."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future

@@ -346,11 +346,13 @@ class Pod(PodMembership):
             trainer = setup.trainer
             if step != trainer.step:
                 raise InvalidRequest(f"save requested for step {step}, pod {self.pod_index} is at step {trainer.step}")
-            fp = trainer.fingerprint()
             metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key(),
                             **trainer.save_metadata())
             # The device arrays themselves: orbax copies what this host owns before submit returns.
             state = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+            if trainer.outer is not None:   # DiLoCo: this pod's own inner state, and the outer state
+                state["outer"], metadata["outer"] = trainer.outer.checkpoint(setup.config.dcn.timeout_s)
+            fp = _state_fingerprint(state)
             path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
         return SaveStarted(path, fp, step)
 
@@ -397,18 +399,26 @@ class Pod(PodMembership):
             trainer = setup.trainer
             # Read straight onto this host's devices, laid out as its trainer's state (orbax
             # reshards a checkpoint written by another device count or host count).
-            state, metadata = checkpoint.restore(path, checkpoint.abstract(
-                {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}))
+            target = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+            if trainer.outer is not None:
+                saved = checkpoint.read_metadata(path).get("outer")
+                if not isinstance(saved, dict):
+                    raise CheckpointError(f"checkpoint {path} holds no DiLoCo outer state (sync.mode = \"diloco\")")
+                target["outer"] = trainer.outer.restore_target(saved)
+            state, metadata = checkpoint.restore(path, checkpoint.abstract(target))
             if int(state["step"]) != int(metadata.get("step", -1)):
                 raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
                                       f"metadata says {metadata.get('step')}")
             # Checked on the arrays read back, before they replace the state: a corrupt
             # checkpoint leaves the pod as it was.
-            fp = fingerprint(state["params"], state["opt_state"])
+            fp = _state_fingerprint(state)
             if metadata.get("fingerprint") != fp:
                 raise CorruptCheckpoint(f"checkpoint {path} is corrupt: the restored state's fingerprint {fp} "
                                         f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
             trainer.load_state(state["params"], state["opt_state"], state["step"])
+            if trainer.outer is not None:
+                trainer.outer.load(state["outer"], metadata["outer"])
+                fp = trainer.fingerprint()      # what every pod restored alike: the agreed state's
             self._checksum = (trainer.step, trainer.checksum())
             if run_id:
                 # A fresh DCN inbox under a new run id: nothing a peer sent before the restore
@@ -488,6 +498,11 @@ class Pod(PodMembership):
             self.exchange.close()
         if self.listener is not None:
             self.listener.close()
+
+
+def _state_fingerprint(state: dict) -> str:
+    """The fingerprint of everything a checkpoint holds (a DiLoCo pod's outer state too)."""
+    return fingerprint(state["params"], state["opt_state"], state.get("outer", {}))
 
 
 def _voted(all_reduce, check):

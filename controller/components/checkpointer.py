@@ -3,10 +3,15 @@ restoring every pod from one.
 
 Pod 0 writes each checkpoint (every pod's state is identical) in the background: the `Save` RPC
 returns once the state is on the host, and a separate `WaitSave` RPC reports the write's outcome.
-A failed save is reported at once and never replaces the last good checkpoint."""
+A failed save is reported at once and never replaces the last good checkpoint.
+
+In DiLoCo mode (sync.mode) the pods differ between outer steps, so every pod writes its own
+state, under `<checkpoint dir>/pod-<k>/<step>` (pod_directory); a checkpoint is good once every
+pod's part is written, and each pod restores its own part."""
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +42,15 @@ class Saved:
 
 @dataclass(frozen=True)
 class PendingSave:
-    """A checkpoint being written: `call` is the WaitSave RPC in flight."""
+    """A checkpoint being written: `calls`, the WaitSave RPCs in flight (one per writing pod)."""
     step: int
     path: str
-    call: object
+    calls: tuple
+
+
+def pod_directory(directory: str, pod: int) -> str:
+    """DiLoCo mode: where pod `pod` writes its own checkpoints under the run's checkpoint directory."""
+    return str(pathlib.Path(directory) / f"pod-{pod}")
 
 
 class Checkpointer:
@@ -95,19 +105,37 @@ class Checkpointer:
         meta = {"data_offset": self.data_offset, "data_position": step + self.data_offset,
                 "data_path": self.cluster.config.data.path, "seed": run.seed, "run_id": self.cluster.base_run_id,
                 "num_pods": self.cluster.size, "saved_at": time.time()}
-        request = pb.SaveRequest(step=step, directory=self.directory, metadata_json=json.dumps(meta),
-                                 background=True, keep=self.config.keep)
-        writer = self.cluster.live_clients[0]
+        writers = self.cluster.live_clients if self.per_pod else self.cluster.live_clients[:1]
+        directories = [self._directory(writer.pod_index) for writer in writers]
+
+        def start(writer, directory):
+            request = pb.SaveRequest(step=step, directory=directory, metadata_json=json.dumps(meta),
+                                     background=True, keep=self.config.keep)
+            return writer.save(request, run.step_timeout_s)
         try:
-            reply = writer.save(request, run.step_timeout_s)
+            replies = parallel(lambda pair: start(*pair), list(zip(writers, directories)))
         except WorkerError as exc:
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise self.cluster.diagnose(f"checkpoint of step {step}: {exc}") from None
             self._failed(step, str(exc))
             return
-        wait = writer.wait_save_async(pb.WaitSaveRequest(step=step, directory=self.directory), CHECKPOINT_TIMEOUT_S)
-        self.pending.append(PendingSave(step, reply.path, wait))
-        self.events.write(EventKind.CHECKPOINT_STARTED, step=step, path=reply.path)
+        waits = tuple(writer.wait_save_async(pb.WaitSaveRequest(step=step, directory=directory), CHECKPOINT_TIMEOUT_S)
+                      for writer, directory in zip(writers, directories))
+        self.pending.append(PendingSave(step, replies[0].path, waits))
+        self.events.write(EventKind.CHECKPOINT_STARTED, step=step, path=replies[0].path)
+
+    @property
+    def per_pod(self) -> bool:
+        """Whether every pod writes its own state (DiLoCo mode), not pod 0 alone."""
+        return self.cluster.config.sync.diloco
+
+    def _directory(self, pod: int) -> str:
+        """Where pod `pod` writes and finds its checkpoints."""
+        return pod_directory(self.directory, pod) if self.per_pod else self.directory
+
+    def _path(self, pod: int, step: int, path: str) -> str:
+        """Pod `pod`'s part of the checkpoint of `step` whose (pod 0's) path is `path`."""
+        return str(pathlib.Path(self._directory(pod)) / str(step)) if self.per_pod else path
 
     def _failed(self, step: int, why: str) -> None:
         self.failed += 1
@@ -120,11 +148,11 @@ class Checkpointer:
         good checkpoint unless a newer one already is; a failure is reported at once."""
         still = []
         for save in self.pending:
-            if not block and not save.call.done():
+            if not block and not all(call.done() for call in save.calls):
                 still.append(save)
                 continue
             try:
-                reply = save.call.result()
+                reply = [call.result() for call in save.calls][0]
             except WorkerError as exc:
                 self._failed(save.step, str(exc))
                 continue
@@ -153,11 +181,14 @@ class Checkpointer:
         timeout = self.cluster.config.run.step_timeout_s + self.cluster.config.dcn.timeout_s + 60.0
         first = []
         if directory:   # pod 0 finds the newest checkpoint; the others restore that one
-            first = [clients[0].restore(pb.RestoreRequest(directory=directory, run_id=run_id), timeout)]
+            first = [clients[0].restore(pb.RestoreRequest(directory=self._directory(clients[0].pod_index),
+                                                          run_id=run_id), timeout)]
             path = first[0].path
+        step = int(first[0].step) if first else self.last_good.step if self.last_good else -1
         rest = clients[len(first):]
         replies = first + parallel(
-            lambda c: c.restore(pb.RestoreRequest(path=path, run_id=run_id), timeout), rest)
+            lambda c: c.restore(pb.RestoreRequest(path=self._path(c.pod_index, step, path), run_id=run_id), timeout),
+            rest)
         if len({r.fingerprint for r in replies}) > 1:
             raise RunError(f"pods restored {path} to different states: " +
                            ", ".join(f"{c.name}: {r.fingerprint}" for c, r in zip(clients, replies)))

@@ -84,7 +84,17 @@ def step_record(step: int, replies, step_time_s: float, accounting: Accounting, 
         mfu=mfu(tokens_per_s, flops_per_token, peak, devices), hardware_flops_per_token=hw_per_token,
         hfu=mfu(tokens_per_s, hw_per_token, peak, devices) if hw_per_token else None, time=time.time(),
         data_index=data_index, epoch=epoch, skipped_steps=skipped_steps, restarts=restarts,
-        partial_loss=partial_loss)
+        partial_loss=partial_loss, **_outer_fields(replies))
+
+
+def _outer_fields(replies) -> dict:
+    """A DiLoCo outer step's StepRecord fields, from the replies that report it (every pod applies
+    it at the same step); none if the step applied none."""
+    outer = [r.outer for r in replies if r.HasField("outer")]
+    if not outer:
+        return {}
+    return {"outer_sync": outer[0].sync, "outer_fragment": outer[0].fragment,
+            "outer_seconds": max(o.seconds for o in outer), "outer_exposed_s": max(o.exposed_s for o in outer)}
 
 
 def load_measured_peak(device_kind: str, num_devices: int) -> float | None:

@@ -81,6 +81,13 @@ class StepRecord:
     # A step the survivors finished while a pod failed: loss and tokens count only the shards
     # whose results came back; its state is checked as any step's.
     partial_loss: bool = False
+    # DiLoCo (sync.mode = "diloco"): the outer step this step applied, if any: its sync number,
+    # the fragment of layers, and (slowest pod) the seconds from the start of its exchange until
+    # applied and the part of them the inner steps waited for. Its bytes are in dcn_bytes_sent.
+    outer_sync: int | None = None
+    outer_fragment: int | None = None
+    outer_seconds: float = 0.0
+    outer_exposed_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The record as metrics.jsonl holds it (tuples become lists in JSON)."""
