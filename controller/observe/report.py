@@ -4,9 +4,10 @@ events.jsonl.
 Two halves, so that a test can check what is plotted without reading pixels:
 - `report_series(records, evals, events)`: a pure function from the parsed lines (StepRecord,
   evaluation records, Event) to named series (plain lists and dicts);
-- `draw(series, path)`: plots those series, and only those, into a PNG.
+- `figure(series)`: plots those series, and only those, on a matplotlib Figure (a test can look
+  at its artists), and `draw(series, path)` saves that as a PNG.
 
-matplotlib is imported inside `draw` only (Agg canvas, no display needed): building the
+matplotlib is imported inside `figure` only (Agg canvas, no display needed): building the
 `multipod` argument parser must stay free of it.
 """
 from __future__ import annotations
@@ -38,9 +39,17 @@ MARKERS = {
     EventKind.CHECKPOINT_FAILED: ("checkpoint_failed", "checkpoint FAILED", "black", "--"),
 }
 
-FIGSIZE = (14.0, 12.0)      # inches
-MARGINS = dict(left=0.06, right=0.985, bottom=0.05, top=0.97, wspace=0.17, hspace=0.3)   # figure fractions
-DPI = 100                   # 1400 x 1200 pixels
+FIGSIZE = (14.0, 14.0)      # inches
+MARGINS = dict(left=0.06, right=0.985, bottom=0.045, top=0.975, wspace=0.17, hspace=0.36)   # figure fractions
+# Row heights: the loss, the DCN bytes under it (sharing its steps), step time, tokens/s and MFU.
+HEIGHTS = (3.0, 1.6, 3.0, 3.0)
+DPI = 100                   # 1400 x 1400 pixels
+
+# DiLoCo's outer steps (StepRecord.outer_sync): ticks along the bottom of the loss panel, and the
+# colour of their bars on the DCN bytes panel.
+OUTER_COLOUR = "tab:green"
+OUTER_GID = "outer_steps"           # the ticks' artist id (a test finds them by it)
+DCN_GID = "dcn_bytes"               # the bytes bars' id
 
 
 class ReportError(ValueError):
@@ -207,7 +216,12 @@ def report_series(records: list[StepRecord], evals: list[dict], events: list[Eve
     - degraded: [[first, last], ...] runs of steps with live_pods < len(hosts);
     - markers: [{kind, event, step, label, detail}] for failures, restores, rejoins, rewinds and
       checkpoints (saved or failed);
-    - mfu_known, hfu_known: whether any step has the value (else the panel says n/a)."""
+    - mfu_known, hfu_known: whether any step has the value (else the panel says n/a);
+    - dcn_bytes: one entry per step, every pod's bytes put on the data plane in it (after
+      compression): constant with every-step sync, 0 between DiLoCo's outer steps;
+      dcn_bytes_mean: their mean per step (0.0 without steps);
+    - outer: {steps, syncs, fragments, seconds, exposed_s} of the steps that applied a DiLoCo outer
+      step (StepRecord.outer_sync set; none in an every-step run or a file from before DiLoCo)."""
     train = latest_by_step(records)
     steps = [r.step for r in train]
     tokens = _cumulative(r.tokens for r in train)
@@ -223,6 +237,8 @@ def report_series(records: list[StepRecord], evals: list[dict], events: list[Eve
 
     mfu = [r.mfu for r in train]
     hfu = [r.hfu for r in train]
+    dcn = [r.dcn_bytes_sent for r in train]
+    outer = [r for r in train if r.outer_sync is not None]
     return {
         "steps": steps,
         "loss": [r.loss for r in train],
@@ -238,6 +254,11 @@ def report_series(records: list[StepRecord], evals: list[dict], events: list[Eve
         "pods": {p: pods[p] for p in sorted(pods)},
         "degraded": _degraded_spans(train),
         "markers": _markers(events, records),
+        "dcn_bytes": dcn,
+        "dcn_bytes_mean": sum(dcn) / len(dcn) if dcn else 0.0,
+        "outer": {"steps": [r.step for r in outer], "syncs": [r.outer_sync for r in outer],
+                  "fragments": [r.outer_fragment for r in outer], "seconds": [r.outer_seconds for r in outer],
+                  "exposed_s": [r.outer_exposed_s for r in outer]},
     }
 
 
@@ -275,12 +296,64 @@ def _step_time_top(series: dict) -> float | None:
     return 1.4 * max(later)
 
 
-def draw(series: dict, path: pathlib.Path) -> list[str]:
-    """Plot `series` (from report_series) as one PNG at `path`; returns the panels' titles.
+def _byte_unit(top: float) -> tuple[str, int]:
+    """The binary unit (name, size) that `top` bytes read best in."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if top >= size:
+            return unit, size
+    return "B", 1
 
-    Panels: loss (and eval loss) against steps and against tokens; each pod's compute, exposed
-    exchange and update time per step, and their medians stacked per pod; tokens/s; MFU and HFU.
-    The step panels shade degraded steps and draw the events as vertical lines."""
+
+def _outer_ticks(ax, series: dict) -> None:
+    """Short vertical ticks along the bottom of a step panel at DiLoCo's outer steps; nothing in a
+    run without outer steps."""
+    steps = series["outer"]["steps"]
+    if steps:
+        low, high = ax.get_ylim()
+        ax.set_ylim(low - 0.06 * (high - low), high)    # a strip below the curves for the ticks
+        ax.vlines(steps, 0.0, 0.05, transform=ax.get_xaxis_transform(), color=OUTER_COLOUR, lw=1.2,
+                  label="outer step (DiLoCo)", gid=OUTER_GID)
+
+
+def _dcn_panel(ax, series: dict) -> None:
+    """Every pod's bytes on the DCN per step, as bars (an every-step run's make a band, DiLoCo's
+    are spikes at its outer steps, drawn in the outer steps' colour), and their mean per step."""
+    steps, sent = series["steps"], series["dcn_bytes"]
+    top = max(sent, default=0)
+    unit, size = _byte_unit(top)
+    outer = set(series["outer"]["steps"])
+    for at_outer, colour, label in ((False, "tab:blue", "bytes sent, all pods"),
+                                    (True, OUTER_COLOUR, "outer step: bytes sent, all pods")):
+        chosen = [(s, b / size) for s, b in zip(steps, sent) if (s in outer) == at_outer]
+        if not chosen or not any(b for _, b in chosen):
+            continue
+        # Width 1 and an edge of the same colour: a band for every-step sync, and a spike that
+        # stays visible at a pixel or less per step.
+        bars = ax.bar(*zip(*chosen), width=1.0, color=colour, edgecolor=colour, lw=0.5, label=label)
+        for bar in bars:
+            bar.set_gid(DCN_GID)
+    if top > 0:
+        mean = series["dcn_bytes_mean"]
+        ax.axhline(mean / size, color="black", ls="--", lw=1.0, label=f"mean: {mean / size:,.1f} {unit} per step")
+        ax.set_ylim(0, 1.4 * top / size)        # room for the legend above the bars
+        ax.legend(fontsize="small", loc="upper left", ncol=2)
+    else:
+        ax.set_ylim(0, 1)
+        ax.text(0.5, 0.5, "no bytes on the DCN (one pod?)", ha="center", va="center", transform=ax.transAxes)
+    _events_on(ax, series)
+    ax.set(title="DCN bytes on the wire per step (every pod's, after compression)", xlabel="step",
+           ylabel=f"{unit} per step")
+
+
+def figure(series: dict):
+    """The report's matplotlib Figure of `series` (from report_series), and its panels by name:
+    loss, dcn, tokens, time, split, rate, util (in reading order: row by row, left to right).
+
+    Panels: loss (and eval loss) against steps and against tokens; every pod's DCN bytes per step
+    under the loss, sharing its steps, with DiLoCo's outer steps ticked on the loss; each pod's
+    compute, exposed exchange and update time per step, and their medians stacked per pod;
+    tokens/s; MFU and HFU. The step panels shade degraded steps and draw the events as vertical
+    lines."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -289,7 +362,12 @@ def draw(series: dict, path: pathlib.Path) -> list[str]:
     # same for every run.
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     FigureCanvasAgg(fig)
-    (loss_ax, tokens_ax), (time_ax, split_ax), (rate_ax, util_ax) = fig.subplots(3, 2, gridspec_kw=MARGINS)
+    grid = fig.add_gridspec(len(HEIGHTS), 2, height_ratios=HEIGHTS, **MARGINS)
+    loss_ax = fig.add_subplot(grid[0, 0])
+    dcn_ax = fig.add_subplot(grid[1, 0], sharex=loss_ax)
+    tokens_ax = fig.add_subplot(grid[0:2, 1])
+    time_ax, split_ax = fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1])
+    rate_ax, util_ax = fig.add_subplot(grid[3, 0]), fig.add_subplot(grid[3, 1])
     steps = series["steps"]
     evals = series["eval"]
 
@@ -297,8 +375,11 @@ def draw(series: dict, path: pathlib.Path) -> list[str]:
     if evals["steps"]:
         loss_ax.plot(evals["steps"], _nan(evals["loss"]), "o-", color="tab:orange", ms=4, label="eval loss")
     _events_on(loss_ax, series, seen=set())
+    _outer_ticks(loss_ax, series)
     loss_ax.set(title="loss by step", xlabel="step", ylabel="loss")
     loss_ax.legend(fontsize="small", loc="upper right")
+
+    _dcn_panel(dcn_ax, series)
 
     tokens_ax.plot(series["tokens"], _nan(series["loss"]), color="tab:blue", lw=1.2, label="train loss")
     if evals["steps"]:
@@ -354,8 +435,15 @@ def draw(series: dict, path: pathlib.Path) -> list[str]:
                      ha="center", va="center", transform=util_ax.transAxes)
     _events_on(util_ax, series)
     util_ax.set(title=", ".join(parts), xlabel="step", ylabel="% of peak")
+    return fig, {"loss": loss_ax, "dcn": dcn_ax, "tokens": tokens_ax, "time": time_ax, "split": split_ax,
+                 "rate": rate_ax, "util": util_ax}
 
-    titles = [ax.get_title() for ax in (loss_ax, tokens_ax, time_ax, split_ax, rate_ax, util_ax)]
+
+def draw(series: dict, path: pathlib.Path) -> list[str]:
+    """Plot `series` (from report_series) as one PNG at `path` (the panels of `figure`); returns
+    the panels' titles, in figure's order."""
+    fig, axes = figure(series)
+    titles = [ax.get_title() for ax in axes.values()]
     path = pathlib.Path(path)
     partial = path.with_name(path.name + ".partial")
     try:

@@ -14,8 +14,11 @@ from multipod.controller.commands.train import write_report_quietly
 from multipod.controller.observe.events import Event
 from multipod.controller.observe.records import PodTimings, StepRecord
 from multipod.controller.observe.report import (
+    DCN_GID,
+    OUTER_GID,
     ReportError,
     draw,
+    figure,
     read_events,
     read_jsonl,
     read_metrics,
@@ -146,9 +149,9 @@ def test_draw_writes_a_png_of_the_expected_size_and_says_when_mfu_is_unknown(tmp
     width, height = _png_size(path)
     assert 1000 <= width <= 3000 and 800 <= height <= 3000, (width, height)
     assert path.stat().st_size > 20_000          # six panels of lines, not a blank canvas
-    assert len(titles) == 6
+    assert len(titles) == 7                      # six panels and the DCN bytes under the loss
     assert "MFU n/a" in titles[-1] and "HFU n/a" in titles[-1]
-    assert titles[2] == "step time by phase, per pod"
+    assert titles[3] == "step time by phase, per pod"
     assert not list(tmp_path.glob("*.partial"))
 
 
@@ -160,7 +163,90 @@ def test_mfu_and_hfu_are_plotted_when_known(tmp_path):
     assert series["hfu"] == pytest.approx([0.24, 0.252, 0.264, 0.276, 0.288])
     titles = draw(series, tmp_path / "r.png")
     assert titles[-1] == "MFU, HFU"
-    assert titles[2] == "step time by phase, per pod (first step off scale)"
+    assert titles[3] == "step time by phase, per pod (first step off scale)"
+
+
+def _diloco_run(steps: int = 12, period: int = 3, fragments: int = 2, pod_bytes=(900, 500)) -> list[StepRecord]:
+    """A 2-pod DiLoCo run: an outer step every `period` steps (sync n after step n * period - 1),
+    syncing fragment (n - 1) mod `fragments`, whose bytes (each pod's pod_bytes[fragment]) are its
+    step's only DCN traffic."""
+    records = []
+    for step in range(steps):
+        sync = (step + 1) // period if (step + 1) % period == 0 else None
+        fragment = None if sync is None else (sync - 1) % fragments
+        sent = 0 if sync is None else 2 * pod_bytes[fragment]
+        records.append(dataclasses.replace(_record(step, 3.0 - step / 100), dcn_bytes_sent=sent, outer_sync=sync,
+                                           outer_fragment=fragment, outer_seconds=0.0 if sync is None else 0.2,
+                                           outer_exposed_s=0.0 if sync is None else 0.05))
+    return records
+
+
+def _bars(ax) -> dict[int, float]:
+    """The DCN bytes panel's bars: step -> height."""
+    return {round(p.get_x() + p.get_width() / 2): p.get_height() for p in ax.patches if p.get_gid() == DCN_GID}
+
+
+def _outer_ticks(ax) -> list[float]:
+    """The steps the outer-step ticks of a panel stand at."""
+    return sorted(float(segment[0][0]) for c in ax.collections if c.get_gid() == OUTER_GID
+                  for segment in c.get_segments())
+
+
+def test_diloco_runs_plot_their_bytes_per_step_and_tick_the_outer_steps(tmp_path):
+    series = _series(_diloco_run())
+    assert series["dcn_bytes"] == [0, 0, 1800, 0, 0, 1000, 0, 0, 1800, 0, 0, 1000]
+    assert series["dcn_bytes_mean"] == pytest.approx(5600 / 12)
+    assert series["outer"] == {"steps": [2, 5, 8, 11], "syncs": [1, 2, 3, 4], "fragments": [0, 1, 0, 1],
+                               "seconds": [0.2] * 4, "exposed_s": [0.05] * 4}
+    fig, axes = figure(series)
+    dcn = axes["dcn"]
+    assert dcn.get_title().startswith("DCN bytes on the wire per step")
+    assert dcn.get_ylabel() == "KiB per step"        # 1800 bytes at most: in KiB
+    # A bar at each outer step only (the steps between sent nothing), in KiB.
+    assert _bars(dcn) == pytest.approx({2: 1800 / 1024, 5: 1000 / 1024, 8: 1800 / 1024, 11: 1000 / 1024})
+    labels = dcn.get_legend_handles_labels()[1]
+    assert labels == ["mean: 0.5 KiB per step", "outer step: bytes sent, all pods"]
+    # The loss panel ticks the outer steps, once in its legend; the bytes share the loss's steps.
+    assert _outer_ticks(axes["loss"]) == [2.0, 5.0, 8.0, 11.0]
+    assert axes["loss"].get_legend_handles_labels()[1].count("outer step (DiLoCo)") == 1
+    assert dcn.get_shared_x_axes().joined(dcn, axes["loss"])
+    titles = draw(series, tmp_path / "report.png")
+    assert titles[:3] == ["loss by step", "DCN bytes on the wire per step (every pod's, after compression)",
+                          "loss by tokens trained"]
+    assert _png_size(tmp_path / "report.png")
+
+
+def test_every_step_runs_plot_their_constant_bytes_and_no_outer_step():
+    records, events = _run()        # every step sends 100 bytes per live pod (pod 0 alone on 6 and 7)
+    series = _series(records, events)
+    sent = [100 if s in (6, 7) else 200 for s in range(10)]
+    assert series["dcn_bytes"] == sent and series["outer"]["steps"] == []
+    _, axes = figure(series)
+    assert _bars(axes["dcn"]) == dict(enumerate(sent))
+    assert axes["dcn"].get_ylabel() == "B per step"
+    assert axes["dcn"].get_legend_handles_labels()[1] == ["mean: 180.0 B per step", "bytes sent, all pods"]
+    assert _outer_ticks(axes["loss"]) == [] and _outer_ticks(axes["dcn"]) == []
+    assert "outer step (DiLoCo)" not in axes["loss"].get_legend_handles_labels()[1]
+    # One pod alone puts nothing on the DCN: the panel says so instead of drawing an empty axis.
+    lone = _series([a_step_record(s, 2.0, pods=(0,), dcn_bytes_sent=0) for s in range(3)])
+    _, axes = figure(lone)
+    assert _bars(axes["dcn"]) == {}
+    assert [t.get_text() for t in axes["dcn"].texts] == ["no bytes on the DCN (one pod?)"]
+
+
+def test_a_metrics_file_from_before_diloco_draws_with_no_outer_step(tmp_path):
+    lines = []
+    for step in range(3):
+        line = _record(step, 2.0).to_dict()
+        for key in ("outer_sync", "outer_fragment", "outer_seconds", "outer_exposed_s"):
+            del line[key]
+        lines.append(json.dumps(line) + "\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(lines))
+    assert _png_size(write_report(run_dir))
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    assert _series(records)["outer"]["steps"] == [] and _series(records)["dcn_bytes"] == [200] * 3
 
 
 def test_write_report_reads_the_run_directory(tmp_path):
