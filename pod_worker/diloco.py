@@ -68,6 +68,7 @@ class OuterReport:
     bytes_received: int
     seconds: float            # from the start of the exchange until the outer step was applied
     exposed_s: float          # of which the inner steps waited (all of it without overlap)
+    pods: tuple[int, ...] = (0,)  # the pods whose pseudo-gradients it averaged
 
 
 @dataclasses.dataclass
@@ -77,7 +78,9 @@ class _Pending:
     started_at: int
     apply_at: int
     started: float                                  # perf_counter
-    result: concurrent.futures.Future
+    result: concurrent.futures.Future               # -> (summed leaves of the fragment, stats, pods)
+    full: list | None = None                        # the pseudo-gradient, by leaf index (None: restored)
+    link: object = None                             # the all_reduce it was exchanged on
 
 
 class OuterSync:
@@ -137,23 +140,37 @@ class OuterSync:
             return self.pending.sync
         return count // self.sync.period + 1
 
+    def waits_at(self, count: int) -> bool:
+        """Whether inner step `count` ends waiting for an outer exchange (its result is applied
+        then): the step that applies a pending sync, or without overlap the step that starts one."""
+        if self.pending is not None:
+            return count >= self.pending.apply_at
+        return self.sync_at(count) is not None and self.sync.overlap_steps == 0
+
     # -- the outer steps -------------------------------------------------------------------------
     def after_step(self, count: int, params, all_reduce: Callable | None) -> tuple[object, OuterReport | None]:
         """After inner step `count` (counted from 1): apply the outer step due now, start the sync
         due now; returns (the parameters, changed where an outer step applied, and its report).
-        `all_reduce(sync, leaves, order)`: the pods' pod-order sum of the given leaves (None for
-        one pod, whose pseudo-gradient is its own)."""
+        `all_reduce(sync, leaves, order) -> (summed, stats, pods)`: the pod-order sum of the
+        given leaves over the pods taking part (`pods`, their indices) (None for one pod, whose pseudo-gradient is
+        its own); a pending sync whose exchange failed is exchanged again on a newer all_reduce
+        (after a change of membership). An exchange that fails raises here, the outer state as
+        it was (a sync that started in this call is forgotten: the step's retry starts it again)."""
         report = None
         leaves = jax.tree.leaves(params)
         if self.pending is not None and count >= self.pending.apply_at:
-            leaves, report = self._apply(leaves)
+            leaves, report = self._apply(leaves, all_reduce)
         sync = self.sync_at(count)
         if sync is not None:
             if self.pending is not None:    # the schedule forbids it (overlap_steps < H / F)
                 raise RuntimeError(f"outer sync {sync} starts while sync {self.pending.sync} is still pending")
             self._start(sync, count, leaves, all_reduce)
             if self.sync.overlap_steps == 0:
-                leaves, report = self._apply(leaves)
+                try:
+                    leaves, report = self._apply(leaves, all_reduce)
+                except BaseException:
+                    self.pending = None
+                    raise
         return jax.tree.unflatten(self._treedef, leaves), report
 
     def _start(self, sync: int, count: int, leaves: list, all_reduce: Callable | None) -> None:
@@ -162,30 +179,40 @@ class OuterSync:
         delta = self._programs[fragment]["delta"]([self.agreed[i] for i in indices], [leaves[i] for i in indices])
         for value in delta:
             value.copy_to_host_async()
-        by_index = dict(zip(indices, delta))
+        full = [None] * len(leaves)
+        for i, value in zip(indices, delta):
+            full[i] = value
+        self.pending = _Pending(sync, fragment, count, count + self.sync.overlap_steps, time.perf_counter(),
+                                self._submit(all_reduce, sync, full, indices), full, all_reduce)
+
+    def _submit(self, all_reduce: Callable | None, sync: int, full: list, indices: list[int]
+                ) -> concurrent.futures.Future:
         if all_reduce is None:
-            result = _done(([by_index[i] for i in indices], None))
-        else:
-            full = [by_index.get(i) for i in range(len(leaves))]
-            result = self._thread.submit(self._exchange, all_reduce, sync, full, indices)
-        self.pending = _Pending(sync, fragment, count, count + self.sync.overlap_steps, time.perf_counter(), result)
+            return _done(([full[i] for i in indices], None, (0,)))
+        return self._thread.submit(self._exchange, all_reduce, sync, full, indices)
 
     @staticmethod
     def _exchange(all_reduce: Callable, sync: int, full: list, indices: list[int]):
-        summed, stats = all_reduce(sync, full, indices)
-        return [summed[i] for i in indices], stats
+        summed, stats, pods = all_reduce(sync, full, indices)
+        return [summed[i] for i in indices], stats, pods
 
-    def _apply(self, leaves: list) -> tuple[list, OuterReport]:
-        pending, self.pending = self.pending, None
+    def _apply(self, leaves: list, all_reduce: Callable | None) -> tuple[list, OuterReport]:
+        pending = self.pending
+        failed = pending.result.done() and pending.result.exception() is not None
+        if failed and not _same_link(pending.link, all_reduce) and pending.full is not None:
+            # Its exchange failed on a link that is gone: exchange it again on the new one.
+            pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment])
+            pending.link = all_reduce
         wait_start = time.perf_counter()
-        summed, stats = pending.result.result()    # the exchange has its own deadline (dcn.timeout_s)
+        summed, stats, pods = pending.result.result()    # the exchange has its own deadline (dcn.timeout_s)
+        self.pending = None
         exposed = time.perf_counter() - wait_start
         indices = self.fragments[pending.fragment]
         program = self._programs[pending.fragment]
         summed = [jax.device_put(value, self._shardings[i]) for value, i in zip(summed, indices)]
-        count = np.float32(self.num_pods)
         agreed, self.states[pending.fragment] = program["update"]([self.agreed[i] for i in indices],
-                                                                  self.states[pending.fragment], summed, count)
+                                                                  self.states[pending.fragment], summed,
+                                                                  np.float32(len(pods)))
         local = program["copy"](agreed)    # the inner update donates the pod's parameters: never alias them
         leaves = list(leaves)
         for i, value, mine in zip(indices, agreed, local):
@@ -195,9 +222,10 @@ class OuterSync:
         seconds = time.perf_counter() - pending.started
         exposed = seconds if self.sync.overlap_steps == 0 else exposed
         report = OuterReport(pending.sync, pending.fragment, pending.started_at,
-                             getattr(stats, "bytes_sent", 0), getattr(stats, "bytes_received", 0), seconds, exposed)
-        log.debug("outer sync %d (fragment %d) applied: %.3f s, %.3f s exposed", pending.sync, pending.fragment,
-                  seconds, exposed)
+                             getattr(stats, "bytes_sent", 0), getattr(stats, "bytes_received", 0), seconds, exposed,
+                             tuple(pods))
+        log.debug("outer sync %d (fragment %d) applied: %.3f s, %.3f s exposed, pods %s", pending.sync,
+                  pending.fragment, seconds, exposed, pods)
         return leaves, report
 
     # -- the agreed state ------------------------------------------------------------------------
@@ -219,11 +247,12 @@ class OuterSync:
         meta: dict = {"pending": None}
         pending = self.pending
         if pending is not None:
-            summed, stats = pending.result.result(timeout=timeout_s)
-            pending.result = _done((summed, stats))
+            summed, stats, pods = pending.result.result(timeout=timeout_s)
+            pending.result = _done((summed, stats, pods))
             arrays["pending"] = [np.asarray(value) for value in summed]
             meta["pending"] = {"sync": pending.sync, "fragment": pending.fragment,
-                               "started_at": pending.started_at, "apply_at": pending.apply_at}
+                               "started_at": pending.started_at, "apply_at": pending.apply_at,
+                               "pods": list(pods)}
         return arrays, meta
 
     def restore_target(self, meta: dict) -> dict:
@@ -244,11 +273,17 @@ class OuterSync:
         if pending:
             summed = [np.asarray(value) for value in arrays["pending"]]
             self.pending = _Pending(int(pending["sync"]), int(pending["fragment"]), int(pending["started_at"]),
-                                    int(pending["apply_at"]), time.perf_counter(), _done((summed, None)))
+                                    int(pending["apply_at"]), time.perf_counter(),
+                                    _done((summed, None, tuple(pending["pods"]))))
         self.version += 1
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _same_link(a, b) -> bool:
+    """Whether two all_reduce callables exchange on the same data-plane link (their `key`)."""
+    return getattr(a, "key", a) is getattr(b, "key", b)
 
 
 def _done(value) -> concurrent.futures.Future:

@@ -163,8 +163,9 @@ class PodMembership:
         with self.seq.hold("sending the state to a rejoining pod", deadline):
             trainer = self.setup().trainer
             state = trainer.host_state()
-            fp = fingerprint(state["params"], state["opt_state"])
-            leaves = [np.asarray(leaf) for leaf in jax.tree.leaves((state["params"], state["opt_state"]))]
+            fp = fingerprint(state["params"], state["opt_state"], state.get("outer", {}))
+            leaves = [np.asarray(leaf) for leaf in jax.tree.leaves((state["params"], state["opt_state"],
+                                                                    state.get("outer", {})))]
             dcn = setup.config.dcn
             stats = send_state(self.pod_index, transfer_id, to_pod, self._host_address(to_address), leaves,
                                trainer.step, fp,
@@ -186,7 +187,7 @@ class PodMembership:
         with self.seq.hold("receiving a peer's state", deadline, state=pb.WORKER_STATE_RESTORING):
             setup = self.setup()
             trainer = setup.trainer
-            current = (trainer.params, trainer.opt_state)
+            current = (trainer.params, trainer.opt_state, trainer.outer_arrays())
             leaves, treedef = jax.tree.flatten(current)
             specs = [LeafSpec(tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves]
             receiver = StateReceiver(transfer_id, self.pod_index, from_pod, specs,
@@ -197,12 +198,14 @@ class PodMembership:
             finally:
                 if self.exchange is not None:
                     self.listener.attach(self.exchange.inbox)
-            params, opt_state = jax.tree.unflatten(treedef, arrays)
-            fp = fingerprint(params, opt_state)
+            params, opt_state, outer = jax.tree.unflatten(treedef, arrays)
+            fp = fingerprint(params, opt_state, outer)
             if fp != donor_fp:
                 raise CorruptTransfer(f"the state from pod {from_pod} hashes to {fp}, the donor's is {donor_fp}: "
                                       f"not taken")
             trainer.load_state(params, opt_state, step)
+            if trainer.outer is not None:       # DiLoCo: the outer state too (no sync pending: send_state)
+                trainer.outer.load(outer, {"pending": None})
             self._checksum = (trainer.step, trainer.checksum())
             if self.exchange is not None:
                 self.exchange.inbox.set_next_step(trainer.exchange_key)

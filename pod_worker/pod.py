@@ -209,7 +209,12 @@ class Pod(PodMembership):
         are those extra shards or split ones it ends."""
         trainer = setup.trainer
         extra = extra or {}
-        runs = self._split_runs(setup, step, extra, {s: list(h) for s, h in (splits or {}).items() if h})
+        if trainer.outer is not None and (extra or splits):
+            # sync.on_pod_failure = "drop": a failed pod's shards are not computed by anyone.
+            raise InvalidRequest(f"step {step}: a DiLoCo pod computes its own shard only, the request carries "
+                                 f"the shards of slots {sorted(extra)}")
+        runs = {} if trainer.outer is not None else \
+            self._split_runs(setup, step, extra, {s: list(h) for s, h in (splits or {}).items() if h})
         self.seq.check_not_done(step)
         # The shard goes to the devices now, while an earlier step may still be computing.
         extra_masks = extra_masks or {}
@@ -305,24 +310,27 @@ class Pod(PodMembership):
                      pieces: list[Piece] | None) -> StepOutcome:
         """DiLoCo (sync.mode): an inner step on this pod's own shard (its loss normalised by the
         shard's own tokens; no DCN traffic), then the outer step and the outer sync due now
-        (trainer.outer_step; the sync's exchange runs on the data plane, keyed by its number)."""
-        trainer, exchange = setup.trainer, self.exchange
+        (trainer.outer_step; the sync's exchange runs on the data plane, keyed by its number).
+        A step that waits for an outer exchange is undone if the exchange fails (the state as it
+        was; the controller retries it after a change of membership, which exchanges again)."""
+        trainer = setup.trainer
         if extra or pieces:
-            raise InvalidRequest(f"step {step}: a DiLoCo run does not compute a failed pod's shard (sync.mode = "
-                                 f"\"diloco\" has no degraded mode yet)")
-        all_reduce = None
-        if setup.num_pods > 1:
-            def all_reduce(sync, leaves, order):
-                exchange.inbox.set_next_step(sync)
-                return exchange.all_reduce(sync, leaves, order=order, subset=True)
+            raise InvalidRequest(f"step {step}: a DiLoCo pod computes its own shard only")
+        link = _OuterLink(self.exchange, setup, self.pod_index) if setup.num_pods > 1 else None
+        before = trainer.snapshot() if trainer.outer.waits_at(trainer.step + 1) else None
         outcome = trainer.train_step(on_device, trainer.target_count(on_device), None)
         start = time.perf_counter()
-        report = trainer.outer_step(all_reduce)
-        link = None
+        try:
+            report = trainer.outer_step(link)
+        except BaseException:
+            if before is not None:
+                trainer.restore_snapshot(before)
+            raise
+        stats = None
         if report is not None:
-            link = dataclasses.replace(ExchangeStats(), bytes_sent=report.bytes_sent,
-                                       bytes_received=report.bytes_received)
-        outcome = dataclasses.replace(outcome, checksum=trainer.checksum(), outer=report, link=link,
+            stats = dataclasses.replace(ExchangeStats(), bytes_sent=report.bytes_sent,
+                                        bytes_received=report.bytes_received)
+        outcome = dataclasses.replace(outcome, checksum=trainer.checksum(), outer=report, link=stats,
                                       update_s=outcome.update_s + time.perf_counter() - start)
         if take_fingerprint:
             fp_start = time.perf_counter()
@@ -498,6 +506,27 @@ class Pod(PodMembership):
             self.exchange.close()
         if self.listener is not None:
             self.listener.close()
+
+
+class _OuterLink:
+    """A DiLoCo pod's outer exchange on one data-plane Exchange (pod_worker/diloco.py calls it):
+    (sync, leaves, order) -> (the pod-order sum of the fragment's leaves, stats, pods averaged).
+    In degraded mode (sync.on_pod_failure = "drop") a failed pod's slot adds zeros, hosted by
+    the live pod the membership gives it, and the mean is over the live pods only."""
+
+    def __init__(self, exchange: Exchange, setup: Setup, pod_index: int):
+        self.exchange = self.key = exchange     # key: two links on one exchange are the same link
+        self.dropped = setup.extra_slots(pod_index)
+        self.pods = tuple(range(setup.num_pods)) if setup.hosts is None else tuple(sorted(set(setup.hosts)))
+
+    def __call__(self, sync: int, leaves: list, order: list[int]):
+        self.exchange.inbox.set_next_step(sync)
+        extra = None
+        if self.dropped:
+            zeros = [None if leaf is None else np.zeros(leaf.shape, leaf.dtype) for leaf in leaves]
+            extra = {slot: zeros for slot in self.dropped}
+        summed, stats = self.exchange.all_reduce(sync, leaves, order=order, subset=True, extra=extra)
+        return summed, stats, self.pods
 
 
 def _state_fingerprint(state: dict) -> str:

@@ -197,7 +197,7 @@ def _outer_step(report) -> pb.OuterStep | None:
     if report is None:
         return None
     return pb.OuterStep(sync=report.sync, fragment=report.fragment, started_step=report.started_at,
-                        seconds=report.seconds, exposed_s=report.exposed_s)
+                        seconds=report.seconds, exposed_s=report.exposed_s, pods=list(report.pods))
 
 
 class PodWorkerService(pb_grpc.PodWorkerServicer):

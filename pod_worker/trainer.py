@@ -24,6 +24,7 @@ from multipod.pod_worker import overlap, programs, split
 from multipod.pod_worker.accumulate import MicrobatchSum
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
 from multipod.pod_worker.diloco import OuterReport, OuterSync
+from multipod.pod_worker.errors import InvalidRequest
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
 from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
@@ -95,6 +96,15 @@ class PodTrainer:
         sync due now (pod_worker/diloco.py); the report of an outer step applied."""
         self.params, report = self.outer.after_step(self.step, self.params, all_reduce)
         return report
+
+    def snapshot(self) -> tuple:
+        """A copy of the trainer's state (on the devices) that restore_snapshot puts back: what a
+        DiLoCo step that waits for an outer exchange keeps, so that it can be undone."""
+        return (jax.tree.map(jnp.copy, self.params), jax.tree.map(jnp.copy, self.opt_state), self.step,
+                getattr(self, "_count", None))
+
+    def restore_snapshot(self, snapshot: tuple) -> None:
+        self.params, self.opt_state, self.step, self._count = snapshot
 
     @property
     def exchange_key(self) -> int:
@@ -536,10 +546,25 @@ class PodTrainer:
         return jax.tree.map(jnp.copy, self.agreed_params)
 
     def host_state(self) -> dict:
-        """Parameters, optimizer state and step as host arrays (for checkpoints and sampling)."""
-        return {"params": jax.tree.map(host_value, self.params),
-                "opt_state": jax.tree.map(host_value, self.opt_state),
-                "step": self.step}
+        """Parameters, optimizer state and step as host arrays (for checkpoints, sampling and a
+        peer's rejoin); in DiLoCo mode also the outer state ("outer": outer_arrays)."""
+        state = {"params": jax.tree.map(host_value, self.params),
+                 "opt_state": jax.tree.map(host_value, self.opt_state),
+                 "step": self.step}
+        if self.outer is not None:
+            state["outer"] = jax.tree.map(host_value, self.outer_arrays())
+        return state
+
+    def outer_arrays(self) -> dict:
+        """DiLoCo: the agreed parameters and outer optimizer states as a checkpoint holds them
+        (OuterSync.checkpoint), refused while a sync is pending (InvalidRequest: a peer's state is
+        taken only between outer syncs); {} in every-step mode."""
+        if self.outer is None:
+            return {}
+        if self.outer.pending is not None:
+            raise InvalidRequest(f"outer sync {self.outer.pending.sync} is pending after step {self.step}: the state "
+                                 f"moves between pods only at an outer boundary")
+        return self.outer.checkpoint(0.0)[0]
 
     def load_state(self, params, opt_state, step: int) -> None:
         """Replace the state (after a restore); shapes are checked against the current state."""

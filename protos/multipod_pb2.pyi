@@ -179,18 +179,20 @@ class StepReply(_message.Message):
     def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., checksum: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ..., outer: _Optional[_Union[OuterStep, _Mapping]] = ...) -> None: ...
 
 class OuterStep(_message.Message):
-    __slots__ = ("sync", "fragment", "started_step", "seconds", "exposed_s")
+    __slots__ = ("sync", "fragment", "started_step", "seconds", "exposed_s", "pods")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     STARTED_STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
+    PODS_FIELD_NUMBER: _ClassVar[int]
     sync: int
     fragment: int
     started_step: int
     seconds: float
     exposed_s: float
-    def __init__(self, sync: _Optional[int] = ..., fragment: _Optional[int] = ..., started_step: _Optional[int] = ..., seconds: _Optional[float] = ..., exposed_s: _Optional[float] = ...) -> None: ...
+    pods: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sync: _Optional[int] = ..., fragment: _Optional[int] = ..., started_step: _Optional[int] = ..., seconds: _Optional[float] = ..., exposed_s: _Optional[float] = ..., pods: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MembershipRequest(_message.Message):
     __slots__ = ("run_id", "hosts", "num_pods", "dcn_addresses")

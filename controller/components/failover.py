@@ -203,7 +203,11 @@ class Failover:
             self._degraded_since = time.monotonic()
         for pod in sorted(set(range(cluster.size)) - set(live)):
             self._watch(pod)
-        shards = ", ".join(f"slot {s} -> pod {h}" for s, h in enumerate(cluster.hosts) if s != h)
+        if cluster.config.sync.diloco:
+            shards = ", ".join(f"slot {s} dropped: the outer steps average over the live pods"
+                               for s, h in enumerate(cluster.hosts) if s != h)
+        else:
+            shards = ", ".join(f"slot {s} -> pod {h}" for s, h in enumerate(cluster.hosts) if s != h)
         out(f"degraded: {len(live)}/{cluster.size} pods from step {step} ({shards})")
         self.events.write(EventKind.DEGRADED, step=step, live_pods=live, hosts=list(cluster.hosts),
                           failed=sorted(failed))
@@ -227,6 +231,10 @@ class Failover:
         same state; one left behind (it failed a step its peers finished) takes a peer's state."""
         steps = {p: int(r.step) for p, r in zip(live, replies)}
         top = max(steps.values())
+        if self.cluster.config.sync.diloco and len(set(steps.values())) > 1:
+            # A DiLoCo pod's own state is its own: a peer's cannot stand in for it.
+            raise RunError(f"the surviving pods stopped at different steps ({steps}): a DiLoCo run cannot realign "
+                           f"them; resume it from the last checkpoint (multipod ... --resume)")
         ahead = [p for p in live if steps[p] == top]
         prints = {replies[live.index(p)].fingerprint for p in ahead}
         if len(prints) > 1:
@@ -270,6 +278,8 @@ class Failover:
                 del self._rejoining[pod]
         if not ready:
             return False
+        if self.cluster.config.sync.pending_after(step):
+            return False    # DiLoCo: a pod rejoins at an outer boundary, with no sync under way
         drain()
         cluster = self.cluster
         joined = []
@@ -319,6 +329,18 @@ class Failover:
             self.events.write(EventKind.HOT_SWAP, step=step, slot=pod, old_address=old, new_address=new,
                               bytes=sent, seconds=seconds, since_failure_s=since)
         return True
+
+    def note_outer(self, record) -> None:
+        """A step's record (a StepRecord): a DiLoCo outer step that averaged over fewer than all
+        the pods (sync.on_pod_failure = "drop") is an event naming the pods it averaged."""
+        pods = record.outer_pods
+        if not pods or len(pods) >= self.cluster.size:
+            return
+        dropped = sorted(set(range(self.cluster.size)) - set(pods))
+        out(f"outer step {record.outer_sync} (fragment {record.outer_fragment}) after step {record.step}: averaged "
+            f"over pods {list(pods)}, pod(s) {dropped} dropped")
+        self.events.write(EventKind.OUTER_DROPPED, step=record.step, sync=record.outer_sync,
+                          fragment=record.outer_fragment, pods=list(pods), dropped=dropped)
 
     def _await_watchers(self) -> None:
         """Wait until every failed pod on its way back is ready or its watcher has given up (the

@@ -39,6 +39,9 @@ class EventKind(enum.StrEnum):
     # step, checksums, why: the pods' states differ and no majority tells which is right (two
     # pods): every pod goes back to the last checkpoint
     DIVERGED = "diverged"
+    # step, sync, fragment, pods (averaged), dropped: a DiLoCo outer step averaged over the live
+    # pods only (sync.on_pod_failure = "drop")
+    OUTER_DROPPED = "outer_dropped"
 
 
 @dataclasses.dataclass(frozen=True)

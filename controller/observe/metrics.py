@@ -94,7 +94,8 @@ def _outer_fields(replies) -> dict:
     if not outer:
         return {}
     return {"outer_sync": outer[0].sync, "outer_fragment": outer[0].fragment,
-            "outer_seconds": max(o.seconds for o in outer), "outer_exposed_s": max(o.exposed_s for o in outer)}
+            "outer_seconds": max(o.seconds for o in outer), "outer_exposed_s": max(o.exposed_s for o in outer),
+            "outer_pods": tuple(outer[0].pods)}
 
 
 def load_measured_peak(device_kind: str, num_devices: int) -> float | None:

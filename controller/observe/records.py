@@ -88,6 +88,7 @@ class StepRecord:
     outer_fragment: int | None = None
     outer_seconds: float = 0.0
     outer_exposed_s: float = 0.0
+    outer_pods: tuple[int, ...] | None = None   # the pods it averaged (fewer than all: a pod was dropped)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as metrics.jsonl holds it (tuples become lists in JSON)."""

@@ -47,7 +47,7 @@ class StepLoop:
     """Runs the steps of one segment (from a start step to run.steps) on `cluster`.
 
     checkpointer: anything with on_step(step, drain), called at every step boundary and at the
-    end; evaluator: None or the same (evaluation.Evaluator); failover: None or anything with
+    end; evaluator: None or the same (evaluation.Evaluator); failover: None or anything with note_outer(record) and
     on_step(step, drain) -> whether the live pods changed; spike: a SpikePolicy; recorder: where
     finished steps' records go; batches: a dataset.TokenDataset (batch(index), epoch(index))."""
 
@@ -64,7 +64,8 @@ class StepLoop:
         self._last_progress = 0.0    # monotonic time of the last finished step (progress deadline)
         self._data_offset = 0
         self._restarts = 0
-        self._partial = None         # (step, clients, hosts, replies) of a step some pods finished
+        # [(step, clients, hosts, replies)] of the steps some pods finished when another failed
+        self._partials: list[tuple] = []
 
     def run(self, start: int, data_offset: int = 0, restarts: int = 0) -> None:
         """Steps start..run.steps-1, step s training on batch s + data_offset, then the final
@@ -76,9 +77,10 @@ class StepLoop:
                               dtype=token_dtype(self.cluster.config.model.vocab_size))
         self._watchdog = self.cluster.watchdog()
         self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
-        if self._partial is not None and self._partial[0] == start - 1:
-            self._record_partial(*self._partial)
-        self._partial = None
+        if [p[0] for p in self._partials] == list(range(start - len(self._partials), start)):
+            for partial in self._partials:      # the survivors carry on from the step after them
+                self._record_partial(*partial)
+        self._partials = []
         try:
             try:
                 for step in range(start, stop):
@@ -139,9 +141,11 @@ class StepLoop:
         clients = self.cluster.live_clients
         splits = self._splits(hosts)
         calls = []
+        # DiLoCo (sync.mode): a failed pod's shards are dropped, not computed by the survivors.
+        dropped = self.cluster.config.sync.diloco
         for client in clients:
             pod = client.pod_index
-            extra = [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot],
+            extra = [] if dropped else [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot],
                               microbatch_hosts=splits.get(slot, []))
                      for slot, host in enumerate(hosts)
                      if slot != pod and (pod in splits[slot] if slot in splits else host == pod)]
@@ -154,10 +158,32 @@ class StepLoop:
         """{failed slot: microbatch_hosts} of the shards split over the live pods (failover.split_microbatches);
         a pod of several hosts computes a failed slot's shard whole, and so does the slot's host when
         the shard has one microbatch."""
-        if hosts == list(range(len(hosts))) or len(getattr(self.cluster.clients[0], "hosts", [None])) > 1:
+        if hosts == list(range(len(hosts))) or len(getattr(self.cluster.clients[0], "hosts", [None])) > 1 \
+                or self.cluster.config.sync.diloco:
             return {}
         splits = split_microbatches(hosts, self.cluster.config.model.microbatches)
         return {slot: run for slot, run in splits.items() if len(set(run)) > 1}
+
+    def _finished_by(self, survivors: list) -> list[tuple]:
+        """DiLoCo: the steps in flight after a failed one, as far as every survivor finishes them
+        (an inner step needs no peer, so the survivors may be ahead of the failed pod by the
+        steps in flight); each as a partial step (step, clients, hosts, replies)."""
+        finished = []
+        alive = {c.pod_index for c in survivors}
+        for step, (clients, hosts), calls in list(self._pending)[1:]:
+            replies = []
+            for client, call in zip(clients, calls):
+                if client.pod_index not in alive:
+                    continue
+                try:
+                    if call.wait(self.run_config.step_timeout_s):
+                        replies.append(call.result())
+                except WorkerError:
+                    pass
+            if len(replies) != len(alive):
+                break
+            finished.append((step, [c for c in clients if c.pod_index in alive], hosts, replies))
+        return finished
 
     def _record_partial(self, step: int, clients, hosts, replies) -> None:
         """The record of a step the survivors finished while a failed pod did not: its loss
@@ -194,8 +220,10 @@ class StepLoop:
                 # Some pods finished the step before one failed (it died after sending its
                 # gradient): if the survivors carry on from the step after it, it is recorded from
                 # their replies (run() does that), never run again.
-                self._partial = (step, [c for c in clients if c.pod_index in {r.pod_index for r in results}], hosts,
-                                 results)
+                survivors = [c for c in clients if c.pod_index in {r.pod_index for r in results}]
+                self._partials = [(step, survivors, hosts, results)]
+                if self.cluster.config.sync.diloco:
+                    self._partials += self._finished_by(survivors)
             # The root cause first: a pod that failed outright, not its peers aborting or
             # losing their link to it (or cancelled by it).
             knock_on = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -215,5 +243,7 @@ class StepLoop:
         self._last_done, self._last_progress = now, time.monotonic()
         spike = self.spike.check(record)
         self.recorder.write(record)     # a spike's record is kept too: it shows what was rewound
+        if self.failover is not None:
+            self.failover.note_outer(record)
         if spike is not None:
             raise spike

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pathlib
 
 from multipod.pod_worker import checkpoint
+from tests.e2e.pod_failure import kill_and_finish
+from tests.e2e.test_recovery import _current_pid, _events, _Live
 from tests.helpers import TINY, read_metrics, run_cli
 
 # H = 4, two fragments: an outer sync starts every 2 inner steps; tau = 1, so each applies one
@@ -48,3 +50,32 @@ def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path):
     assert all(r["dcn_bytes_sent"] == 0 for s, r in records.items() if s not in outer)
     resumed = {r["step"]: r for r in read_metrics(part)}
     assert {s: r["loss"] for s, r in resumed.items()} == {s: r["loss"] for s, r in records.items()}
+
+
+def test_a_killed_pod_is_dropped_from_the_outer_steps_and_rejoins_from_a_peer(tmp_path, env):
+    """sync.on_pod_failure = "drop" (the default): 3 pods, pod 1 killed with SIGKILL; the survivors
+    train on, the outer steps average over them (an event names the pods averaged), and the
+    restarted pod rejoins at an outer boundary from a peer's state; the agreed state stays bitwise
+    alike on every pod at every step (the run itself checks it)."""
+    sets = [arg for setting in ["sync.mode=diloco", "sync.inner_steps=4", "sync.overlap_steps=1",
+                                "sample.tokens=0", "eval.batches=0", "data.global_batch=6", "dcn.timeout_s=30",
+                                "run.step_timeout_s=90", "health.interval_s=0.5", "health.timeout_s=2"]
+            for arg in ("--set", setting)]
+    steps = 40
+    run = _Live("local", "--pods", "3", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
+                "--checkpoint-every", "0", "--run-dir", str(tmp_path), *sets,
+                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP=str(steps - 6)))
+    code = kill_and_finish(run, tmp_path, lambda: _current_pid(tmp_path, 1)[0], "degraded: 2/3 pods")
+    assert code == 0, "".join(run.out) + "".join(run.err)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(steps)), "a step was lost or run twice"
+    events = _events(tmp_path)
+    kinds = [e["event"] for e in events]
+    assert "pod_failure" in kinds and "rejoin" in kinds
+    dropped = [e for e in events if e["event"] == "outer_dropped"]
+    assert dropped and all(e["pods"] == [0, 2] and e["dropped"] == [1] for e in dropped)
+    rejoin = next(e for e in events if e["event"] == "rejoin")
+    assert rejoin["step"] % 4 != 0, "a pod rejoins only where no outer sync is pending (tau = 1)"
+    outer = [r for r in records if r.get("outer_sync")]
+    assert outer[-1]["outer_pods"] == [0, 1, 2], "the rejoined pod takes part in the outer steps again"
+    assert records[-1]["live_pods"] == 3

@@ -167,3 +167,35 @@ def test_one_pod_at_h1_with_plain_outer_sgd_trains_like_every_step_training():
         assert got.loss_sum == pytest.approx(want.loss_sum, rel=1e-5)
         for a, b in zip(jax.tree.leaves(trainer.agreed_params), jax.tree.leaves(reference.params)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_outer_exchange_undoes_the_step_and_is_exchanged_again_after_a_new_membership():
+    """Pod 1 is late for outer sync 1, and pod 0's exchange of it is aborted (as a membership
+    change does): pod 0's step that was to apply it fails with its state as it was; after a new
+    membership both pods exchange the sync again and end bitwise where an uninterrupted pair ends."""
+    config = _config(2, inner_steps=2, overlap_steps=1)
+    reference = Pods(config, 2)
+    try:
+        want = [reference.step(step)[0].checksum for step in range(4)]
+    finally:
+        reference.close()
+    pods = Pods(config, 2)
+    first, second = pods.pods
+    try:
+        pods.step(0)
+        deadline = lambda: time.monotonic() + DEADLINE_S  # noqa: E731
+        first.step(first.setup(), 1, tokens(1, 0), 0, deadline(), lambda: True)    # sync 1 starts; pod 1 is late
+        before = (_local(first), first.trainer.step)
+        first.exchange.abort("test: the link to pod 1 is gone")
+        with pytest.raises(Exception, match="link to pod 1 is gone"):
+            first.step(first.setup(), 2, tokens(2, 0), 0, deadline(), lambda: True)
+        assert (_local(first), first.trainer.step) == before, "a failed step left the state changed"
+        second.step(second.setup(), 1, tokens(1, 1), 0, deadline(), lambda: True)
+        run_id = f"diloco-{next(_runs)}"
+        for pod in pods.pods:
+            pod.set_membership(run_id, None, deadline())
+        got = [pods.step(step) for step in (2, 3)]
+        assert [o.outer is not None for o in got[0]] == [True, True]
+        assert [{o.checksum for o in outcomes} for outcomes in got] == [{want[2]}, {want[3]}]
+    finally:
+        pods.close()
