@@ -132,10 +132,9 @@ def _quantise(values: np.ndarray, scales: np.ndarray, levels: int) -> np.ndarray
         scales[...] = peak / np.float32(levels)
         usable = (scales != 0) & np.isfinite(scales)
         divisor = np.where(usable, scales, np.float32(1))[:, None]
-        # |values / scale| <= levels up to rounding, which rint absorbs (the clip guards int4
-        # against a subnormal scale, rounded far from peak / levels).
+        # |values / scale| <= levels up to rounding, which rint absorbs; the clip guards against
+        # a subnormal scale, rounded far below peak / levels (an int8 value would wrap around).
         scaled = np.rint(padded / divisor)
-        if levels < 127:
-            np.clip(scaled, -levels, levels, out=scaled)
+        np.clip(scaled, -levels, levels, out=scaled)
         scaled[~usable] = 0
     return scaled

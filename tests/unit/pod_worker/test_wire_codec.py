@@ -155,6 +155,16 @@ def test_int4_degraded_sum_is_bitwise_the_healthy_sum(cluster_factory):  # noqa:
                 assert_bitwise(np.asarray(got), np.asarray(want))
 
 
+def test_int8_clips_a_subnormal_block_to_127_instead_of_wrapping_around():
+    # peak / 127 rounds to a subnormal scale far below it (190 ulps / 127 -> 1 ulp): 190 would wrap
+    # to -66 in int8 (the sign flipped); clipped, it stays 127.
+    tiny = np.float32(1e-45)
+    values = np.array([190, -190, 5, 0], np.float32) * tiny
+    decoded = round_trip(WireCodec("int8"), values)
+    assert np.all(np.sign(decoded) == np.sign(values))
+    assert WireCodec("int8").encode(values)[4:].view(np.int8).tolist() == [127, -127, 5, 0]
+
+
 def test_int4_clips_a_subnormal_block_to_7():
     # peak / 7 rounds to a subnormal scale far below it (10 ulps / 7 -> 1 ulp): still in [-7, 7].
     tiny = np.float32(1e-45)
