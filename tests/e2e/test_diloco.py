@@ -27,8 +27,8 @@ def _train(run_dir: pathlib.Path, steps: int, *extra: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def _final_fingerprints(run_dir: pathlib.Path) -> list[str]:
-    return [checkpoint.read_metadata(str(run_dir / "checkpoints" / f"pod-{pod}" / str(STEPS)))["fingerprint"]
+def _final_fingerprints(run_dir: pathlib.Path, steps: int = STEPS) -> list[str]:
+    return [checkpoint.read_metadata(str(run_dir / "checkpoints" / f"pod-{pod}" / str(steps)))["fingerprint"]
             for pod in (0, 1)]
 
 
@@ -79,3 +79,23 @@ def test_a_killed_pod_is_dropped_from_the_outer_steps_and_rejoins_from_a_peer(tm
     outer = [r for r in records if r.get("outer_sync")]
     assert outer[-1]["outer_pods"] == [0, 1, 2], "the rejoined pod takes part in the outer steps again"
     assert records[-1]["live_pods"] == 3
+
+
+def test_with_recovery_restore_a_killed_pod_sends_every_pod_back_to_its_own_part_bitwise(tmp_path, env):
+    """recovery.on_pod_failure = "restore" in a DiLoCo run: pod 1 killed with SIGKILL, every pod goes
+    back to its own part of the last checkpoint, and the run ends with every pod's final checkpoint
+    bitwise the uninterrupted run's."""
+    sets = [arg for setting in [*SYNC, "recovery.on_pod_failure=restore", "dcn.timeout_s=30",
+                                "run.step_timeout_s=90", "health.interval_s=0.5", "health.timeout_s=2"]
+            for arg in ("--set", setting)]
+    steps = 40      # long enough that the kill at step 7 lands mid-run on a fast machine
+    args = ("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), *sets)
+    reference = tmp_path / "reference"
+    done = run_cli(*args, "--run-dir", str(reference))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "killed"
+    run = _Live(*args, "--run-dir", str(run_dir), env=env)
+    code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "recovered", step=7)
+    assert code == 0, "".join(run.out) + "".join(run.err)
+    assert any(e["event"] == "recovered" for e in _events(run_dir))
+    assert _final_fingerprints(run_dir, steps) == _final_fingerprints(reference, steps)
