@@ -72,6 +72,20 @@ class OuterReport:
 
 
 @dataclasses.dataclass
+class Replica:
+    """sync.on_pod_failure = "replay": a failed pod's own inner state (its parameters, AdamW state,
+    step and update count), rebuilt and then trained on by the survivor hosting its slot, which
+    contributes its pseudo-gradients in the slot's place. `deltas`: its pseudo-gradients of outer
+    syncs not yet applied, by sync number (full leaf lists)."""
+    slot: int
+    params: object
+    opt_state: object
+    step: int
+    count: int | None = None
+    deltas: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class _Pending:
     sync: int
     fragment: int
@@ -81,6 +95,7 @@ class _Pending:
     result: concurrent.futures.Future               # -> (summed leaves of the fragment, stats, pods)
     full: list | None = None                        # the pseudo-gradient, by leaf index (None: restored)
     link: object = None                             # the all_reduce it was exchanged on
+    extra: dict = dataclasses.field(default_factory=dict)   # hosted replicas' pseudo-gradients, by slot
 
 
 class OuterSync:
@@ -103,6 +118,12 @@ class OuterSync:
                        for program, leaves in zip(self._programs, self.fragments)]
         self.pending: _Pending | None = None
         self.version = 0        # outer steps applied by this object (the agreed state changes only then)
+        self.applied = 0        # the number of the last outer sync applied
+        self.replicas: dict[int, Replica] = {}
+        # (sync, apply count, fragment, its agreed values after it) of the outer steps since
+        # history_from inner steps: what a replica rebuilt from a checkpoint part merges.
+        self.history: list[tuple[int, int, int, list[np.ndarray]]] = []
+        self.history_from = 0
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
 
     def _compile(self, leaves: list[int]) -> dict:
@@ -179,21 +200,36 @@ class OuterSync:
         delta = self._programs[fragment]["delta"]([self.agreed[i] for i in indices], [leaves[i] for i in indices])
         for value in delta:
             value.copy_to_host_async()
-        full = [None] * len(leaves)
-        for i, value in zip(indices, delta):
-            full[i] = value
+        full = self._full(delta, indices, len(leaves))
+        extra = {slot: self.replica_delta(replica, sync) for slot, replica in sorted(self.replicas.items())}
         self.pending = _Pending(sync, fragment, count, count + self.sync.overlap_steps, time.perf_counter(),
-                                self._submit(all_reduce, sync, full, indices), full, all_reduce)
+                                self._submit(all_reduce, sync, full, indices, extra), full, all_reduce, extra)
 
-    def _submit(self, all_reduce: Callable | None, sync: int, full: list, indices: list[int]
+    @staticmethod
+    def _full(values: list, indices: list[int], size: int) -> list:
+        full = [None] * size
+        for i, value in zip(indices, values):
+            full[i] = value
+        return full
+
+    def replica_delta(self, replica: Replica, sync: int) -> list:
+        """A replica's pseudo-gradient of outer sync `sync` (its fragment's agreed values minus the
+        replica's own), as a full leaf list."""
+        indices = self.fragments[self.fragment_of(sync)]
+        mine = jax.tree.leaves(replica.params)
+        delta = self._programs[self.fragment_of(sync)]["delta"]([self.agreed[i] for i in indices],
+                                                               [mine[i] for i in indices])
+        return self._full(delta, indices, len(mine))
+
+    def _submit(self, all_reduce: Callable | None, sync: int, full: list, indices: list[int], extra: dict
                 ) -> concurrent.futures.Future:
         if all_reduce is None:
             return _done(([full[i] for i in indices], None, (0,)))
-        return self._thread.submit(self._exchange, all_reduce, sync, full, indices)
+        return self._thread.submit(self._exchange, all_reduce, sync, full, indices, extra)
 
     @staticmethod
-    def _exchange(all_reduce: Callable, sync: int, full: list, indices: list[int]):
-        summed, stats, pods = all_reduce(sync, full, indices)
+    def _exchange(all_reduce: Callable, sync: int, full: list, indices: list[int], extra: dict):
+        summed, stats, pods = all_reduce(sync, full, indices, extra)
         return [summed[i] for i in indices], stats, pods
 
     def _apply(self, leaves: list, all_reduce: Callable | None) -> tuple[list, OuterReport]:
@@ -201,7 +237,8 @@ class OuterSync:
         failed = pending.result.done() and pending.result.exception() is not None
         if failed and not _same_link(pending.link, all_reduce) and pending.full is not None:
             # Its exchange failed on a link that is gone: exchange it again on the new one.
-            pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment])
+            pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment],
+                                          pending.extra)
             pending.link = all_reduce
         wait_start = time.perf_counter()
         summed, stats, pods = pending.result.result()    # the exchange has its own deadline (dcn.timeout_s)
@@ -218,6 +255,11 @@ class OuterSync:
         for i, value, mine in zip(indices, agreed, local):
             self.agreed[i] = value
             leaves[i] = mine
+        for replica in self.replicas.values():
+            self._merge(replica, pending.fragment, program["copy"](agreed))
+            replica.deltas.pop(pending.sync, None)
+        self.history.append((pending.sync, pending.apply_at, pending.fragment, [np.asarray(v) for v in agreed]))
+        self.applied = pending.sync
         self.version += 1
         seconds = time.perf_counter() - pending.started
         exposed = seconds if self.sync.overlap_steps == 0 else exposed
@@ -227,6 +269,54 @@ class OuterSync:
         log.debug("outer sync %d (fragment %d) applied: %.3f s, %.3f s exposed, pods %s", pending.sync,
                   pending.fragment, seconds, exposed, pods)
         return leaves, report
+
+    # -- replicas of failed pods (sync.on_pod_failure = "replay") ----------------------------------
+    def _merge(self, replica: Replica, fragment: int, values: list) -> None:
+        """The replica's fragment takes the given agreed values (as the pod's own does)."""
+        leaves = jax.tree.leaves(replica.params)
+        for i, value in zip(self.fragments[fragment], values):
+            leaves[i] = value
+        replica.params = jax.tree.unflatten(self._treedef, leaves)
+
+    def replay_merges(self, replica: Replica) -> None:
+        """After the replica's inner step (its count = replica.step): its pseudo-gradient of a sync
+        starting now that this pod has not applied yet, then the merge of an outer step this pod
+        applied at that count (from the history)."""
+        count = replica.step
+        sync = self.sync_at(count)
+        if sync is not None and sync > self.applied:
+            replica.deltas[sync] = self.replica_delta(replica, sync)
+        for _sync, apply_at, fragment, values in self.history:
+            if apply_at == count:
+                self._merge(replica, fragment, [jax.device_put(v, self._shardings[i])
+                                                for v, i in zip(values, self.fragments[fragment])])
+
+    def check_history(self, since: int) -> None:
+        """ValueError unless the outer steps since `since` inner steps are all in the history."""
+        if since < self.history_from:
+            raise ValueError(f"this pod keeps the outer steps since step {self.history_from} only, a replay from "
+                             f"step {since} needs them all")
+
+    def trim_history(self, keep_from: int) -> None:
+        """Forget the outer steps applied at or before `keep_from` inner steps (no replay starts before it)."""
+        if keep_from > self.history_from:
+            self.history = [entry for entry in self.history if entry[1] > keep_from]
+            self.history_from = keep_from
+
+    def adopt(self, replica: Replica) -> None:
+        """Host `replica` from now on: its pseudo-gradient joins the pending sync's if that one has
+        not been exchanged yet (its exchange failed: it is exchanged again with it)."""
+        self.replicas[replica.slot] = replica
+        pending = self.pending
+        if pending is not None and pending.sync in replica.deltas:
+            pending.extra = {**pending.extra, replica.slot: replica.deltas[pending.sync]}
+
+    def release(self, slots) -> None:
+        """Stop hosting the replicas of `slots` (their pods are back)."""
+        for slot in list(slots):
+            self.replicas.pop(slot, None)
+            if self.pending is not None:
+                self.pending.extra.pop(slot, None)
 
     # -- the agreed state ------------------------------------------------------------------------
     def agreed_params(self):
@@ -264,8 +354,9 @@ class OuterSync:
                                  for i in self.fragments[int(pending["fragment"])]]
         return target
 
-    def load(self, arrays: dict, meta: dict) -> None:
-        """Replace the outer state with a checkpoint's (restore_target's shape)."""
+    def load(self, arrays: dict, meta: dict, count: int) -> None:
+        """Replace the outer state with a checkpoint's (restore_target's shape), taken after
+        `count` inner steps; the replicas and the history start afresh."""
         self.agreed = [jax.device_put(value, sharding) for value, sharding in zip(arrays["agreed"], self._shardings)]
         self.states = jax.tree.unflatten(jax.tree.structure(self.states), list(arrays["states"]))
         self.pending = None
@@ -275,6 +366,8 @@ class OuterSync:
             self.pending = _Pending(int(pending["sync"]), int(pending["fragment"]), int(pending["started_at"]),
                                     int(pending["apply_at"]), time.perf_counter(),
                                     _done((summed, None, tuple(pending["pods"]))))
+        self.applied = self.pending.sync - 1 if self.pending is not None else count // self.sync.period
+        self.replicas, self.history, self.history_from = {}, [], count
         self.version += 1
 
     def close(self) -> None:

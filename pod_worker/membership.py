@@ -147,6 +147,9 @@ class PodMembership:
                 self._peers = list(peers)
             setup = self._start_timeline(run_id, hosts, "given a new membership")
             trainer = setup.trainer
+            if trainer.outer is not None:   # DiLoCo: replicas of the slots whose pods are back go
+                hosted = set(setup.extra_slots(self.pod_index))
+                trainer.outer.release([slot for slot in trainer.outer.replicas if slot not in hosted])
             self._checksum = (trainer.step, trainer.checksum())
             return Membership(trainer.step, self._checksum[1], trainer.fingerprint(), setup.config.config_hash(),
                               aborted)
@@ -162,7 +165,8 @@ class PodMembership:
             raise InvalidRequest(f"to_pod {to_pod} is not another pod of the run")
         with self.seq.hold("sending the state to a rejoining pod", deadline):
             trainer = self.setup().trainer
-            state = trainer.host_state()
+            # DiLoCo: the slot's own state, if this pod kept its replica ("replay"); else this pod's.
+            state = trainer.host_state(replica=to_pod)
             fp = fingerprint(state["params"], state["opt_state"], state.get("outer", {}))
             leaves = [np.asarray(leaf) for leaf in jax.tree.leaves((state["params"], state["opt_state"],
                                                                     state.get("outer", {})))]
@@ -205,7 +209,7 @@ class PodMembership:
                                       f"not taken")
             trainer.load_state(params, opt_state, step)
             if trainer.outer is not None:       # DiLoCo: the outer state too (no sync pending: send_state)
-                trainer.outer.load(outer, {"pending": None})
+                trainer.outer.load(outer, {"pending": None}, trainer.step)
             self._checksum = (trainer.step, trainer.checksum())
             if self.exchange is not None:
                 self.exchange.inbox.set_next_step(trainer.exchange_key)

@@ -22,7 +22,8 @@ import numpy as np
 from multipod.model import Chunk, Sampling
 from multipod.pod_worker import checkpoint, faults
 from multipod.pod_worker.checkpoint import CheckpointError
-from multipod.pod_worker.dcn import Exchange, ExchangeStats, Listener
+from multipod.pod_worker.dcn import Exchange, Listener
+from multipod.pod_worker.diloco_pod import DilocoPod
 from multipod.pod_worker.errors import (
     Busy,
     CorruptCheckpoint,
@@ -89,7 +90,7 @@ class PodStatus:
     run_id: str = ""
 
 
-class Pod(PodMembership):
+class Pod(PodMembership, DilocoPod):
     """All state of one pod worker: the trainer, the DCN exchange, the checkpoint writer and the
     step sequencer. Thread-safe: the gRPC adapter calls it from many handler threads. The
     sequencer is the lock: the setup, the exchange and the checksum change only while it has
@@ -209,10 +210,8 @@ class Pod(PodMembership):
         are those extra shards or split ones it ends."""
         trainer = setup.trainer
         extra = extra or {}
-        if trainer.outer is not None and (extra or splits):
-            # sync.on_pod_failure = "drop": a failed pod's shards are not computed by anyone.
-            raise InvalidRequest(f"step {step}: a DiLoCo pod computes its own shard only, the request carries "
-                                 f"the shards of slots {sorted(extra)}")
+        if trainer.outer is not None and any(splits.values() if splits else ()):
+            raise InvalidRequest(f"step {step}: a DiLoCo pod does not split a failed pod's shard")
         runs = {} if trainer.outer is not None else \
             self._split_runs(setup, step, extra, {s: list(h) for s, h in (splits or {}).items() if h})
         self.seq.check_not_done(step)
@@ -306,38 +305,6 @@ class Pod(PodMembership):
         exchange.inbox.set_next_step(trainer.step)
         return outcome
 
-    def _train_inner(self, setup: Setup, step: int, on_device, take_fingerprint: bool, extra: dict | None,
-                     pieces: list[Piece] | None) -> StepOutcome:
-        """DiLoCo (sync.mode): an inner step on this pod's own shard (its loss normalised by the
-        shard's own tokens; no DCN traffic), then the outer step and the outer sync due now
-        (trainer.outer_step; the sync's exchange runs on the data plane, keyed by its number).
-        A step that waits for an outer exchange is undone if the exchange fails (the state as it
-        was; the controller retries it after a change of membership, which exchanges again)."""
-        trainer = setup.trainer
-        if extra or pieces:
-            raise InvalidRequest(f"step {step}: a DiLoCo pod computes its own shard only")
-        link = _OuterLink(self.exchange, setup, self.pod_index) if setup.num_pods > 1 else None
-        before = trainer.snapshot() if trainer.outer.waits_at(trainer.step + 1) else None
-        outcome = trainer.train_step(on_device, trainer.target_count(on_device), None)
-        start = time.perf_counter()
-        try:
-            report = trainer.outer_step(link)
-        except BaseException:
-            if before is not None:
-                trainer.restore_snapshot(before)
-            raise
-        stats = None
-        if report is not None:
-            stats = dataclasses.replace(ExchangeStats(), bytes_sent=report.bytes_sent,
-                                        bytes_received=report.bytes_received)
-        outcome = dataclasses.replace(outcome, checksum=trainer.checksum(), outer=report, link=stats,
-                                      update_s=outcome.update_s + time.perf_counter() - start)
-        if take_fingerprint:
-            fp_start = time.perf_counter()
-            outcome.fingerprint = trainer.fingerprint()
-            outcome.fingerprint_s = time.perf_counter() - fp_start
-        return outcome
-
     # -- checkpoints ---------------------------------------------------------------------------
     def start_save(self, step: int, directory: str, metadata: dict, keep: int, deadline: float) -> SaveStarted:
         """Start writing the state after `step` steps with orbax's asynchronous checkpointing,
@@ -362,6 +329,10 @@ class Pod(PodMembership):
                 state["outer"], metadata["outer"] = trainer.outer.checkpoint(setup.config.dcn.timeout_s)
             fp = _state_fingerprint(state)
             path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
+            if trainer.outer is not None:
+                # A replay starts from the last good checkpoint: this one, or the one before if it fails.
+                trainer.outer.trim_history(getattr(self, "_saved_before", 0))
+                self._saved_before = step
         return SaveStarted(path, fp, step)
 
     def wait_save(self, directory: str, step: int, timeout_s: float) -> pathlib.Path:
@@ -401,31 +372,35 @@ class Pod(PodMembership):
                 old.close()
             raise
 
+    def _read_checkpoint(self, trainer: PodTrainer, path: str) -> tuple[dict, dict]:
+        """(state, metadata) of the checkpoint at `path`, read straight onto this host's devices
+        laid out as `trainer`'s state (orbax reshards a checkpoint written by another device or
+        host count), and checked against its fingerprint before anyone uses it (CorruptCheckpoint)."""
+        target = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+        if trainer.outer is not None:
+            saved = checkpoint.read_metadata(path).get("outer")
+            if not isinstance(saved, dict):
+                raise CheckpointError(f"checkpoint {path} holds no DiLoCo outer state (sync.mode = \"diloco\")")
+            target["outer"] = trainer.outer.restore_target(saved)
+        state, metadata = checkpoint.restore(path, checkpoint.abstract(target))
+        if int(state["step"]) != int(metadata.get("step", -1)):
+            raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
+                                  f"metadata says {metadata.get('step')}")
+        fp = _state_fingerprint(state)
+        if metadata.get("fingerprint") != fp:
+            raise CorruptCheckpoint(f"checkpoint {path} is corrupt: the restored state's fingerprint {fp} "
+                                    f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
+        return state, metadata
+
     def _restore(self, setup: Setup, path: str, run_id: str, deadline: float) -> Restored:
         with self.seq.hold("a restore", deadline, state=pb.WORKER_STATE_RESTORING):
             setup = self.setup()
             trainer = setup.trainer
-            # Read straight onto this host's devices, laid out as its trainer's state (orbax
-            # reshards a checkpoint written by another device count or host count).
-            target = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
-            if trainer.outer is not None:
-                saved = checkpoint.read_metadata(path).get("outer")
-                if not isinstance(saved, dict):
-                    raise CheckpointError(f"checkpoint {path} holds no DiLoCo outer state (sync.mode = \"diloco\")")
-                target["outer"] = trainer.outer.restore_target(saved)
-            state, metadata = checkpoint.restore(path, checkpoint.abstract(target))
-            if int(state["step"]) != int(metadata.get("step", -1)):
-                raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
-                                      f"metadata says {metadata.get('step')}")
-            # Checked on the arrays read back, before they replace the state: a corrupt
-            # checkpoint leaves the pod as it was.
-            fp = _state_fingerprint(state)
-            if metadata.get("fingerprint") != fp:
-                raise CorruptCheckpoint(f"checkpoint {path} is corrupt: the restored state's fingerprint {fp} "
-                                        f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
+            state, metadata = self._read_checkpoint(trainer, path)
+            fp = metadata["fingerprint"]
             trainer.load_state(state["params"], state["opt_state"], state["step"])
             if trainer.outer is not None:
-                trainer.outer.load(state["outer"], metadata["outer"])
+                trainer.outer.load(state["outer"], metadata["outer"], trainer.step)
                 fp = trainer.fingerprint()      # what every pod restored alike: the agreed state's
             self._checksum = (trainer.step, trainer.checksum())
             if run_id:
@@ -506,27 +481,6 @@ class Pod(PodMembership):
             self.exchange.close()
         if self.listener is not None:
             self.listener.close()
-
-
-class _OuterLink:
-    """A DiLoCo pod's outer exchange on one data-plane Exchange (pod_worker/diloco.py calls it):
-    (sync, leaves, order) -> (the pod-order sum of the fragment's leaves, stats, pods averaged).
-    In degraded mode (sync.on_pod_failure = "drop") a failed pod's slot adds zeros, hosted by
-    the live pod the membership gives it, and the mean is over the live pods only."""
-
-    def __init__(self, exchange: Exchange, setup: Setup, pod_index: int):
-        self.exchange = self.key = exchange     # key: two links on one exchange are the same link
-        self.dropped = setup.extra_slots(pod_index)
-        self.pods = tuple(range(setup.num_pods)) if setup.hosts is None else tuple(sorted(set(setup.hosts)))
-
-    def __call__(self, sync: int, leaves: list, order: list[int]):
-        self.exchange.inbox.set_next_step(sync)
-        extra = None
-        if self.dropped:
-            zeros = [None if leaf is None else np.zeros(leaf.shape, leaf.dtype) for leaf in leaves]
-            extra = {slot: zeros for slot in self.dropped}
-        summed, stats = self.exchange.all_reduce(sync, leaves, order=order, subset=True, extra=extra)
-        return summed, stats, self.pods
 
 
 def _state_fingerprint(state: dict) -> str:

@@ -161,8 +161,8 @@ class OuterDtype(enum.StrEnum):
 
 class OuterFailure(enum.StrEnum):
     """sync.on_pod_failure: what an outer step does when a pod died since the last one."""
+    REPLAY = "replay"           # a survivor recomputes its inner steps: bitwise the uninterrupted run
     DROP = "drop"               # the outer step averages over the pods that finished
-    REPLAY = "replay"           # a survivor recomputes its inner steps (not implemented yet: refused)
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class SyncConfig:
     fragments: int = 1                  # F: 1 is DiLoCo; more is Streaming DiLoCo
     overlap_steps: int = 0              # tau: inner steps a fragment's exchange overlaps (< H / F)
     outer_dtype: OuterDtype = OuterDtype.FLOAT32
-    on_pod_failure: OuterFailure = OuterFailure.DROP
+    on_pod_failure: OuterFailure = OuterFailure.REPLAY
 
     def __post_init__(self):
         for name, kind in (("mode", SyncMode), ("outer_optimizer", OuterOptimizer), ("outer_dtype", OuterDtype),
@@ -215,10 +215,6 @@ class SyncConfig:
         if self.outer_optimizer is OuterOptimizer.NESTEROV and self.outer_momentum == 0.0:
             raise ConfigError("sync.outer_momentum", "Nesterov needs a momentum > 0 (outer_optimizer = \"sgd\" "
                                                      "takes none)")
-        if self.diloco and self.on_pod_failure is OuterFailure.REPLAY:
-            raise ConfigError("sync.on_pod_failure", "\"replay\" is not implemented yet: use \"drop\" (the outer "
-                                                     "step averages over the live pods), or recovery.on_pod_failure = "
-                                                     "\"restore\" for a run bitwise the uninterrupted one")
         if self.inner_steps % self.fragments:
             raise ConfigError("sync.fragments", f"{self.fragments} fragments do not divide sync.inner_steps = "
                                                 f"{self.inner_steps}: each fragment meets once every H steps, at "

@@ -433,6 +433,17 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
                                 seconds=got.seconds)
 
     @_handler
+    def AdoptSlot(self, request: pb.AdoptSlotRequest, context) -> pb.AdoptSlotReply:
+        """DiLoCo "replay": host a failed pod's replica, retaking its inner steps from its checkpoint part."""
+        setup = self.pod.setup()
+        if not request.checkpoint_path:
+            raise _invalid("checkpoint_path is empty")
+        rows = setup.config.train.global_batch // setup.num_pods
+        batches = [_decode_tokens(setup, payload, rows) for payload in request.tokens]
+        step, fp = self.pod.adopt_slot(int(request.slot), request.checkpoint_path, batches, _deadline(context))
+        return pb.AdoptSlotReply(step=step, fingerprint=fp)
+
+    @_handler
     def Shutdown(self, request, context) -> pb.ShutdownReply:
         log.info("shutdown requested")
         self.shutdown_event.set()

@@ -9,6 +9,7 @@ The step is split in two compiled programs so the DCN exchange can sit between t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -23,7 +24,7 @@ from multipod.model.partitioning import activate_rules, batch_sharding, make_mes
 from multipod.pod_worker import overlap, programs, split
 from multipod.pod_worker.accumulate import MicrobatchSum
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
-from multipod.pod_worker.diloco import OuterReport, OuterSync
+from multipod.pod_worker.diloco import OuterReport, OuterSync, Replica
 from multipod.pod_worker.errors import InvalidRequest
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
@@ -98,13 +99,52 @@ class PodTrainer:
         return report
 
     def snapshot(self) -> tuple:
-        """A copy of the trainer's state (on the devices) that restore_snapshot puts back: what a
-        DiLoCo step that waits for an outer exchange keeps, so that it can be undone."""
-        return (jax.tree.map(jnp.copy, self.params), jax.tree.map(jnp.copy, self.opt_state), self.step,
-                getattr(self, "_count", None))
+        """A copy of the trainer's state (on the devices; with the DiLoCo replicas it hosts) that
+        restore_snapshot puts back: what a DiLoCo step that waits for an outer exchange keeps, so
+        that it can be undone."""
+        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+        replicas = {} if self.outer is None else {
+            slot: dataclasses.replace(r, params=copy(r.params), opt_state=copy(r.opt_state), deltas=dict(r.deltas))
+            for slot, r in self.outer.replicas.items()}
+        return copy(self.params), copy(self.opt_state), self.step, getattr(self, "_count", None), replicas
 
     def restore_snapshot(self, snapshot: tuple) -> None:
-        self.params, self.opt_state, self.step, self._count = snapshot
+        self.params, self.opt_state, self.step, self._count, replicas = snapshot
+        if self.outer is not None:
+            self.outer.replicas = replicas
+
+    def inner_step_on(self, replica: Replica, batch: jax.Array) -> StepOutcome:
+        """DiLoCo: one inner step of a failed pod's replica (pod_worker/diloco.py Replica) on its
+        shard, by this trainer's own programs, as that pod would have taken it; the trainer's own
+        state is put back afterwards, whatever happens."""
+        own = (self.params, self.opt_state, self.step, getattr(self, "_count", None))
+        self.params, self.opt_state, self.step, self._count = (replica.params, replica.opt_state, replica.step,
+                                                               replica.count)
+        try:
+            outcome = self.train_step(batch, self.target_count(batch), None)
+            replica.params, replica.opt_state, replica.step, replica.count = (self.params, self.opt_state, self.step,
+                                                                              self._count)
+        finally:
+            self.params, self.opt_state, self.step, self._count = own
+        return outcome
+
+    def replay(self, slot: int, params, opt_state, step: int, batches: list[np.ndarray]) -> Replica:
+        """DiLoCo, sync.on_pod_failure = "replay": rebuild failed pod `slot`'s state from its
+        checkpoint part (params, opt_state after `step` steps) by retaking its inner steps on
+        `batches` (its shards of steps step, step+1, ...) with the outer steps merged where this
+        pod applied them (its history), then host it. ValueError if the history does not reach
+        back to `step` or the batches do not bring it to this pod's step."""
+        self.outer.check_history(step)
+        if step + len(batches) != self.step:
+            raise ValueError(f"a replay from step {step} with {len(batches)} batches ends at step "
+                             f"{step + len(batches)}, this pod is at step {self.step}")
+        replica = Replica(slot, jax.device_put(params, self.param_sharding),
+                          jax.device_put(opt_state, self.opt_sharding), int(step))
+        for tokens in batches:
+            self.inner_step_on(replica, self.put_batch(tokens))
+            self.outer.replay_merges(replica)
+        self.outer.adopt(replica)
+        return replica
 
     @property
     def exchange_key(self) -> int:
@@ -545,11 +585,14 @@ class PodTrainer:
         mode, of the agreed parameters."""
         return jax.tree.map(jnp.copy, self.agreed_params)
 
-    def host_state(self) -> dict:
+    def host_state(self, replica: int | None = None) -> dict:
         """Parameters, optimizer state and step as host arrays (for checkpoints, sampling and a
-        peer's rejoin); in DiLoCo mode also the outer state ("outer": outer_arrays)."""
-        state = {"params": jax.tree.map(host_value, self.params),
-                 "opt_state": jax.tree.map(host_value, self.opt_state),
+        peer's rejoin); in DiLoCo mode also the outer state ("outer": outer_arrays), and with
+        `replica`, the inner state of that slot's replica if this pod hosts one."""
+        own = self.outer.replicas.get(replica) if self.outer is not None and replica is not None else None
+        params, opt_state = (own.params, own.opt_state) if own is not None else (self.params, self.opt_state)
+        state = {"params": jax.tree.map(host_value, params),
+                 "opt_state": jax.tree.map(host_value, opt_state),
                  "step": self.step}
         if self.outer is not None:
             state["outer"] = jax.tree.map(host_value, self.outer_arrays())

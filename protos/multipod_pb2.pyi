@@ -220,6 +220,24 @@ class MembershipReply(_message.Message):
     aborted_step: bool
     def __init__(self, step: _Optional[int] = ..., checksum: _Optional[str] = ..., fingerprint: _Optional[str] = ..., config_hash: _Optional[str] = ..., aborted_step: _Optional[bool] = ...) -> None: ...
 
+class AdoptSlotRequest(_message.Message):
+    __slots__ = ("slot", "checkpoint_path", "tokens")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    checkpoint_path: str
+    tokens: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, slot: _Optional[int] = ..., checkpoint_path: _Optional[str] = ..., tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AdoptSlotReply(_message.Message):
+    __slots__ = ("step", "fingerprint")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    fingerprint: str
+    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
 class SendStateRequest(_message.Message):
     __slots__ = ("transfer_id", "to_pod", "to_address")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,11 @@ class PodWorkerStub:
                 request_serializer=multipod__pb2.ReceiveStateRequest.SerializeToString,
                 response_deserializer=multipod__pb2.TransferReply.FromString,
                 _registered_method=True)
+        self.AdoptSlot = channel.unary_unary(
+                '/multipod.PodWorker/AdoptSlot',
+                request_serializer=multipod__pb2.AdoptSlotRequest.SerializeToString,
+                response_deserializer=multipod__pb2.AdoptSlotReply.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/multipod.PodWorker/Shutdown',
                 request_serializer=multipod__pb2.ShutdownRequest.SerializeToString,
@@ -212,6 +217,14 @@ class PodWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdoptSlot(self, request, context):
+        """DiLoCo, sync.on_pod_failure = "replay": host a failed pod's replica, rebuilt from its
+        checkpoint part by retaking its inner steps on its shards (pod_worker/diloco_pod.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -280,6 +293,11 @@ def add_PodWorkerServicer_to_server(servicer, server):
                     servicer.ReceiveState,
                     request_deserializer=multipod__pb2.ReceiveStateRequest.FromString,
                     response_serializer=multipod__pb2.TransferReply.SerializeToString,
+            ),
+            'AdoptSlot': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdoptSlot,
+                    request_deserializer=multipod__pb2.AdoptSlotRequest.FromString,
+                    response_serializer=multipod__pb2.AdoptSlotReply.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -617,6 +635,33 @@ class PodWorker:
             '/multipod.PodWorker/ReceiveState',
             multipod__pb2.ReceiveStateRequest.SerializeToString,
             multipod__pb2.TransferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdoptSlot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/multipod.PodWorker/AdoptSlot',
+            multipod__pb2.AdoptSlotRequest.SerializeToString,
+            multipod__pb2.AdoptSlotReply.FromString,
             options,
             channel_credentials,
             insecure,

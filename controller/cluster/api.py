@@ -136,5 +136,9 @@ class PodApi(Protocol):
                             timeout_s: float) -> Pending[pb.TransferReply]:
         ...
 
+    def adopt_slot(self, request: pb.AdoptSlotRequest, timeout_s: float) -> pb.AdoptSlotReply:
+        """DiLoCo "replay": host a failed pod's replica (pods of one host only)."""
+        ...
+
     def shutdown(self, timeout_s: float) -> pb.ShutdownReply:
         ...

@@ -105,6 +105,10 @@ class Checkpointer:
         meta = {"data_offset": self.data_offset, "data_position": step + self.data_offset,
                 "data_path": self.cluster.config.data.path, "seed": run.seed, "run_id": self.cluster.base_run_id,
                 "num_pods": self.cluster.size, "saved_at": time.time()}
+        if self.per_pod and self.cluster.degraded:
+            missing = sorted(set(range(self.cluster.size)) - set(self.cluster.live))
+            self._failed(step, f"pod(s) {missing} are out, and a DiLoCo checkpoint needs every pod's own state")
+            return
         writers = self.cluster.live_clients if self.per_pod else self.cluster.live_clients[:1]
         directories = [self._directory(writer.pod_index) for writer in writers]
 
@@ -136,6 +140,10 @@ class Checkpointer:
     def _path(self, pod: int, step: int, path: str) -> str:
         """Pod `pod`'s part of the checkpoint of `step` whose (pod 0's) path is `path`."""
         return str(pathlib.Path(self._directory(pod)) / str(step)) if self.per_pod else path
+
+    def part_path(self, pod: int, saved: Saved) -> str:
+        """Pod `pod`'s part of the checkpoint `saved` (in DiLoCo mode, its own state)."""
+        return self._path(pod, saved.step, saved.path)
 
     def _failed(self, step: int, why: str) -> None:
         self.failed += 1

@@ -161,6 +161,9 @@ class Failover:
         self.degraded_s = 0.0
         self._degraded_since: float | None = None
         self._rejoining: dict[int, _Rejoin] = {}
+        # DiLoCo, sync.on_pod_failure = "replay": rebuilds a failed pod's state on its slot's host
+        # (components/replay.py); set by the run.
+        self.replayer = None
 
     @property
     def timeout_s(self) -> float:
@@ -199,11 +202,14 @@ class Failover:
         else:
             raise RunError(f"degraded mode after ({failure}) failed: pods kept failing")
         step = self._align(live, replies)
+        if self.replayer is not None and cluster.config.sync.on_pod_failure == "replay":
+            for slot in sorted(failed):
+                self.replayer.replay(slot, step, self.timeout_s)
         if self._degraded_since is None:
             self._degraded_since = time.monotonic()
         for pod in sorted(set(range(cluster.size)) - set(live)):
             self._watch(pod)
-        if cluster.config.sync.diloco:
+        if cluster.config.sync.diloco and cluster.config.sync.on_pod_failure == "drop":
             shards = ", ".join(f"slot {s} dropped: the outer steps average over the live pods"
                                for s, h in enumerate(cluster.hosts) if s != h)
         else:
@@ -287,8 +293,10 @@ class Failover:
         for pod in ready:
             watcher = self._rejoining[pod]
             try:
-                sent, seconds = self._transfer(cluster.live[0], pod,
-                                               why="hot-swapped" if watcher.swapped else "rejoining")
+                # DiLoCo "replay": the slot's own state is its replica, on the slot's host.
+                sync = cluster.config.sync
+                donor = cluster.hosts[pod] if sync.diloco and sync.on_pod_failure == "replay" else cluster.live[0]
+                sent, seconds = self._transfer(donor, pod, why="hot-swapped" if watcher.swapped else "rejoining")
                 joined.append(pod)
                 del self._rejoining[pod]
                 if watcher.swapped is not None:

@@ -42,6 +42,9 @@ class EventKind(enum.StrEnum):
     # step, sync, fragment, pods (averaged), dropped: a DiLoCo outer step averaged over the live
     # pods only (sync.on_pod_failure = "drop")
     OUTER_DROPPED = "outer_dropped"
+    # slot, host, from_step, to_step, seconds, fingerprint: a DiLoCo survivor rebuilt a failed pod's
+    # own state from its checkpoint part (sync.on_pod_failure = "replay") and trains it from to_step
+    REPLAY = "replay"
 
 
 @dataclasses.dataclass(frozen=True)

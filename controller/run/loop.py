@@ -141,8 +141,9 @@ class StepLoop:
         clients = self.cluster.live_clients
         splits = self._splits(hosts)
         calls = []
-        # DiLoCo (sync.mode): a failed pod's shards are dropped, not computed by the survivors.
-        dropped = self.cluster.config.sync.diloco
+        # DiLoCo (sync.mode) with "drop": a failed pod's shards are not computed by anyone.
+        sync = self.cluster.config.sync
+        dropped = sync.diloco and sync.on_pod_failure == "drop"
         for client in clients:
             pod = client.pod_index
             extra = [] if dropped else [pb.Shard(slot=slot, tokens=shards.tokens[slot], loss_mask=shards.masks[slot],

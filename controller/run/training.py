@@ -15,6 +15,7 @@ from multipod.controller.components.checkpointer import Checkpointer
 from multipod.controller.components.evaluation import Evaluator
 from multipod.controller.components.failover import Failover
 from multipod.controller.components.recovery import Recovery
+from multipod.controller.components.replay import Replayer
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import Divergence, PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
@@ -157,6 +158,8 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
     recovery = Recovery(config.recovery, cluster, checkpointer, spike, events, supervisor)
     pool = _spare_pool(cluster, run_dir, events, spares or []) if degrade else None
     failover = Failover(config.recovery, cluster, events, supervisor, pool)
+    if config.sync.diloco:
+        failover.replayer = Replayer(cluster, checkpointer, data.dataset, events)
     try:
         if reattached is not None:
             start = int(replies[0].step)

@@ -52,33 +52,71 @@ def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path):
     assert {s: r["loss"] for s, r in resumed.items()} == {s: r["loss"] for s, r in records.items()}
 
 
-def test_a_killed_pod_is_dropped_from_the_outer_steps_and_rejoins_from_a_peer(tmp_path, env):
-    """sync.on_pod_failure = "drop" (the default): 3 pods, pod 1 killed with SIGKILL; the survivors
-    train on, the outer steps average over them (an event names the pods averaged), and the
-    restarted pod rejoins at an outer boundary from a peer's state; the agreed state stays bitwise
-    alike on every pod at every step (the run itself checks it)."""
+def _failure_args(policy: str, steps: int, *extra: str) -> tuple[str, ...]:
     sets = [arg for setting in ["sync.mode=diloco", "sync.inner_steps=4", "sync.overlap_steps=1",
-                                "sample.tokens=0", "eval.batches=0", "data.global_batch=6", "dcn.timeout_s=30",
-                                "run.step_timeout_s=90", "health.interval_s=0.5", "health.timeout_s=2"]
+                                f"sync.on_pod_failure={policy}", "sample.tokens=0", "eval.batches=0",
+                                "data.global_batch=6", "dcn.timeout_s=30", "run.step_timeout_s=90",
+                                "health.interval_s=0.5", "health.timeout_s=2", "optimizer.decay_steps=40", *extra]
             for arg in ("--set", setting)]
-    steps = 40
-    run = _Live("local", "--pods", "3", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
-                "--checkpoint-every", "0", "--run-dir", str(tmp_path), *sets,
-                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP=str(steps - 6)))
-    code = kill_and_finish(run, tmp_path, lambda: _current_pid(tmp_path, 1)[0], "degraded: 2/3 pods")
+    return ("local", "--pods", "3", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), *sets)
+
+
+def _kill_pod_1(run_dir: pathlib.Path, args: tuple[str, ...], steps: int, env: dict) -> tuple[list[dict], list[dict]]:
+    """Run `args`, SIGKILL pod 1 once step 10 is recorded, let the supervisor restart it and the run
+    bring it back before the end; (step records, events)."""
+    run = _Live(*args, "--run-dir", str(run_dir), env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP=str(steps - 6)))
+    code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods")
     assert code == 0, "".join(run.out) + "".join(run.err)
-    records = read_metrics(tmp_path)
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(steps)), "a step was lost or run twice"
-    events = _events(tmp_path)
+    events = _events(run_dir)
     kinds = [e["event"] for e in events]
     assert "pod_failure" in kinds and "rejoin" in kinds
-    dropped = [e for e in events if e["event"] == "outer_dropped"]
-    assert dropped and all(e["pods"] == [0, 2] and e["dropped"] == [1] for e in dropped)
     rejoin = next(e for e in events if e["event"] == "rejoin")
     assert rejoin["step"] % 4 != 0, "a pod rejoins only where no outer sync is pending (tau = 1)"
+    assert records[-1]["live_pods"] == 3
+    return records, events
+
+
+def test_a_killed_pod_is_dropped_from_the_outer_steps_and_rejoins_from_a_peer(tmp_path, env):
+    """sync.on_pod_failure = "drop": 3 pods, pod 1 killed with SIGKILL; the survivors train on, the
+    outer steps average over them (an event names the pods averaged), and the restarted pod
+    rejoins at an outer boundary from a peer's state; the agreed state stays bitwise alike on
+    every pod at every step (the run itself checks it)."""
+    steps = 40
+    records, events = _kill_pod_1(tmp_path, _failure_args("drop", steps, "checkpoint.every=0"), steps, env)
+    dropped = [e for e in events if e["event"] == "outer_dropped"]
+    assert dropped and all(e["pods"] == [0, 2] and e["dropped"] == [1] for e in dropped)
     outer = [r for r in records if r.get("outer_sync")]
     assert outer[-1]["outer_pods"] == [0, 1, 2], "the rejoined pod takes part in the outer steps again"
-    assert records[-1]["live_pods"] == 3
+
+
+def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_path, env):
+    """sync.on_pod_failure = "replay" (the default): 3 pods, pod 1 killed with SIGKILL after a
+    checkpoint; the survivor hosting its slot rebuilds its state from its checkpoint part, trains it
+    beside its own, and hands it back when the restarted pod rejoins. Every step's agreed state and
+    loss, and every pod's own final checkpoint, are bitwise the uninterrupted run's."""
+    steps = 40
+    args = _failure_args("replay", steps, "checkpoint.every=8")
+    reference = tmp_path / "reference"
+    done = run_cli(*args, "--run-dir", str(reference))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records, events = _kill_pod_1(tmp_path / "killed", args, steps, env)
+    replay = next(e for e in events if e["event"] == "replay")
+    # From the last good checkpoint: step 8's, or the baseline if 8's was still being written.
+    assert replay["slot"] == 1 and replay["from_step"] in (0, 8) and replay["to_step"] > 10
+    assert not any(e["event"] == "outer_dropped" for e in events)
+    want = {r["step"]: r for r in read_metrics(reference)}
+    for r in records:
+        assert r["checksums"][0] == want[r["step"]]["checksums"][0], r["step"]
+        if not r.get("partial_loss"):
+            assert r["loss"] == want[r["step"]]["loss"], r["step"]
+    assert [_part(tmp_path / "killed", pod, steps) for pod in range(3)] == \
+        [_part(reference, pod, steps) for pod in range(3)]
+
+
+def _part(run_dir: pathlib.Path, pod: int, step: int) -> str:
+    return checkpoint.read_metadata(str(run_dir / "checkpoints" / f"pod-{pod}" / str(step)))["fingerprint"]
 
 
 def test_with_recovery_restore_a_killed_pod_sends_every_pod_back_to_its_own_part_bitwise(tmp_path, env):

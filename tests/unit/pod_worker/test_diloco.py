@@ -199,3 +199,51 @@ def test_a_failed_outer_exchange_undoes_the_step_and_is_exchanged_again_after_a_
         assert [{o.checksum for o in outcomes} for outcomes in got] == [{want[2]}, {want[3]}]
     finally:
         pods.close()
+
+
+def test_replay_rebuilds_a_dead_pod_from_its_checkpoint_part_and_the_run_stays_bitwise(tmp_path):
+    """sync.on_pod_failure = "replay": both pods save their own parts after 4 steps (a sync pending
+    in them); pod 1 dies after 7 steps while pod 0's exchange of sync 4 waits for it. The step
+    that was to apply it fails on pod 0 with its state as it was; pod 0 then hosts pod 1's slot,
+    rebuilds its state from its checkpoint part by retaking steps 4-7 (merging the outer steps
+    where they were applied, and taking its pseudo-gradient of the pending sync 4), and trains it
+    beside its own: every agreed state is bitwise the uninterrupted pair's, and so is the
+    replica's own state at the end."""
+    config = _config(2, inner_steps=4, fragments=2, overlap_steps=1)
+    steps = 11
+    reference = Pods(config, 2)
+    try:
+        want = [reference.step(step)[0].checksum for step in range(steps)]
+        want_pod1 = _local(reference.pods[1])
+    finally:
+        reference.close()
+    pods = Pods(config, 2)
+    first, second = pods.pods
+    deadline = lambda: time.monotonic() + DEADLINE_S  # noqa: E731
+    try:
+        for step in range(4):
+            pods.step(step)
+        for pod in pods.pods:
+            directory = str(tmp_path / f"pod-{pod.pod_index}")
+            pod.start_save(4, directory, {}, 0, deadline())
+            pod.wait_save(directory, 4, DEADLINE_S)
+        for step in range(4, 7):
+            assert [o.checksum for o in pods.step(step)] == [want[step]] * 2
+        first.step(first.setup(), 7, tokens(7, 0), 0, deadline(), lambda: True)   # sync 4 starts on pod 0 only
+        second.close()      # pod 1 dies
+        before = (_local(first), first.trainer.step)
+        with pytest.raises(Exception, match="pod 1"):
+            first.step(first.setup(), 8, tokens(8, 0), 0, deadline(), lambda: True)
+        assert (_local(first), first.trainer.step) == before
+        first.set_membership(f"diloco-{next(_runs)}", [0, 0], deadline())
+        step, _ = first.adopt_slot(1, str(tmp_path / "pod-1" / "4"), [tokens(s, 1) for s in range(4, 8)], deadline())
+        assert step == 8
+        for step in range(8, steps):
+            outcome, _ = first.step(first.setup(), step, tokens(step, 0), 0, deadline(), lambda: True,
+                                    extra={1: tokens(step, 1)})
+            assert outcome.checksum == want[step], f"step {step}"
+            assert [s[0] for s in outcome.shards] == [None, 1]
+        replica = first.trainer.outer.replicas[1]
+        assert fingerprint(replica.params, replica.opt_state) == want_pod1
+    finally:
+        first.close()
