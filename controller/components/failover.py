@@ -80,12 +80,14 @@ class _Rejoin:
     compiles: it runs while the survivors train). swapped: (old address, new address) once a
     spare took the slot."""
 
-    def __init__(self, cluster: Cluster, pod: int, timeout_s: float, spares: SparePool | None = None):
+    def __init__(self, cluster: Cluster, pod: int, timeout_s: float, spares: SparePool | None = None,
+                 attempts: int = 0, swapped: tuple[str, str] | None = None):
         self.cluster, self.pod, self.spares = cluster, pod, spares
         self.ready = threading.Event()
         self.error: str | None = None
-        self.attempts = 0
-        self.swapped: tuple[str, str] | None = None
+        self.attempts = attempts
+        # Given before the thread starts: a retry of a slot a spare took must not take another spare.
+        self.swapped: tuple[str, str] | None = swapped
         self.since = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True, name=f"rejoin-{pod}")
@@ -308,9 +310,8 @@ class Failover:
                 if watcher.attempts >= REJOIN_ATTEMPTS:
                     del self._rejoining[pod]
                 else:   # its state is untouched: try again, from serving and configured
-                    self._rejoining[pod] = _Rejoin(cluster, pod, self.config.restart_timeout_s, self.spares)
-                    self._rejoining[pod].attempts = watcher.attempts
-                    self._rejoining[pod].swapped = watcher.swapped
+                    self._rejoining[pod] = _Rejoin(cluster, pod, self.config.restart_timeout_s, self.spares,
+                                                   attempts=watcher.attempts, swapped=watcher.swapped)
         if not joined:
             return False
         hosts = list(cluster.hosts)
