@@ -1,0 +1,430 @@
+"""The cost model of the cross-pod sync: what one training step costs for a model, a layout, a
+chip, the links and a sync choice. Pure Python (no jax, no numpy): `multipod plan` projects with it
+on paper; `multipod tune --dcn` is to rank its candidates with it before it measures the best few.
+
+One pod's compute, from the model's FLOPs (model/config.py: 6N + 12·L·H·Q·T per token, PaLM
+appendix B) at an expected MFU:
+    C = tokens per pod x FLOPs per token / (chips per pod x peak x MFU)
+    forward = C / (1 + r), backward = C - forward, with r = Calibration.backward_ratio (2).
+The DCN bytes one pod sends per exchange, as pod_worker/dcn/collectives.py moves them: 2 pods send
+each other the whole gradient (WholeGradient, one round); N > 2 pods reduce-scatter then all-gather
+(ReduceScatterAllGather, two rounds), 2(N-1)/N of it. A value takes bytes_per_value() on the wire
+(pod_worker/dcn/wire.py): its own bytes, bf16 2, int8 1 + 4/256, int4 1/2 + 4/256 (a float32
+scale per block of 256). One exchange of B bytes takes
+    max(B / bandwidth, host stage) + rounds x latency
+where bandwidth = dcn_gbps x dcn_efficiency, capped by the streams' windows (streams x peers x
+window / round trip) and the host stage is encoding/decoding and per-chunk work (not modelled
+until calibrated). Pods of several hosts then gather the summed blocks over ICI (hosts.Assembler).
+Per step:
+  every step, fused       compute + exchange (all of it exposed)
+  every step, overlapped  compute + per-layer program cost + max(X - backward / M, tail), where the
+                          last microbatch's backward (overlap.py) hides the exchange X and the
+                          tail is sending what is ready only when the backward ends (embedding,
+                          rest of block 0)
+  DiLoCo                  inner compute; every H/F steps one fragment (1/F of the parameters, in
+                          sync.outer_dtype) is exchanged, hidden by the overlap_steps inner steps
+                          that follow it: what exceeds them is exposed, amortised over H/F steps.
+Weak scaling is one pod's step (the same tokens per pod, no DCN) over the projected step.
+Calibration holds every term that is not arithmetic, named, with where its value comes from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+from multipod.model.config import ConfigError, ModelConfig
+from multipod.pod_worker.schema import MAX_STREAMS, Compression, OuterDtype, SyncConfig, SyncMode
+
+BLOCK = 256            # values per float32 scale of int8 and int4 (pod_worker/dcn/wire.py BLOCK)
+SCALE_BYTES = 4
+DEFAULT_CHUNK_BYTES = 2 << 20        # dcn.chunk_bytes' default
+LOSSY_MIN_GAIN = 0.05  # a math-changing candidate is recommended only if >= 5% faster than exact sync
+TIE = 0.02             # ... and then the least lossy one within 2% of the fastest lossy one
+# The grids the plan searches (every-step compression, DiLoCo H x F x outer dtype).
+EVERY_STEP_COMPRESSIONS = (Compression.NONE, Compression.BF16, Compression.INT8, Compression.INT4)
+DILOCO_INNER_STEPS = (10, 20, 50, 100)
+DILOCO_FRAGMENTS = (1, 2, 4)
+DILOCO_OUTER_DTYPES = (OuterDtype.FLOAT32, OuterDtype.INT8, OuterDtype.INT4)
+_LOSSINESS = {"none": 0, "float32": 0, "bf16": 1, "int8": 2, "int4": 3}
+
+
+def check_number(name: str, value, low: float = 0.0, strict: bool = True) -> None:
+    """ConfigError(name) unless value is a finite number > low (>= low if not strict)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(name, f"must be a number, got {value!r}")
+    if value < low or (strict and value == low):
+        raise ConfigError(name, f"must be {'>' if strict else '>='} {low:g}, got {value:g}")
+
+
+def check_count(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's terms that are not arithmetic. Defaults are estimates, each with its source;
+    runs measured on this machine are to replace them (issue 23: calibrate, state the error)."""
+    backward_ratio: float = 2.0         # backward / forward FLOPs: 4N against 2N per token (6N accounting)
+    dcn_efficiency: float = 0.93        # data-plane throughput / link rate: DESIGN.md, pyzmq zero-copy at
+    #                                     0.93 of raw TCP (103 MB each way, loopback, this machine)
+    stream_window_bytes: float = 4 * 2**20   # bytes in flight per TCP stream (assumed: Linux's autotuned
+    #                                     window of a few MiB); one stream carries at most window / RTT
+    program_launch_s: float = 3e-4      # per per-layer program of the overlapped step: "some tenths of a
+    #                                     millisecond" on XLA CPU here (pod_worker/schema.py); ~0 on TPU
+    block0_recompute_layers: float = 0.25    # overlap.py runs block 0's backward as two programs that
+    #                                     recompute about one MLP matmul: a quarter of a block's backward
+    update_s: float = 0.0               # AdamW + checksum per step, beyond what the MFU already counts
+    outer_update_s: float = 0.0         # DiLoCo: pseudo-gradient and outer step per outer sync
+    chunk_overhead_s: float = 0.0       # per chunk on the host (framing, queueing); 0: not modelled
+    host_values_per_s: dict = field(default_factory=dict)   # compression -> values/s the host encodes,
+    #                                     decodes and sums (pipelined with the sending); absent: not modelled
+    jitter_cv: float = 0.0              # a pod's step-time standard deviation / mean: every-step sync waits
+    #                                     for the slowest pod, E[max of N normals] sigmas; 0: not modelled
+
+    def validate(self) -> None:
+        check_number("backward_ratio", self.backward_ratio)
+        check_number("dcn_efficiency", self.dcn_efficiency)
+        if self.dcn_efficiency > 1:
+            raise ConfigError("dcn_efficiency", f"must be at most 1, got {self.dcn_efficiency:g}")
+        check_number("stream_window_bytes", self.stream_window_bytes)
+        for name in ("program_launch_s", "block0_recompute_layers", "update_s", "outer_update_s",
+                     "chunk_overhead_s", "jitter_cv"):
+            check_number(name, getattr(self, name), strict=False)
+        for key, rate in self.host_values_per_s.items():
+            check_number(f"host_values_per_s.{key}", rate)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a model: its size, FLOPs, layers, the bytes of one gradient
+    value as a pod holds it (4 for float32 parameters, 2 for bfloat16), and the share of the
+    gradient that is ready only when the backward pass ends (what overlap cannot hide)."""
+    params: int
+    flops_per_token: float
+    n_layers: int
+    grad_bytes: int = 4
+    last_ready_fraction: float = 0.0
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, seq_len: int) -> ModelShape:
+        """model/config.py's counts; the last-ready share is the embedding plus block 0 without
+        its MLP (overlap.py's readiness order)."""
+        n, d = model.param_count(), model.d_model
+        block0 = (n - model.vocab_size * d - d) / model.n_layers - 3 * d * model.mlp_dim
+        return cls(n, model.flops_per_token(seq_len), model.n_layers, 2 if model.param_dtype == "bfloat16" else 4,
+                   (model.vocab_size * d + block0) / n)
+
+    @classmethod
+    def from_params(cls, params: int, n_layers: int, grad_bytes: int = 4,
+                    flops_per_token: float | None = None) -> ModelShape:
+        """A parameter count alone: 6N FLOPs per token (no attention term) unless given, and one
+        block's share of the gradient left for after the backward pass (an assumption)."""
+        return cls(params, 6.0 * params if flops_per_token is None else flops_per_token, n_layers, grad_bytes,
+                   1.0 / n_layers)
+
+    def validate(self) -> None:
+        check_count("params", self.params)
+        check_number("flops_per_token", self.flops_per_token)
+        check_count("layers", self.n_layers)
+        if self.grad_bytes not in (2, 4):
+            raise ConfigError("grad_dtype", f"gradient values take 2 (bfloat16) or 4 (float32) bytes, "
+                                            f"got {self.grad_bytes}")
+        check_number("last_ready_fraction", self.last_ready_fraction, strict=False)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The cluster's shape: pods of hosts of chips, the tokens of one global step (over all pods),
+    microbatches per pod step, the pod mesh's model axis, and whether the pod shards the gradient
+    fully over its chips (as PaLM and MaxText do; multipod replicates it over the data axis, so
+    its hosts gather the summed blocks over ICI after the exchange)."""
+    pods: int
+    hosts_per_pod: int
+    chips_per_pod: int
+    tokens_per_step: int
+    microbatches: int = 1
+    model_parallel: int = 1
+    fully_sharded: bool = False
+
+    @property
+    def tokens_per_pod(self) -> float:
+        return self.tokens_per_step / self.pods
+
+    def validate(self) -> None:
+        for name in ("pods", "hosts_per_pod", "chips_per_pod", "tokens_per_step", "microbatches", "model_parallel"):
+            check_count(name, getattr(self, name))
+        if self.chips_per_pod % self.hosts_per_pod:
+            raise ConfigError("chips_per_pod", f"{self.chips_per_pod} chips do not split evenly over "
+                                               f"{self.hosts_per_pod} hosts")
+
+
+@dataclass(frozen=True)
+class Chip:
+    peak_flops: float      # per chip, FLOP/s
+    mfu: float             # expected model FLOPs utilisation of one pod's step, a fraction
+
+    def validate(self) -> None:
+        check_number("peak_flops", self.peak_flops)
+        check_number("mfu", self.mfu)
+        if self.mfu > 1:
+            raise ConfigError("mfu", f"is a fraction in (0, 1] (0.462 for 46.2%), got {self.mfu:g}")
+
+
+@dataclass(frozen=True)
+class Links:
+    """dcn_gbps: one pod's DCN bandwidth each way (the sum over its hosts' links), Gb/s;
+    dcn_latency_ms: one way; ici_gbps: one chip's ICI bandwidth; streams: data-plane connections
+    per peer (dcn.streams)."""
+    dcn_gbps: float
+    dcn_latency_ms: float
+    ici_gbps: float
+    ici_latency_ms: float = 0.001
+    streams: int = 4
+
+    def validate(self) -> None:
+        check_number("dcn_gbps", self.dcn_gbps)
+        check_number("ici_gbps", self.ici_gbps)
+        check_number("dcn_latency_ms", self.dcn_latency_ms, strict=False)
+        check_number("ici_latency_ms", self.ici_latency_ms, strict=False)
+        if not isinstance(self.streams, int) or not 1 <= self.streams <= MAX_STREAMS:
+            raise ConfigError("streams", f"must be an integer in [1, {MAX_STREAMS}], got {self.streams!r}")
+
+
+@dataclass(frozen=True)
+class SyncChoice:
+    """One candidate: [dcn] overlap and compression for every-step sync, or [sync] for DiLoCo;
+    streams (None: the links') and chunk size for both."""
+    overlap: bool = False
+    compression: Compression = Compression.NONE
+    sync: SyncConfig = SyncConfig()
+    streams: int | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    @property
+    def lossy(self) -> bool:
+        """Whether it changes the math (compression, DiLoCo): the tier chosen only if allowed."""
+        return self.sync.diloco or self.compression is not Compression.NONE
+
+    def lossiness(self) -> tuple:
+        """How far from exact every-step sync, for breaking near-ties: none < compressed every step
+        (bf16 < int8 < int4) < DiLoCo (by H, then outer dtype, then fragments)."""
+        if self.sync.diloco:
+            s = self.sync
+            return 2, s.inner_steps, _LOSSINESS[s.outer_dtype.value], s.fragments
+        return (1, _LOSSINESS[self.compression.value]) if self.lossy else (0,)
+
+    def label(self) -> str:
+        if self.sync.diloco:
+            s = self.sync
+            return (f"DiLoCo H={s.inner_steps} F={s.fragments} tau={s.overlap_steps} {s.outer_dtype.value}")
+        return f"every step, {'overlapped' if self.overlap else 'fused'}, {self.compression.value}"
+
+    def settings(self) -> dict:
+        """The [dcn] and [sync] keys that run it (a config's `--set` values)."""
+        dcn: dict = {"chunk_bytes": self.chunk_bytes} if self.streams is None else \
+            {"streams": self.streams, "chunk_bytes": self.chunk_bytes}
+        if not self.sync.diloco:
+            dcn.update(overlap=self.overlap, compression=self.compression.value)
+            return {"dcn": dcn, "sync": {"mode": SyncMode.EVERY_STEP.value}}
+        s = self.sync
+        return {"dcn": dcn, "sync": {"mode": s.mode.value, "inner_steps": s.inner_steps, "fragments": s.fragments,
+                                     "overlap_steps": s.overlap_steps, "outer_dtype": s.outer_dtype.value}}
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One candidate's projected step; times in seconds, bytes per pod (sent, per step)."""
+    choice: SyncChoice
+    forward_s: float
+    backward_s: float
+    overlap_cost_s: float      # the overlapped step's extra programs and recompute
+    exchange_s: float          # one exchange: the whole gradient, or one DiLoCo fragment
+    exposed_s: float           # exchange time not hidden, per step (DiLoCo: amortised)
+    ici_s: float               # per step: gathering the summed blocks over the pod's hosts
+    jitter_s: float            # per step: waiting for the slowest pod
+    step_s: float
+    one_pod_step_s: float
+    dcn_bytes_per_step: float
+
+    @property
+    def weak_scaling(self) -> float:
+        return self.one_pod_step_s / self.step_s
+
+    @property
+    def tier(self) -> str:
+        return "lossy" if self.choice.lossy else "exact"
+
+    def as_dict(self) -> dict:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "choice"}
+        return {"label": self.choice.label(), "tier": self.tier, "settings": self.choice.settings(), **fields,
+                "exposed_comm_s": self.exposed_s + self.ici_s, "weak_scaling": self.weak_scaling}
+
+
+def bytes_per_value(compression: Compression | str, grad_bytes: int = 4) -> float:
+    """Bytes one gradient value takes on the wire, the block scales included (wire.py's nbytes()
+    for a chunk of whole blocks)."""
+    compression = Compression(compression)
+    if compression is Compression.NONE:
+        return float(grad_bytes)
+    if compression is Compression.BF16:
+        return 2.0
+    return (1.0 if compression is Compression.INT8 else 0.5) + SCALE_BYTES / BLOCK
+
+
+def collective_factor(pods: int) -> float:
+    """The share of the gradient one pod sends (and receives) per exchange: 0 alone, the whole
+    gradient for 2 pods, 2(N-1)/N for N > 2 (reduce-scatter + all-gather)."""
+    return 0.0 if pods < 2 else 1.0 if pods == 2 else 2.0 * (pods - 1) / pods
+
+
+def rounds(pods: int) -> int:
+    """Latency-bound rounds per exchange: one for 2 pods, two (scatter, gather) for more."""
+    return 0 if pods < 2 else 1 if pods == 2 else 2
+
+
+def effective_dcn_bytes_per_s(links: Links, layout: Layout, streams: int, cal: Calibration) -> float:
+    """One pod's sending rate: the link's rate x efficiency, capped by the windows of its streams
+    (every host of the pod has `streams` to the same host of each other pod)."""
+    rate = links.dcn_gbps * 1e9 / 8 * cal.dcn_efficiency
+    rtt = 2 * links.dcn_latency_ms / 1e3
+    if rtt > 0 and layout.pods > 1:
+        connections = layout.hosts_per_pod * streams * (layout.pods - 1)
+        rate = min(rate, connections * cal.stream_window_bytes / rtt)
+    return rate
+
+
+def streams_needed(links: Links, layout: Layout, cal: Calibration) -> int:
+    """The fewest streams per peer (at least the links' own) whose windows fill the link, at most
+    MAX_STREAMS."""
+    full = links.dcn_gbps * 1e9 / 8 * cal.dcn_efficiency
+    for streams in range(links.streams, MAX_STREAMS + 1):
+        if effective_dcn_bytes_per_s(links, layout, streams, cal) >= full:
+            return streams
+    return MAX_STREAMS
+
+
+@functools.lru_cache(maxsize=64)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1, 1/sqrt(pi) for 2), by quadrature."""
+    if n < 2:
+        return 0.0
+    step, total = 0.01, 0.0
+    for i in range(-1000, 1001):
+        x = i * step
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * cdf ** (n - 1) * step
+    return total
+
+
+def exchange_time(sent_bytes: float, values: float, layout: Layout, links: Links, choice: SyncChoice,
+                  compression: Compression, cal: Calibration) -> float:
+    """Seconds for one pod to send sent_bytes (values values) and receive as many."""
+    if sent_bytes <= 0:
+        return 0.0
+    transmit = sent_bytes / effective_dcn_bytes_per_s(links, layout, choice.streams or links.streams, cal)
+    host = math.ceil(sent_bytes / choice.chunk_bytes) * cal.chunk_overhead_s
+    rate = cal.host_values_per_s.get(compression.value)
+    if rate:
+        host += values / rate
+    return max(transmit, host) + rounds(layout.pods) * links.dcn_latency_ms / 1e3
+
+
+def assembly_time(values: float, model: ModelShape, layout: Layout, links: Links) -> float:
+    """Gathering the summed blocks over a pod's hosts (hosts.Assembler: an all-gather over ICI):
+    each chip receives the other hosts' blocks of its model shard. None with one host, fully
+    sharded pods, or one pod."""
+    k = layout.hosts_per_pod
+    if k == 1 or layout.fully_sharded or layout.pods == 1:
+        return 0.0
+    per_chip = (k - 1) / k * values * model.grad_bytes / layout.model_parallel
+    return per_chip / (links.ici_gbps * 1e9 / 8) + links.ici_latency_ms / 1e3
+
+
+def project(model: ModelShape, layout: Layout, chip: Chip, links: Links, choice: SyncChoice,
+            cal: Calibration = Calibration()) -> Projection:
+    """One candidate's projected step (see the module docstring for the formulas)."""
+    compute = layout.tokens_per_pod * model.flops_per_token / (layout.chips_per_pod * chip.peak_flops * chip.mfu)
+    forward = compute / (1 + cal.backward_ratio)
+    backward = compute - forward
+    one_pod = compute + cal.update_s
+    n = layout.pods
+    jitter = cal.jitter_cv * compute * expected_max_normal(n)
+    if choice.sync.diloco:
+        sync = choice.sync
+        period = sync.period
+        values = model.params / sync.fragments
+        compression = sync.outer_dtype.compression
+        sent = values * bytes_per_value(compression, model.grad_bytes) * collective_factor(n)
+        exchange = exchange_time(sent, values * collective_factor(n), layout, links, choice, compression, cal)
+        ici = assembly_time(values, model, layout, links) / period
+        exposed = (max(0.0, exchange - sync.overlap_steps * one_pod) + cal.outer_update_s) / period
+        jitter /= math.sqrt(period)     # pods drift apart over `period` steps, then wait once
+        step = one_pod + exposed + ici + jitter
+        return Projection(choice, forward, backward, 0.0, exchange, exposed, ici, jitter, step, one_pod, sent / period)
+    values = float(model.params)
+    sent = values * bytes_per_value(choice.compression, model.grad_bytes) * collective_factor(n)
+    exchange = exchange_time(sent, values * collective_factor(n), layout, links, choice, choice.compression, cal)
+    ici = assembly_time(values, model, layout, links)
+    overlap_cost = 0.0
+    exposed = exchange
+    if choice.overlap and n > 1:
+        programs = (2 * model.n_layers + 3) * layout.microbatches
+        overlap_cost = programs * cal.program_launch_s + backward / model.n_layers * cal.block0_recompute_layers
+        latency = rounds(n) * links.dcn_latency_ms / 1e3
+        tail = model.last_ready_fraction * (exchange - latency) + latency
+        exposed = max(exchange - backward / layout.microbatches, tail)
+    step = compute + overlap_cost + exposed + ici + cal.update_s + jitter
+    return Projection(choice, forward, backward, overlap_cost, exchange, exposed, ici, jitter, step, one_pod, sent)
+
+
+def candidates(model: ModelShape, layout: Layout, chip: Chip, links: Links,
+               cal: Calibration = Calibration()) -> list[SyncChoice]:
+    """Every candidate the plan ranks: every-step sync fused and overlapped with each compression
+    (bf16 left out where the gradient is bf16 already), and DiLoCo over H x F x outer dtype with
+    the fewest overlap steps that hide a fragment's exchange (at most H/F - 1)."""
+    streams = streams_needed(links, layout, cal)
+    found = [SyncChoice(overlap, c, streams=streams) for overlap in (False, True) for c in EVERY_STEP_COMPRESSIONS
+             if not (c is Compression.BF16 and model.grad_bytes == 2)]
+    for h in DILOCO_INNER_STEPS:
+        for f in DILOCO_FRAGMENTS:
+            if f > model.n_layers or h % f:
+                continue
+            for dtype in DILOCO_OUTER_DTYPES:
+                plain = SyncChoice(sync=SyncConfig(mode=SyncMode.DILOCO, inner_steps=h, fragments=f,
+                                                   outer_dtype=dtype), streams=streams)
+                first = project(model, layout, chip, links, plain, cal)
+                tau = min(h // f - 1, math.ceil(first.exchange_s / first.one_pod_step_s)) if first.exchange_s else 0
+                found.append(dataclasses.replace(plain, sync=dataclasses.replace(plain.sync, overlap_steps=tau)))
+    return found
+
+
+def rank(projections: list[Projection]) -> list[Projection]:
+    """Exact sync first, then the math-changing tier; each by projected step, then lossiness."""
+    return sorted(projections, key=lambda p: (p.choice.lossy, round(p.step_s, 12), p.choice.lossiness()))
+
+
+def recommend(projections: list[Projection], allow_lossy: bool) -> Projection:
+    """The fastest exact candidate; with allow_lossy, the least lossy math-changing candidate
+    within TIE of the fastest one instead, if that one is at least LOSSY_MIN_GAIN faster."""
+    exact = [p for p in projections if not p.choice.lossy]
+    best = min(exact, key=lambda p: p.step_s)
+    lossy = [p for p in projections if p.choice.lossy]
+    if not allow_lossy or not lossy:
+        return best
+    fastest = min(p.step_s for p in lossy)
+    if fastest > best.step_s * (1 - LOSSY_MIN_GAIN):
+        return best
+    return min((p for p in lossy if p.step_s <= fastest * (1 + TIE)), key=lambda p: p.choice.lossiness())
+
+
+def plan(model: ModelShape, layout: Layout, chip: Chip, links: Links, allow_lossy: bool = False,
+         cal: Calibration = Calibration()) -> tuple[list[Projection], Projection]:
+    """Validate the inputs (ConfigError naming the field), project every candidate, and return
+    them ranked with the recommended one."""
+    for part in (model, layout, chip, links, cal):
+        part.validate()
+    ranked = rank([project(model, layout, chip, links, c, cal) for c in candidates(model, layout, chip, links, cal)])
+    return ranked, recommend(ranked, allow_lossy)
