@@ -5,6 +5,7 @@
   ptune       ptune's config, derived from the base checkpoint
   generate    generate: text from a checkpoint on one local pod
   tune        tune: search one pod's layout (the search itself is controller/tune/)
+  plan        plan: project the cross-pod sync settings onto a cluster on paper (tune/cost.py)
 
 report, tokenizer and peak-flops call straight into their concern's module (observe/report.py,
 data/tokenizer.py, observe/peak.py). The entry module, multipod.cli, adds `worker` from the worker
@@ -80,6 +81,11 @@ def add_commands(sub) -> None:
     tune = sub.add_parser("tune", help="search one pod's layout for training (mesh, sequence parallelism, "
                           "microbatches, remat), or with --inference for generation (mesh, batch)")
     add_tune_arguments(tune)
+
+    from multipod.controller.commands.plan import add_arguments as add_plan_arguments
+    plan = sub.add_parser("plan", help="project step time, exposed communication, weak scaling and DCN bytes per "
+                          "step of every cross-pod sync setting onto a cluster, on paper, and recommend [dcn]/[sync]")
+    add_plan_arguments(plan)
 
     tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
@@ -182,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "tune":
             from multipod.controller.commands.tune import main as tune_main
             return tune_main(args)
+        if args.command == "plan":
+            from multipod.controller.commands.plan import main as plan_main
+            return plan_main(args)
         if args.command == "peak-flops":
             from multipod.controller.observe.metrics import store_measured_peak
             from multipod.controller.observe.peak import measure
