@@ -76,8 +76,10 @@ def flag(key: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `multipod plan`."""
     for key, (kind, text) in FIELDS.items():
-        parser.add_argument(flag(key), dest=key, type=kind, help=text,
-                            metavar="FILE" if key == "config" else key.split("_")[-1].upper())
+        metavar = {"config": "FILE", "grad_dtype": "DTYPE", "mfu": "FRACTION", "peak_tflops": "TFLOPS",
+                   "flops_per_token": "FLOPS"}.get(key) or \
+            ("GBPS" if key.endswith("gbps") else "MS" if key.endswith("_ms") else "N")
+        parser.add_argument(flag(key), dest=key, type=kind, help=text, metavar=metavar)
     parser.add_argument("--fully-sharded", action="store_true", default=None,
                         help="the pod shards the gradient over all its chips (as PaLM and MaxText do): no "
                              "gather over ICI after the exchange (multipod replicates it over the data axis)")
@@ -239,6 +241,13 @@ def seconds(value: float) -> str:
         f"{value * 1e6:.1f} us" if value > 0 else "0"
 
 
+def count(value: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if value >= size:
+            return f"{value / size:.2f}{unit}"
+    return f"{value:,.0f}"
+
+
 def nbytes(value: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if value >= size:
@@ -266,8 +275,8 @@ def print_report(shape, layout, chip, links, calibration, ranked, best, allow_lo
     from multipod.controller.tune.cost import effective_dcn_bytes_per_s
     first = ranked[0]
     rate = effective_dcn_bytes_per_s(links, layout, best.choice.streams or links.streams, calibration)
-    print(f"multipod plan: {layout.pods} pod(s) x {layout.hosts_per_pod} host(s) x {layout.chips_per_pod} chips, "
-          f"{shape.params / 1e9:,.2f}B parameters, {layout.tokens_per_step:,} tokens per step "
+    print(f"multipod plan: {layout.pods} pod(s) x {layout.hosts_per_pod} host(s) x {layout.chips_per_pod} chip(s), "
+          f"{count(shape.params)} parameters, {layout.tokens_per_step:,} tokens per step "
           f"({layout.tokens_per_pod:,.0f} per pod)")
     print(f"  one pod's step: {seconds(first.one_pod_step_s)} (forward {seconds(first.forward_s)}, backward "
           f"{seconds(first.backward_s)}) at {chip.mfu:.1%} MFU of {chip.peak_flops / 1e12:g} TFLOP/s per chip")
