@@ -317,11 +317,13 @@ def print_report(shape, layout, chip, links, calibration, ranked, best, allow_lo
 
 def main(args: argparse.Namespace) -> int:
     """Run `multipod plan`; returns the exit code."""
-    from multipod.controller.tune.cost import plan
+    from multipod.controller.tune.cost import DILOCO_ON_SEVERAL_HOSTS, plan
     shape, layout, chip, links, calibration, allow_lossy, notes = resolve(args)
     ranked, best = plan(shape, layout, chip, links, allow_lossy, calibration)
     notes = notes + ["DiLoCo's step is an inner step; its loss per token is not exact sync's (measure it: "
                      "bench/diloco.py, `multipod tune --dcn`)"]
+    if layout.hosts_per_pod > 1 and not DILOCO_ON_SEVERAL_HOSTS:
+        notes.append("no DiLoCo candidates: multipod runs DiLoCo on pods of one host only for now")
     if args.json:
         print(json.dumps(report(shape, layout, chip, links, calibration, allow_lossy, ranked, best, notes)))
         return 0

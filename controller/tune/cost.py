@@ -48,6 +48,9 @@ DILOCO_INNER_STEPS = (10, 20, 50, 100)
 DILOCO_FRAGMENTS = (1, 2, 4)
 DILOCO_OUTER_DTYPES = (OuterDtype.FLOAT32, OuterDtype.INT8, OuterDtype.INT4)
 _LOSSINESS = {"none": 0, "float32": 0, "bf16": 1, "int8": 2, "int4": 3}
+# pod_worker/trainer.py refuses sync.mode = "diloco" on pods of several hosts for now: the plan
+# proposes DiLoCo only for pods of one host until this is True.
+DILOCO_ON_SEVERAL_HOSTS = False
 
 
 def check_number(name: str, value, low: float = 0.0, strict: bool = True) -> None:
@@ -384,10 +387,13 @@ def candidates(model: ModelShape, layout: Layout, chip: Chip, links: Links,
                cal: Calibration = Calibration()) -> list[SyncChoice]:
     """Every candidate the plan ranks: every-step sync fused and overlapped with each compression
     (bf16 left out where the gradient is bf16 already), and DiLoCo over H x F x outer dtype with
-    the fewest overlap steps that hide a fragment's exchange (at most H/F - 1)."""
+    the fewest overlap steps that hide a fragment's exchange (at most H/F - 1); no DiLoCo on pods
+    of several hosts unless DILOCO_ON_SEVERAL_HOSTS."""
     streams = streams_needed(links, layout, cal)
     found = [SyncChoice(overlap, c, streams=streams) for overlap in (False, True) for c in EVERY_STEP_COMPRESSIONS
              if not (c is Compression.BF16 and model.grad_bytes == 2)]
+    if layout.hosts_per_pod > 1 and not DILOCO_ON_SEVERAL_HOSTS:
+        return found
     for h in DILOCO_INNER_STEPS:
         for f in DILOCO_FRAGMENTS:
             if f > model.n_layers or h % f:

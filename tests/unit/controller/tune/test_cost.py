@@ -134,6 +134,12 @@ def test_diloco_hides_a_fragment_in_its_overlap_steps_and_amortises_the_rest():
     assert [c.sync.overlap_steps for c in chosen] == [2]
 
 
+def test_no_diloco_on_pods_of_several_hosts_while_multipod_refuses_it():
+    several = cost.candidates(MODEL, layout(hosts=2), CHIP, links(8.0), EXACT)
+    assert several and not any(c.sync.diloco for c in several)
+    assert any(c.sync.diloco for c in cost.candidates(MODEL, layout(), CHIP, links(8.0), EXACT))
+
+
 def test_the_streams_windows_cap_a_long_link():
     # 10 ms each way: one 4 MiB window per 20 ms round trip is 209.7 MB/s; 10 Gb/s needs 6 streams.
     link = links(10.0, latency_ms=10, streams=1)
