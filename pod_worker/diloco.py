@@ -234,6 +234,8 @@ class OuterSync:
 
     def _apply(self, leaves: list, all_reduce: Callable | None) -> tuple[list, OuterReport]:
         pending = self.pending
+        if pending is None:
+            raise RuntimeError("no outer sync is pending")
         failed = pending.result.done() and pending.result.exception() is not None
         if failed and not _same_link(pending.link, all_reduce) and pending.full is not None:
             # Its exchange failed on a link that is gone: exchange it again on the new one.

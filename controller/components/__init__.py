@@ -6,5 +6,6 @@ deadlines, it reads from the cluster's config):
   evaluation    [eval]: held-out evaluation on every pod, every eval.every steps and at the end
   failover      [recovery]: degraded mode: a failed pod's shard goes to the survivors; it rejoins from a peer
   recovery      [recovery]: restore every pod from the last good checkpoint; rewind after a loss spike
+  replay        [sync]: DiLoCo's replay: a survivor rebuilds a failed pod's own state from its checkpoint part
   spike         [spike]: the loss-spike policy
 """
