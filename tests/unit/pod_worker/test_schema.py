@@ -27,7 +27,7 @@ def test_loader_rejects_unknown_and_bad_values_naming_the_field():
 
 def test_the_worker_config_holds_no_controller_concerns():
     sections = {f.name for f in dataclasses.fields(WorkerConfig)}
-    assert sections == {"model", "optimizer", "mesh", "dcn", "train", "prompt"}
+    assert sections == {"model", "optimizer", "mesh", "dcn", "train", "prompt", "sync"}
     with pytest.raises(ConfigError, match="data: unknown section"):
         WorkerConfig.from_json('{"data": {"path": "/nowhere"}}')
     with pytest.raises(ConfigError, match="run: unknown section"):
@@ -77,7 +77,9 @@ def test_choices_load_as_enum_members_and_travel_as_plain_strings():
 
 @pytest.mark.parametrize("section, key, choices", [
     ("model", "remat", "none, full, selective"),
-    ("dcn", "compression", "none, bf16, int8"),
+    ("dcn", "compression", "none, bf16, int8, int4"),
+    ("sync", "outer_dtype", "float32, bf16, int8, int4"),
+    ("sync", "on_pod_failure", "replay, drop"),
     ("prompt", "kind", "prompt, mlp, lstm"),
     ("dcn", "overlap", "auto, true, false"),
 ])
