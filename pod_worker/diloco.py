@@ -121,9 +121,11 @@ class OuterSync:
         self.applied = 0        # the number of the last outer sync applied
         self.replicas: dict[int, Replica] = {}
         # (sync, apply count, fragment, its agreed values after it) of the outer steps since
-        # history_from inner steps: what a replica rebuilt from a checkpoint part merges.
+        # history_from inner steps: what a replica rebuilt from a checkpoint part merges. A replay
+        # starts from a checkpoint, so nothing is kept before this pod's first save (history_from
+        # None): a run without checkpoints would otherwise hold a copy of the model every H steps.
         self.history: list[tuple[int, int, int, list[np.ndarray]]] = []
-        self.history_from = 0
+        self.history_from: int | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
 
     def _compile(self, leaves: list[int]) -> dict:
@@ -236,8 +238,14 @@ class OuterSync:
         pending = self.pending
         if pending is None:
             raise RuntimeError("no outer sync is pending")
+        moved = not _same_link(pending.link, all_reduce) and pending.full is not None
+        if moved:
+            # The membership changed since this sync's exchange started, which aborted the old link:
+            # its exchange ends soon (its own deadline, dcn.timeout_s, bounds the wait). Deciding
+            # before it ends would wait on the old link while the peers exchange on the new one.
+            concurrent.futures.wait([pending.result])
         failed = pending.result.done() and pending.result.exception() is not None
-        if failed and not _same_link(pending.link, all_reduce) and pending.full is not None:
+        if failed and moved and pending.full is not None:
             # Its exchange failed on a link that is gone: exchange it again on the new one.
             pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment],
                                           pending.extra)
@@ -260,7 +268,8 @@ class OuterSync:
         for replica in self.replicas.values():
             self._merge(replica, pending.fragment, program["copy"](agreed))
             replica.deltas.pop(pending.sync, None)
-        self.history.append((pending.sync, pending.apply_at, pending.fragment, [np.asarray(v) for v in agreed]))
+        if self.history_from is not None:
+            self.history.append((pending.sync, pending.apply_at, pending.fragment, [np.asarray(v) for v in agreed]))
         self.applied = pending.sync
         self.version += 1
         seconds = time.perf_counter() - pending.started
@@ -295,13 +304,17 @@ class OuterSync:
 
     def check_history(self, since: int) -> None:
         """ValueError unless the outer steps since `since` inner steps are all in the history."""
+        if self.history_from is None:
+            raise ValueError(f"this pod has saved no checkpoint, so it keeps no outer steps; a replay from step "
+                             f"{since} needs them")
         if since < self.history_from:
             raise ValueError(f"this pod keeps the outer steps since step {self.history_from} only, a replay from "
                              f"step {since} needs them all")
 
     def trim_history(self, keep_from: int) -> None:
-        """Forget the outer steps applied at or before `keep_from` inner steps (no replay starts before it)."""
-        if keep_from > self.history_from:
+        """Forget the outer steps applied at or before `keep_from` inner steps (no replay starts before
+        it); the first call (at this pod's first save) starts the history."""
+        if self.history_from is None or keep_from > self.history_from:
             self.history = [entry for entry in self.history if entry[1] > keep_from]
             self.history_from = keep_from
 

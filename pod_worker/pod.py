@@ -331,7 +331,7 @@ class Pod(PodMembership, DilocoPod):
             path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
             if trainer.outer is not None:
                 # A replay starts from the last good checkpoint: this one, or the one before if it fails.
-                trainer.outer.trim_history(getattr(self, "_saved_before", 0))
+                trainer.outer.trim_history(getattr(self, "_saved_before", step))
                 self._saved_before = step
         return SaveStarted(path, fp, step)
 

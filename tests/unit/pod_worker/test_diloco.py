@@ -147,6 +147,8 @@ def test_outer_steps_leave_every_pod_bitwise_alike_and_the_pods_differ_between_t
         assert len(set(agreed)) > 1, "the agreed state never changed"
         # Between outer steps each pod trains on its own: their inner states differ.
         assert len({_local(p) for p in pods.pods}) == count
+        # No pod has saved: none keeps the outer steps a replay merges (a copy of the model every H steps).
+        assert all(p.trainer.outer.history == [] for p in pods.pods)
     finally:
         pods.close()
 
@@ -223,6 +225,7 @@ def test_replay_rebuilds_a_dead_pod_from_its_checkpoint_part_and_the_run_stays_b
     try:
         for step in range(4):
             pods.step(step)
+        assert first.trainer.outer.history == []     # nothing to replay from before a save
         for pod in pods.pods:
             directory = str(tmp_path / f"pod-{pod.pod_index}")
             pod.start_save(4, directory, {}, 0, deadline())
