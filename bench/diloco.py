@@ -53,8 +53,8 @@ outer programs, in a DiLoCo run's first outer steps (counted).
 
 Every run also reports whether the pods' checksums agreed at every step (every-step: the state;
 DiLoCo: the agreed state), its median step time, the load average before and after it, and the
-resident memory of its largest worker, sampled every 10 s (worker_rss_mb; DiLoCo workers grew
-with every outer sync when this was written: see docs/benchmarks.md).
+resident memory of its largest worker, sampled every 10 s (worker_rss_mb: DiLoCo workers grew
+with every outer sync until the outer-step history was kept only after a pod's first save).
 
 --only runs some of the parts (slow includes the overlap figures); --keep-dir keeps the runs'
 directories (metrics, logs) instead of a deleted temporary directory. Prints one JSON object at
