@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from multipod.model import Chunk, Sampling
-from multipod.pod_worker import checkpoint, faults
+from multipod.pod_worker import checkpoint, faults, link_probe
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.diloco_pod import DilocoPod
@@ -191,6 +191,21 @@ class Pod(PodMembership, DilocoPod):
         # Read inside the hold: a step may donate the state's buffers once it is released.
         fp = trainer.fingerprint()
         return trainer, fp
+
+    # -- link probe (ProbeLink) ----------------------------------------------------------------
+    def probe_link(self, probe: link_probe.LinkProbe, deadline: float) -> tuple[list[float], int]:
+        """Measure the data plane with the probing pods (link_probe.run), between steps: waits for
+        a running step until `deadline` (Busy then). The pod's own exchange gets the listener back."""
+        if self.listener is None:
+            raise NotReady(f"pod {self.pod_index} has no data-plane listener")
+        if self.pod_index is None or self.pod_index != probe.pod_index:
+            raise NotReady(f"this worker serves pod {self.pod_index}, not pod {probe.pod_index}")
+        with self.seq.hold("a link probe", deadline=deadline):
+            try:
+                return link_probe.run(self.listener, probe, deadline)
+            finally:
+                if self.exchange is not None:
+                    self.listener.attach(self.exchange.inbox)
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,

@@ -26,8 +26,10 @@ from multipod.pod_worker import errors
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.dcn import ExchangeError, Listener
 from multipod.pod_worker.dcn.transfer import TransferError
+from multipod.pod_worker.dcn.transport import parse_address
 from multipod.pod_worker.generation import MAX_NEW_TOKENS, MAX_PROMPTS, collect
 from multipod.pod_worker.hosts import HostLayout
+from multipod.pod_worker.link_probe import LinkProbe
 from multipod.pod_worker.pod import Pod, Setup
 from multipod.pod_worker.schema import WorkerConfig
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
@@ -442,6 +444,18 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
         batches = [_decode_tokens(setup, payload, rows) for payload in request.tokens]
         step, fp = self.pod.adopt_slot(int(request.slot), request.checkpoint_path, batches, _deadline(context))
         return pb.AdoptSlotReply(step=step, fingerprint=fp)
+
+    @_handler
+    def ProbeLink(self, request: pb.ProbeLinkRequest, context) -> pb.ProbeLinkReply:
+        """Time the data plane with the other probing pods (pod_worker/link_probe.py)."""
+        if request.protocol_version != protos.PROTOCOL_VERSION:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"protocol version mismatch: controller speaks {request.protocol_version}, "
+                               f"this worker speaks {protos.PROTOCOL_VERSION}")
+        probe = LinkProbe.from_request(request)
+        seconds, sent = self.pod.probe_link(probe, _deadline(context))
+        return pb.ProbeLinkReply(seconds=seconds, bytes_sent=sent,
+                                 encrypted=parse_address(self.pod.listener.address)[1] if self.pod.listener else False)
 
     @_handler
     def Shutdown(self, request, context) -> pb.ShutdownReply:

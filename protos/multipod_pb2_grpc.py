@@ -105,6 +105,11 @@ class PodWorkerStub:
                 request_serializer=multipod__pb2.AdoptSlotRequest.SerializeToString,
                 response_deserializer=multipod__pb2.AdoptSlotReply.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.unary_unary(
+                '/multipod.PodWorker/ProbeLink',
+                request_serializer=multipod__pb2.ProbeLinkRequest.SerializeToString,
+                response_deserializer=multipod__pb2.ProbeLinkReply.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/multipod.PodWorker/Shutdown',
                 request_serializer=multipod__pb2.ShutdownRequest.SerializeToString,
@@ -225,6 +230,20 @@ class PodWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request, context):
+        """Measure the link on the data plane itself (`multipod tune --dcn`): every probing pod is
+        called at once with the same request but its own pod_index; they exchange a buffer of `bytes`
+        over `streams` connections per peer, `rounds` + 1 times (the first, which connects, is not
+        timed), through the same Exchange a run uses, and each replies with the seconds of every
+        timed round. It runs between steps (it holds the pod), under its own run_id, and leaves the
+        pod's own exchange as it was. INVALID_ARGUMENT: a malformed request (the message names the
+        field). FAILED_PRECONDITION: wrong protocol version or pod index, or the pod is busy.
+        UNAVAILABLE: a peer did not take part within the deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -298,6 +317,11 @@ def add_PodWorkerServicer_to_server(servicer, server):
                     servicer.AdoptSlot,
                     request_deserializer=multipod__pb2.AdoptSlotRequest.FromString,
                     response_serializer=multipod__pb2.AdoptSlotReply.SerializeToString,
+            ),
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=multipod__pb2.ProbeLinkRequest.FromString,
+                    response_serializer=multipod__pb2.ProbeLinkReply.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -662,6 +686,33 @@ class PodWorker:
             '/multipod.PodWorker/AdoptSlot',
             multipod__pb2.AdoptSlotRequest.SerializeToString,
             multipod__pb2.AdoptSlotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/multipod.PodWorker/ProbeLink',
+            multipod__pb2.ProbeLinkRequest.SerializeToString,
+            multipod__pb2.ProbeLinkReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -178,6 +178,10 @@ class WorkerClient(PodApi):
         except grpc.RpcError as exc:
             raise self._error("GenerateStream", exc) from None
 
+    def probe_link_async(self, request: pb.ProbeLinkRequest, timeout_s: float) -> PendingCall[pb.ProbeLinkReply]:
+        """ProbeLink (`multipod tune --dcn`): every probing pod's call must be under way at once."""
+        return self._start(self.stub.ProbeLink, "ProbeLink", request, timeout_s)
+
     def status(self, timeout_s: float = 5.0) -> pb.StatusReply:
         """The worker's Status reply (configured?, step, state)."""
         return self._unary(self.stub.Status, "Status", pb.StatusRequest(), timeout_s)

@@ -1,0 +1,108 @@
+"""The ProbeLink RPC's work: measure the data-plane link between pods with the Exchange a run uses.
+
+Every probing pod gets the same request (but its own pod index) at once. Each builds an Exchange
+under the probe's own run id with one float32 "leaf" of `nbytes`, and runs `rounds + 1`
+all-reduces of it (the first connects and is not timed); the seconds of each timed round are the
+reply. Its sum is thrown away: only the time matters. `multipod tune --dcn`
+(controller/tune/dcn_probe.py) turns rounds of several sizes and stream counts into bandwidth and
+latency.
+
+The request is checked here, field by field (InvalidRequest naming it), before anything is built;
+the pod runs it inside a sequencer hold (pod.py Pod.probe_link), so never during a step, and puts
+its own exchange's inbox back on the listener afterwards.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from multipod.pod_worker.dcn import Exchange, ExchangeError, Listener
+from multipod.pod_worker.dcn.plan import LeafSpec
+from multipod.pod_worker.errors import InvalidRequest
+from multipod.pod_worker.schema import MAX_STREAMS, Compression
+from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+
+MAX_PROBE_BYTES = 1 << 30      # one round's buffer, at most
+MAX_ROUNDS = 1000
+MAX_PROBE_PODS = 32            # as server.MAX_PODS
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """One probe, as the request gives it."""
+    run_id: str
+    pod_index: int
+    addresses: tuple[str, ...]
+    nbytes: int
+    streams: int
+    chunk_bytes: int
+    rounds: int
+    compression: Compression = Compression.NONE
+
+    @classmethod
+    def from_request(cls, request) -> LinkProbe:
+        """From a pb.ProbeLinkRequest; InvalidRequest naming the field that is wrong."""
+        try:
+            compression = Compression(request.compression or Compression.NONE.value)
+        except ValueError:
+            raise InvalidRequest(f"compression: {request.compression!r} is not one of "
+                                 f"{', '.join(c.value for c in Compression)}") from None
+        probe = cls(request.run_id, int(request.pod_index), tuple(request.dcn_addresses), int(request.bytes),
+                    int(request.streams), int(request.chunk_bytes), int(request.rounds), compression)
+        probe.validate()
+        return probe
+
+    def validate(self) -> None:
+        if not self.run_id:
+            raise InvalidRequest("run_id is empty")
+        if not 2 <= len(self.addresses) <= MAX_PROBE_PODS:
+            raise InvalidRequest(f"dcn_addresses: a probe needs 2 to {MAX_PROBE_PODS} pods' data-plane "
+                                 f"addresses, got {len(self.addresses)}")
+        if not all(self.addresses):
+            raise InvalidRequest("dcn_addresses: an address is empty")
+        if not 0 <= self.pod_index < len(self.addresses):
+            raise InvalidRequest(f"pod_index {self.pod_index} is not one of the {len(self.addresses)} probing pods")
+        if not 4 <= self.nbytes <= MAX_PROBE_BYTES or self.nbytes % 4:
+            raise InvalidRequest(f"bytes: must be a multiple of 4 in [4, {MAX_PROBE_BYTES}], got {self.nbytes}")
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise InvalidRequest(f"streams: must be in [1, {MAX_STREAMS}], got {self.streams}")
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidRequest(f"chunk_bytes: must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
+                                 f"got {self.chunk_bytes}")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise InvalidRequest(f"rounds: must be in [1, {MAX_ROUNDS}], got {self.rounds}")
+
+
+def run(listener: Listener, probe: LinkProbe, deadline: float) -> tuple[list[float], int]:
+    """Exchange the probe's buffer rounds + 1 times; (seconds of each timed round, bytes one round
+    sent). ExchangeError if a peer does not take part by `deadline`."""
+    values = np.ones(probe.nbytes // 4, np.float32)
+    timeout = max(0.1, deadline - time.monotonic())
+    exchange = Exchange(probe.run_id, probe.pod_index, list(probe.addresses), [LeafSpec(values.shape, values.dtype)],
+                        listener, chunk_bytes=probe.chunk_bytes, timeout_s=timeout, streams=probe.streams,
+                        compression=probe.compression)
+    seconds: list[float] = []
+    sent = 0
+    try:
+        for round_ in range(probe.rounds + 1):
+            exchange.timeout_s = max(0.1, deadline - time.monotonic())
+            exchange.inbox.set_next_step(round_)
+            start = time.perf_counter()
+            _, stats = exchange.all_reduce(round_, [values])
+            if round_:
+                seconds.append(time.perf_counter() - start)
+                sent = stats.bytes_sent
+        # Closing drops chunks still queued, which a peer may need for its last timed round. One
+        # more round settles it: this pod ends it only once every peer has sent its chunks of it,
+        # which they do only after finishing their last timed round. Its own outcome is not needed.
+        exchange.timeout_s = max(0.1, min(deadline - time.monotonic(), 4 * max(seconds) + 1.0))
+        exchange.inbox.set_next_step(probe.rounds + 1)
+        try:
+            exchange.all_reduce(probe.rounds + 1, [values])
+        except ExchangeError:
+            pass
+    finally:
+        exchange.close()
+    return seconds, sent
