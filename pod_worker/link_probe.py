@@ -75,14 +75,19 @@ class LinkProbe:
             raise InvalidRequest(f"rounds: must be in [1, {MAX_ROUNDS}], got {self.rounds}")
 
 
-def run(listener: Listener, probe: LinkProbe, deadline: float) -> tuple[list[float], int]:
-    """Exchange the probe's buffer rounds + 1 times; (seconds of each timed round, bytes one round
-    sent). ExchangeError if a peer does not take part by `deadline`."""
+def prepare(listener: Listener, probe: LinkProbe, deadline: float) -> Exchange:
+    """The probe's Exchange, its inbox on the listener from now on (the peers may send)."""
+    return Exchange(probe.run_id, probe.pod_index, list(probe.addresses),
+                    [LeafSpec((probe.nbytes // 4,), np.dtype(np.float32))], listener,
+                    chunk_bytes=probe.chunk_bytes, timeout_s=max(0.1, deadline - time.monotonic()),
+                    streams=probe.streams, compression=probe.compression)
+
+
+def run(exchange: Exchange, probe: LinkProbe, deadline: float) -> tuple[list[float], int]:
+    """Exchange the probe's buffer rounds + 1 times on its prepared exchange, then close it;
+    (seconds of each timed round, bytes one round sent). ExchangeError if a peer does not take
+    part by `deadline`."""
     values = np.ones(probe.nbytes // 4, np.float32)
-    timeout = max(0.1, deadline - time.monotonic())
-    exchange = Exchange(probe.run_id, probe.pod_index, list(probe.addresses), [LeafSpec(values.shape, values.dtype)],
-                        listener, chunk_bytes=probe.chunk_bytes, timeout_s=timeout, streams=probe.streams,
-                        compression=probe.compression)
     seconds: list[float] = []
     sent = 0
     try:

@@ -113,6 +113,8 @@ class Pod(PodMembership, DilocoPod):
         # A spare's trainer compiled on standby: (config hash, pod count, trainer), taken by the
         # configure that gives it a slot.
         self._standby: tuple[str, int, PodTrainer] | None = None
+        # A prepared link probe (ProbeLink with prepare): its request and exchange, until it runs.
+        self._probe: tuple[link_probe.LinkProbe, Exchange] | None = None
 
     @property
     def trainer(self) -> PodTrainer | None:
@@ -193,18 +195,30 @@ class Pod(PodMembership, DilocoPod):
         return trainer, fp
 
     # -- link probe (ProbeLink) ----------------------------------------------------------------
-    def probe_link(self, probe: link_probe.LinkProbe, deadline: float) -> tuple[list[float], int]:
-        """Measure the data plane with the probing pods (link_probe.run), between steps: waits for
-        a running step until `deadline` (Busy then). The pod's own exchange gets the listener back."""
+    def probe_link(self, probe: link_probe.LinkProbe, deadline: float, prepare: bool = False
+                   ) -> tuple[list[float], int]:
+        """Measure the data plane with the probing pods (pod_worker/link_probe.py), between steps:
+        waits for a running step until `deadline` (Busy then). prepare: only build the probe's
+        exchange (it takes the listener until the probe runs; a newer one replaces it); else run
+        the rounds on it (built now if not prepared), and give the listener back to the pod's own
+        exchange."""
         if self.listener is None:
             raise NotReady(f"pod {self.pod_index} has no data-plane listener")
         if self.pod_index is None or self.pod_index != probe.pod_index:
             raise NotReady(f"this worker serves pod {self.pod_index}, not pod {probe.pod_index}")
         with self.seq.hold("a link probe", deadline=deadline):
+            prepared, self._probe = self._probe, None
+            if prepared is not None and (prepare or prepared[0] != probe):
+                prepared[1].close()
+                prepared = None
             try:
-                return link_probe.run(self.listener, probe, deadline)
+                exchange = prepared[1] if prepared is not None else link_probe.prepare(self.listener, probe, deadline)
+                if prepare:
+                    self._probe = (probe, exchange)
+                    return [], 0
+                return link_probe.run(exchange, probe, deadline)
             finally:
-                if self.exchange is not None:
+                if self._probe is None and self.exchange is not None:
                     self.listener.attach(self.exchange.inbox)
 
     # -- step ----------------------------------------------------------------------------------

@@ -453,7 +453,7 @@ class PodWorkerService(pb_grpc.PodWorkerServicer):
                                f"protocol version mismatch: controller speaks {request.protocol_version}, "
                                f"this worker speaks {protos.PROTOCOL_VERSION}")
         probe = LinkProbe.from_request(request)
-        seconds, sent = self.pod.probe_link(probe, _deadline(context))
+        seconds, sent = self.pod.probe_link(probe, _deadline(context), prepare=request.prepare)
         return pb.ProbeLinkReply(seconds=seconds, bytes_sent=sent,
                                  encrypted=parse_address(self.pod.listener.address)[1] if self.pod.listener else False)
 

@@ -419,7 +419,7 @@ class StatusReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., checksum: _Optional[str] = ..., run_id: _Optional[str] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., pod_coordinator: _Optional[str] = ..., local_devices: _Optional[int] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ProbeLinkRequest(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "pod_index", "dcn_addresses", "bytes", "streams", "chunk_bytes", "rounds", "compression")
+    __slots__ = ("protocol_version", "run_id", "pod_index", "dcn_addresses", "bytes", "streams", "chunk_bytes", "rounds", "compression", "prepare")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -429,6 +429,7 @@ class ProbeLinkRequest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     pod_index: int
@@ -438,7 +439,8 @@ class ProbeLinkRequest(_message.Message):
     chunk_bytes: int
     rounds: int
     compression: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., pod_index: _Optional[int] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., streams: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
+    prepare: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., pod_index: _Optional[int] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., streams: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., compression: _Optional[str] = ..., prepare: _Optional[bool] = ...) -> None: ...
 
 class ProbeLinkReply(_message.Message):
     __slots__ = ("seconds", "bytes_sent", "encrypted")

@@ -235,7 +235,7 @@ class PodWorkerServicer:
         called at once with the same request but its own pod_index; they exchange a buffer of `bytes`
         over `streams` connections per peer, `rounds` + 1 times (the first, which connects, is not
         timed), through the same Exchange a run uses, and each replies with the seconds of every
-        timed round. It runs between steps (it holds the pod), under its own run_id, and leaves the
+        timed round (called first with prepare on every pod, then without). It runs between steps (it holds the pod), under its own run_id, and leaves the
         pod's own exchange as it was. INVALID_ARGUMENT: a malformed request (the message names the
         field). FAILED_PRECONDITION: wrong protocol version or pod index, or the pod is busy.
         UNAVAILABLE: a peer did not take part within the deadline.

@@ -36,6 +36,9 @@ def _request(dcn, pod: int, run_id: str = "probe-1", **fields) -> pb.ProbeLinkRe
 
 
 def _probe_both(stubs, dcn, run_id: str, **fields) -> list[pb.ProbeLinkReply]:
+    """Prepare on both pods, then run on both (as controller/tune/dcn_probe.py does)."""
+    for pod in range(2):
+        assert not stubs[pod].ProbeLink(_request(dcn, pod, run_id, prepare=True, **fields), timeout=30).seconds
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         calls = [pool.submit(stubs[p].ProbeLink, _request(dcn, p, run_id, **fields), timeout=30) for p in range(2)]
         return [c.result() for c in calls]
