@@ -8,7 +8,8 @@ set before jax initialises. The controller never imports it: they speak a line p
 
 stdin, one JSON line:
     {"devices": N (0: the devices jax finds), "per_pod_batch": rows, "steps": timed steps,
-     "memory_limit": bytes or null, "candidates": [[index, WorkerConfig JSON], ...]}
+     "memory_limit": bytes or null, "forward": true to also time the forward pass alone (optional),
+     "candidates": [[index, WorkerConfig JSON], ...]}
 stdout, one JSON object per line (other lines are ignored by the reader):
     {"event": "ready", "device_kind": ..., "num_devices": ...}
     {"event": "start", "index": i}              before candidate i is built
@@ -18,7 +19,9 @@ stdout, one JSON object per line (other lines are ignored by the reader):
 Each candidate is built as the worker builds it (PodTrainer from its WorkerConfig), compiled once
 for the pod's shard, and its compiled per-device memory read from XLA. Over the memory limit it is
 not run; otherwise the trainer's own step (PodTrainer.train_step) runs steps + 1 times, the first
-as warm-up, and the median of the rest is the step time.
+as warm-up, and the median of the rest is the step time. With "forward", the forward pass alone
+(the trainer's evaluation program on the same batch) is timed the same way: `forward_s`
+(`multipod tune --dcn` splits the compute into forward and backward with it).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def random_tokens(vocab_size: int, rows: int, seq_len: int):
     return np.random.RandomState(0).randint(0, vocab_size, size=(rows, seq_len + 1)).astype(dtype)
 
 
-def probe(worker_json: str, devices: list, rows: int, steps: int, memory_limit: int | None) -> dict:
+def probe(worker_json: str, devices: list, rows: int, steps: int, memory_limit: int | None,
+          forward: bool = False) -> dict:
     """Build, compile and time one layout; a result dict (status, memory, step times), or raises.
 
     devices: the jax devices of the pod; rows: the pod's batch in sequences."""
@@ -81,6 +85,14 @@ def probe(worker_json: str, devices: list, rows: int, steps: int, memory_limit: 
     result["step_times_s"] = times
     result["step_time_s"] = statistics.median(times)
     result["step_parts_s"] = {name: statistics.median(values) for name, values in parts.items()}
+    if forward:
+        forward_times = []
+        for step in range(steps + 1):   # the first compiles the evaluation program: not timed
+            t0 = time.perf_counter()
+            trainer.evaluate(tokens)    # returns a host value: the pass is finished
+            if step:
+                forward_times.append(time.perf_counter() - t0)
+        result["forward_s"] = statistics.median(forward_times)
     result["status"] = "ok"
     return result
 
@@ -110,7 +122,7 @@ def serve(measure) -> int:
 def main() -> int:
     """Read the spec from stdin, probe every candidate in order, report each on stdout."""
     return serve(lambda worker_json, devices, spec: probe(worker_json, devices, spec["per_pod_batch"], spec["steps"],
-                                                          spec["memory_limit"]))
+                                                          spec["memory_limit"], bool(spec.get("forward"))))
 
 
 if __name__ == "__main__":

@@ -16,13 +16,15 @@ pods the DCN axis is always data-parallel, so tuning one pod's layout is tuning 
 pod uses the same layout.
 
 `multipod tune --inference` searches the layout for generation instead (mesh x generation batch,
-ranked by tokens/s within --max-latency-ms): controller/tune/inference.py.
+ranked by tokens/s within --max-latency-ms): controller/tune/inference.py. `multipod tune --dcn`
+chooses the cross-pod [dcn]/[sync] settings for the measured link: controller/tune/dcn_session.py.
 """
 from __future__ import annotations
 
 import argparse
 import time
 
+from multipod.controller.tune.dcn_session import add_arguments as add_dcn_arguments
 from multipod.controller.tune.grid import (
     Candidate,
     candidate_config,
@@ -44,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable)")
     parser.add_argument("--devices", type=int, default=2, help="devices in one pod (simulated on CPU; default 2)")
-    parser.add_argument("--pods", type=int, default=1,
-                        help="pods the global batch is split over (default 1); each pod gets global_batch/pods")
+    parser.add_argument("--pods", type=int,
+                        help="pods the global batch is split over (default 1; --dcn: pods to start, default 2); "
+                             "each pod gets global_batch/pods")
     parser.add_argument("--global-batch", type=int, help="sequences per step over all pods (data.global_batch)")
     parser.add_argument("--memory-limit", type=parse_bytes,
                         help="drop candidates whose compiled per-device memory exceeds this (e.g. 2GiB)")
@@ -66,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the best candidate's config (default tuned.toml)")
     parser.add_argument("--json", dest="json_path", help="also write the ranked table as JSON here")
     add_inference_arguments(parser)
+    add_dcn_arguments(parser)
 
 
 def _resolve_peak(given: float | None, info: dict, devices: int) -> float | None:
@@ -83,6 +87,13 @@ def _resolve_peak(given: float | None, info: dict, devices: int) -> float | None
 
 def main(args: argparse.Namespace) -> int:
     """Run `multipod tune`; returns the exit code (0: a best candidate was written)."""
+    if args.dcn:         # the cross-pod settings: controller/tune/dcn_session.py
+        from multipod.controller.core.run_config import ConfigError
+        if args.inference:
+            raise ConfigError("--dcn", "chooses the training run's cross-pod settings: not with --inference")
+        from multipod.controller.tune.dcn_session import main as dcn_main
+        return dcn_main(args)
+    args.pods = 1 if args.pods is None else args.pods
     check_mode(args)
     if args.inference:   # the generation layout search: controller/tune/inference.py
         from multipod.controller.tune.inference import main as inference_main

@@ -6,4 +6,9 @@
   inference  the search for generation: mesh x generation batch
   cost       the cost model of the cross-pod sync (every-step fused or overlapped, compression,
              DiLoCo): projected step, exposed exchange, DCN bytes, weak scaling; `multipod plan`
+  dcn_session  `multipod tune --dcn`: the pods, the measurements, the trials, the written choice
+  dcn_probe    the link measured over ProbeLink, one pod's compute over the layout probe
+  dcn_tuner    every cross-pod candidate predicted from those measurements; the choice among trials
+  dcn_trials   the best few candidates trained a few steps, measured from their metrics
+  dcn_report   the report: predicted against measured, the tiers, the choice
 """

@@ -1,0 +1,186 @@
+"""What `multipod tune --dcn` measures before it predicts: the link between the pods, on their
+data plane, and one pod's compute, with `multipod tune`'s layout probe.
+
+The link (measure_link): every pod's worker is asked at once to ProbeLink (pod_worker/link_probe.py:
+rounds of the Exchange a run uses, under the probe's own run id). From the rounds' median seconds:
+  latency     a round of 4 KiB with one stream: what one exchange round costs beyond its bytes
+              (the cost model's `rounds x dcn_latency_ms`);
+  rate        for each (streams, chunk size) tried, a round of `size` bytes (raw float32):
+              size / (seconds - latency), as Gb/s each way;
+  host rate   for each compression tried, with the most streams and the largest chunk: if a round
+              takes longer than its bytes at the raw rate would, the values per second the hosts
+              encode, decode and sum it at (cost.Calibration.host_values_per_s), else nothing.
+The reply says whether the data plane is CURVE-encrypted; every figure is of the link as it is.
+Given --link-gbps (and --latency-ms), nothing is measured: those values stand for every variant.
+
+The compute (measure_compute): the run's layout in the layout probe (controller/tune/runner.py), its
+step without an exchange (compute, update, checksum) and its forward pass alone; with dcn.overlap on
+too, so the overlapped step's extra cost is measured rather than assumed. `concurrent` probes run at
+once, as many as local pods will share this machine's cores, and the slowest counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from multipod.model.config import ConfigError
+
+LATENCY_BYTES = 4096
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LinkVariant:
+    """One data-plane setting the link was measured (or given) at."""
+    streams: int
+    chunk_bytes: int
+    gbps: float                 # each way, per pod
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    latency_ms: float           # per exchange round
+    variants: tuple[LinkVariant, ...]
+    host_values_per_s: dict = field(default_factory=dict)    # compression value -> values/s
+    encrypted: bool | None = None       # None: not measured (given values)
+    measured: bool = True
+    probe_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def given_link(gbps: float | None, latency_ms: float | None, streams: list[int], chunk_bytes: list[int]
+               ) -> LinkMeasurement:
+    """--link-gbps and --latency-ms as given (ConfigError naming the flag if not usable)."""
+    from multipod.controller.tune.cost import check_number
+    check_number("--link-gbps", gbps)
+    assert gbps is not None
+    latency_ms = 0.0 if latency_ms is None else latency_ms
+    check_number("--latency-ms", latency_ms, strict=False)
+    return LinkMeasurement(latency_ms, tuple(LinkVariant(s, c, gbps) for s in streams for c in chunk_bytes),
+                           measured=False)
+
+
+class LinkProber:
+    """ProbeLink calls to every pod at once (WorkerClient per pod, host 0 of one-host pods)."""
+
+    def __init__(self, clients: list, dcn_addresses: list[str], rounds: int, timeout_s: float):
+        self.clients, self.dcn, self.rounds, self.timeout_s = clients, dcn_addresses, rounds, timeout_s
+        self.encrypted: bool | None = None
+
+    def seconds(self, nbytes: int, streams: int, chunk_bytes: int, compression: str = "none") -> float:
+        """The median round over every pod's rounds (each pod times the same rounds)."""
+        from multipod import protos
+        from multipod.controller.cluster.client import WorkerError
+        from multipod.protos import multipod_pb2 as pb
+        run_id = f"link-probe-{uuid.uuid4().hex[:12]}"
+
+        def start(prepare: bool) -> list:
+            return [client.probe_link_async(pb.ProbeLinkRequest(
+                protocol_version=protos.PROTOCOL_VERSION, run_id=run_id, pod_index=pod, dcn_addresses=self.dcn,
+                bytes=nbytes, streams=streams, chunk_bytes=chunk_bytes, rounds=self.rounds, compression=compression,
+                prepare=prepare), self.timeout_s) for pod, client in enumerate(self.clients)]
+        calls: list = []
+        try:
+            calls = start(prepare=True)      # every pod's exchange exists before any pod sends
+            for call in calls:
+                call.result()
+            calls = start(prepare=False)
+            replies = [call.result() for call in calls]
+        except WorkerError as exc:
+            for call in calls:
+                call.cancel()
+            raise ConfigError("link", f"no reachable link between the pods' data planes ({self.dcn}): {exc}") from None
+        self.encrypted = all(r.encrypted for r in replies)
+        return statistics.median(s for r in replies for s in r.seconds)
+
+
+def measure_link(prober: LinkProber, size: int, streams: list[int], chunk_bytes: list[int], compressions: list[str],
+                 say=print) -> LinkMeasurement:
+    """Latency, the rate at every (streams, chunk) and the host rate of every compression, as the
+    module docstring says; ConfigError("link") if no round gets through."""
+    size = max(4, size - size % 4)
+    latency = prober.seconds(LATENCY_BYTES, 1, MIB)
+    say(f"  latency: {latency * 1e3:.2f} ms per exchange round ({LATENCY_BYTES} bytes, 1 stream)")
+    variants = []
+    for s in streams:
+        for chunk in chunk_bytes:
+            t = prober.seconds(size, s, chunk)
+            gbps = size * 8 / max(t - latency, 1e-9) / 1e9
+            variants.append(LinkVariant(s, chunk, gbps))
+            say(f"  {size / MIB:.1f} MiB, {s} stream(s), {chunk / MIB:g} MiB chunks: {t * 1e3:.1f} ms "
+                f"-> {gbps:.3f} Gb/s each way")
+    best = max(variants, key=lambda v: v.gbps)
+    host: dict = {}
+    for compression in compressions:
+        t = prober.seconds(size, best.streams, best.chunk_bytes, compression)
+        values = size / 4
+        from multipod.controller.tune.cost import bytes_per_value
+        on_wire = values * bytes_per_value(compression) * 8 / (best.gbps * 1e9)
+        work = t - latency
+        note = "bound by the link"
+        if work > on_wire * 1.05:
+            host[compression] = values / work
+            note = f"bound by the hosts: {values / work / 1e6:.1f} M values/s"
+        say(f"  {size / MIB:.1f} MiB as {compression}: {t * 1e3:.1f} ms ({note})")
+    return LinkMeasurement(latency * 1e3, tuple(variants), host, prober.encrypted, True, size)
+
+
+@dataclass(frozen=True)
+class ComputeMeasurement:
+    """One pod's step for the run's layout, without an exchange (seconds, medians)."""
+    step_s: float               # compute + update + checksum (the layout probe's step)
+    compute_s: float            # forward + backward
+    forward_s: float
+    overlapped_step_s: float | None     # the same step with dcn.overlap on (None: not measured)
+
+    @property
+    def backward_s(self) -> float:
+        return max(self.compute_s - self.forward_s, 0.0)
+
+    @property
+    def update_s(self) -> float:
+        return max(self.step_s - self.compute_s, 0.0)
+
+
+def measure_compute(config, devices: int, per_pod_batch: int, steps: int, timeout_s: float, concurrent: int = 1,
+                    overlap: bool = True) -> ComputeMeasurement:
+    """The layout probe on the run's layout (and with dcn.overlap on), `concurrent` probes at once;
+    ConfigError("--config") if the layout does not run."""
+    from multipod.controller.tune.grid import Candidate
+    from multipod.controller.tune.runner import run_candidates
+    from multipod.pod_worker.schema import Overlap
+    candidate = Candidate(config.mesh.data, config.mesh.model, config.model.sequence_parallel,
+                          config.model.microbatches, config.model.remat)
+    configs = [dataclasses.replace(config, dcn=dataclasses.replace(config.dcn, overlap=Overlap.OFF))]
+    if overlap:
+        configs.append(dataclasses.replace(config, dcn=dataclasses.replace(config.dcn, overlap=Overlap.ON)))
+    payloads = [c.worker_config().to_json() for c in configs]
+    spec = {"devices": devices, "per_pod_batch": per_pod_batch, "steps": steps, "memory_limit": None,
+            "forward": True}
+    results: list = [None] * concurrent
+
+    def one(i: int) -> None:
+        results[i] = run_candidates([candidate] * len(payloads), payloads, spec, timeout_s)[0]
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(concurrent)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = [r for r in results if r is not None]
+    if len(rows) < concurrent:
+        raise ConfigError("--config", "the layout probe did not report (see the errors above)")
+    for row in (r for rs in rows for r in rs):
+        if row.get("status") != "ok":
+            raise ConfigError("--config", f"the run's layout {candidate.label()} does not run: "
+                                          f"{row.get('error', row.get('status'))}")
+    fused = [rs[0] for rs in rows]
+    slowest = max(fused, key=lambda r: r["step_time_s"])
+    overlapped = max(rs[1]["step_time_s"] for rs in rows) if overlap else None
+    return ComputeMeasurement(slowest["step_time_s"], slowest["step_parts_s"]["compute_s"], slowest["forward_s"],
+                              overlapped)

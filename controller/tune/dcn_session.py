@@ -1,0 +1,240 @@
+"""`multipod tune --dcn`: choose the cross-pod settings ([dcn] and [sync]) for the link the pods
+actually have (issue 23).
+
+  1. the pods: started here (--pods, in network namespaces with --netns and a shaped rate with
+     --netns-rate-gbps, as `multipod local` starts them) or the user's (--workers; one host per pod);
+  2. the link, measured on their data plane (controller/tune/dcn_probe.py; or --link-gbps and
+     --latency-ms as given), and one pod's compute for the run's layout (the layout probe);
+  3. every candidate predicted with the cost model (controller/tune/dcn_tuner.py);
+  4. the best --run-exact exact and --run-lossy lossy candidates trained --trial-steps steps each
+     on those pods (controller/tune/dcn_trials.py), predicted against measured, ranked by measured,
+     the lossy ones with their loss against exact sync's;
+  5. the choice (exact unless --allow-lossy) written as a config for --config (as `multipod tune`
+     writes its layout: controller/tune/table.py write_config), and the report printed
+     (controller/tune/dcn_report.py) and, with --json, written.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import pathlib
+import secrets
+import time
+
+from multipod.controller.tune.grid import parse_bytes, parse_int_list
+
+PROBE_BYTES_MIN = 4 << 20      # the throughput rounds: at least this, or the gradient if larger
+PROBE_BYTES_MAX = 64 << 20
+
+
+def _byte_list(text: str) -> list[int]:
+    return [parse_bytes(part) for part in text.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `multipod tune --dcn` (beside tune's --config, --set, --devices, --pods,
+    --steps, --candidate-timeout, --out and --json)."""
+    from multipod.protos.cli_flags import add_security_arguments
+    group = parser.add_argument_group("cross-pod settings (--dcn)")
+    group.add_argument("--dcn", action="store_true",
+                       help="choose the cross-pod [dcn]/[sync] settings for the measured link instead of the layout")
+    group.add_argument("--workers", help="--dcn against running workers (as `multipod train` takes them) instead of "
+                                         "pods started here")
+    group.add_argument("--netns", action="store_true", help="--dcn: start the pods in network namespaces (as "
+                                                            "`multipod local --netns`)")
+    group.add_argument("--netns-rate-gbps", type=float, metavar="R",
+                       help="with --netns: shape each pod's link to R Gb/s")
+    group.add_argument("--netns-subnet", metavar="CIDR", help="with --netns: the run's private IPv4 range")
+    group.add_argument("--insecure", action="store_true", help="with --netns: no TLS and no CURVE")
+    group.add_argument("--link-gbps", type=float, help="take the link's rate as given (Gb/s each way per pod) and "
+                                                       "measure no link")
+    group.add_argument("--latency-ms", type=float, help="with --link-gbps: the latency of one exchange round (ms)")
+    group.add_argument("--streams", type=parse_int_list, default=[1, 4],
+                       help="data-plane streams per peer to measure and try (default 1,4)")
+    group.add_argument("--chunk-bytes", type=_byte_list, default=[1 << 20, 4 << 20],
+                       help="dcn.chunk_bytes to measure and try (default 1MiB,4MiB)")
+    group.add_argument("--compressions", default="none,bf16,int8",
+                       help="dcn.compression values to try (default none,bf16,int8)")
+    group.add_argument("--no-diloco", action="store_true", help="leave DiLoCo candidates out")
+    group.add_argument("--probe-rounds", type=int, default=3, help="timed exchange rounds per link measurement")
+    group.add_argument("--run-exact", type=int, default=3, help="exact candidates to run (default 3)")
+    group.add_argument("--run-lossy", type=int, default=2, help="lossy candidates to run (default 2)")
+    group.add_argument("--trial-steps", type=int, default=12, help="steps of each trial run (default 12)")
+    group.add_argument("--warmup-steps", type=int, default=2, help="first steps of a trial not timed (default 2)")
+    group.add_argument("--allow-lossy", action="store_true",
+                       help="may choose a candidate that changes the math (compression, DiLoCo)")
+    add_security_arguments(parser)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ConfigError naming the flag of a bad or contradictory input."""
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.tune.cost import check_number
+    from multipod.pod_worker.schema import Compression
+    if args.workers and args.netns:
+        raise ConfigError("--netns", "starts the pods itself: it does not go with --workers")
+    if not args.netns:
+        for flag, value in (("--netns-rate-gbps", args.netns_rate_gbps), ("--netns-subnet", args.netns_subnet)):
+            if value is not None:
+                raise ConfigError(flag, "only goes with --netns")
+    if args.netns_rate_gbps is not None:
+        check_number("--netns-rate-gbps", args.netns_rate_gbps)
+    if args.link_gbps is not None:
+        check_number("--link-gbps", args.link_gbps)
+    elif args.latency_ms is not None:
+        raise ConfigError("--latency-ms", "goes with --link-gbps (without it the link is measured)")
+    if args.latency_ms is not None:
+        check_number("--latency-ms", args.latency_ms, strict=False)
+    for flag, value in (("--probe-rounds", args.probe_rounds), ("--trial-steps", args.trial_steps),
+                        ("--steps", args.steps)):
+        if value < 1:
+            raise ConfigError(flag, f"must be >= 1, got {value}")
+    for flag, value in (("--run-exact", args.run_exact), ("--run-lossy", args.run_lossy),
+                        ("--warmup-steps", args.warmup_steps)):
+        if value < 0:
+            raise ConfigError(flag, f"must be >= 0, got {value}")
+    if args.warmup_steps >= args.trial_steps:
+        raise ConfigError("--warmup-steps", f"must be below --trial-steps ({args.trial_steps})")
+    if not args.streams or not args.chunk_bytes:
+        raise ConfigError("--streams", "give at least one stream count and one chunk size")
+    args.compressions = [c.strip() for c in args.compressions.split(",") if c.strip()]
+    for c in args.compressions:
+        try:
+            Compression(c)
+        except ValueError:
+            raise ConfigError("--compressions", f"{c!r} is not one of {', '.join(x.value for x in Compression)}") \
+                from None
+
+
+@contextlib.contextmanager
+def pods_for(args: argparse.Namespace, pods: int, devices: int, run_dir: pathlib.Path):
+    """The pods' [pod][host] addresses: the user's (--workers) or started here, stopped after."""
+    from multipod.controller.cluster.pod_client import parse_workers
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.protos.channels import default_security, set_default_security
+    from multipod.protos.cli_flags import security_from_args
+    security = security_from_args(args)
+    if args.workers:
+        set_default_security(security)
+        addresses = parse_workers(args.workers)
+        if any(len(hosts) != 1 for hosts in addresses):
+            raise ConfigError("--workers", "tune --dcn measures pods of one host each for now")
+        yield addresses
+        return
+    if not security.token:
+        security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
+    set_default_security(security)
+    from multipod.controller.launch.local import LocalPods
+    from multipod.controller.launch.netns_pods import NetnsPods
+    launched: LocalPods
+    if args.netns:
+        from multipod.controller.launch.netns import check_available
+        check_available(shape=bool(args.netns_rate_gbps))
+        launched = NetnsPods(pods, devices, run_dir, subnet=args.netns_subnet, rate_gbps=args.netns_rate_gbps or 0.0,
+                             encrypt=not args.insecure, insecure=args.insecure, security=security)
+    else:
+        launched = LocalPods(pods, devices, run_dir, security=security)
+    with launched:
+        if isinstance(launched, NetnsPods):
+            set_default_security(launched.controller_security)
+        try:
+            yield launched.pod_host_addresses
+        finally:
+            set_default_security(default_security())
+
+
+def _measure_link(args, addresses: list, grad_bytes: int, timeout_s: float, say):
+    from multipod.controller.cluster.client import WorkerClient
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.tune.dcn_probe import LinkProber, given_link, measure_link
+    if args.link_gbps is not None:
+        return given_link(args.link_gbps, args.latency_ms, args.streams, args.chunk_bytes)
+    clients = [WorkerClient(p, hosts[0]) for p, hosts in enumerate(addresses)]
+    try:
+        dcn = []
+        for client in clients:
+            try:
+                client.wait_serving(timeout_s=60)
+                dcn.append(client.status(timeout_s=10).dcn_address)
+            except Exception as exc:    # noqa: BLE001 -- WorkerError or a channel error: named below
+                raise ConfigError("--workers", f"pod {client.pod_index} at {client.address} is not reachable: "
+                                               f"{exc}") from None
+        if not all(dcn):
+            raise ConfigError("link", f"a pod reports no data-plane address: {dcn}")
+        size = min(max(grad_bytes, PROBE_BYTES_MIN), PROBE_BYTES_MAX)
+        say(f"measuring the link between {len(clients)} pods on their data plane ({args.probe_rounds} timed rounds "
+            f"each):")
+        lossy = [c for c in args.compressions if c != "none"]
+        return measure_link(LinkProber(clients, dcn, args.probe_rounds, timeout_s), size, args.streams,
+                            args.chunk_bytes, lossy, say)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `multipod tune --dcn`; returns the exit code (0: a choice was written)."""
+    from multipod.controller.core.run_config import ConfigError, load_config
+    from multipod.controller.data.corpus import prepare
+    from multipod.controller.observe.metrics import out
+    from multipod.controller.tune import dcn_report
+    from multipod.controller.tune.dcn_probe import measure_compute
+    from multipod.controller.tune.dcn_trials import run_trial
+    from multipod.controller.tune.dcn_tuner import choose, pick_trials, predict, rank_measured, with_loss_deltas
+    from multipod.controller.tune.table import write_config
+    from multipod.pod_worker.schema import Compression
+    check_args(args)
+    pods = args.pods if args.pods is not None else (len(args.workers.split(";" if ";" in args.workers else ","))
+                                                    if args.workers else 2)
+    if pods < 2:
+        raise ConfigError("--pods", f"tuning the cross-pod sync needs at least 2 pods, got {pods}")
+    given: set = set()
+    base = load_config(args.config, args.overrides, given)
+    if base.data.global_batch % pods:
+        raise ConfigError("data.global_batch", f"{base.data.global_batch} does not split over {pods} pods")
+    config = prepare(base, vocab_given="model.vocab_size" in given, progress=False).config
+    per_pod = config.data.global_batch // pods
+    work = pathlib.Path(args.out).with_suffix("")
+    work = work.parent / f"{work.name}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+    work.mkdir(parents=True, exist_ok=True)
+    out(f"tune --dcn: {pods} pods of {args.devices} device(s), {per_pod} sequences x {config.data.seq_len} tokens "
+        f"per pod; runs in {work}")
+    grad_bytes = config.model.param_count() * (2 if config.model.param_dtype == "bfloat16" else 4)
+    with pods_for(args, pods, args.devices, work) as addresses:
+        link = _measure_link(args, addresses, grad_bytes, args.candidate_timeout, out)
+        out("measuring one pod's compute with the layout probe (fused and overlapped step, forward alone)")
+        compute = measure_compute(config, args.devices, per_pod, args.steps, args.candidate_timeout,
+                                  concurrent=1 if args.workers else pods)
+        compressions = tuple(Compression(c) for c in args.compressions)
+        ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=not args.no_diloco)
+        trials = pick_trials(ranked, args.run_exact, args.run_lossy,
+                             max_period=(args.trial_steps - args.warmup_steps) // 2)
+        out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each")
+        ran = []
+        for i, projection in enumerate(trials):
+            out(f"  trial {i + 1}/{len(trials)}: {dcn_report.describe(projection)}")
+            trial = run_trial(args.config, list(args.overrides), projection, addresses, work / f"trial-{i + 1}",
+                              args.trial_steps, args.warmup_steps)
+            out(f"    {dcn_report.trial_line(trial)}")
+            ran.append(trial)
+    ran = rank_measured(with_loss_deltas(ran))
+    chosen = choose(ran, args.allow_lossy)
+    dcn_report.print_report(link, compute, ranked, ran, chosen, args.allow_lossy)
+    if args.json_path:
+        dcn_report.write_json(args.json_path, link, compute, ranked, ran, chosen)
+        out(f"report written to {args.json_path}")
+    if chosen is None:
+        out("no exact candidate ran: no config written")
+        return 1
+    from multipod.controller.tune.dcn_tuner import overrides as settings_overrides
+    final = load_config(args.config, [*args.overrides, *settings_overrides(chosen.projection.choice)])
+    header = [f"written by `multipod tune --dcn`: {dcn_report.describe(chosen.projection)}",
+              f"measured {chosen.measured_step_s * 1e3:.1f} ms/step, predicted {chosen.projection.step_s * 1e3:.1f} ms "
+              f"({dcn_report.link_line(link)})" if chosen.measured_step_s else "", ]
+    write_config(args.out, final, [h for h in header if h])
+    flags = f"--netns --netns-rate-gbps {args.netns_rate_gbps} " if args.netns and args.netns_rate_gbps else \
+        "--netns " if args.netns else ""
+    out(f"chosen: {dcn_report.describe(chosen.projection)} -> {args.out} (train with `multipod local --pods {pods} "
+        f"--devices-per-pod {args.devices} {flags}--config {args.out}`)")
+    return 0

@@ -1,0 +1,65 @@
+"""The trial runs of `multipod tune --dcn`: a candidate's [dcn]/[sync] settings trained for a few
+steps on the pods the link was measured between, by the same run `multipod local` and `multipod
+train` make (controller/run/training.py run_training), each in a run directory of its own.
+
+What a trial measured is read back from its metrics.jsonl (controller/observe/records.py): the
+step time is the controller's step_time_s after `warmup` steps, the median for every-step sync and
+the mean for DiLoCo (whose outer exchanges come every H/F steps: the mean is what they cost over a
+run, as the cost model amortises them); the final loss is the mean training loss of the last
+LOSS_STEPS steps (a batch is a function of (seed, step): every trial sees the same batches).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+
+from multipod.controller.tune import cost
+from multipod.controller.tune.dcn_tuner import Trial, overrides
+
+LOSS_STEPS = 3
+# A trial trains; it does not evaluate, sample or checkpoint (its run directory keeps its metrics).
+QUIET = ("eval.batches=0", "sample.tokens=0", "checkpoint.every=0", "run.measure_peak=false")
+
+
+def trial_overrides(base: list[str], choice: cost.SyncChoice, steps: int) -> list[str]:
+    """The base config's overrides, the candidate's settings, and the trial's length."""
+    return [*base, *QUIET, f"run.steps={steps}", *overrides(choice)]
+
+
+def read_steps(run_dir: pathlib.Path) -> list[dict]:
+    """The step records of a run's metrics.jsonl (evaluation records left out)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if "loss" in r]
+
+
+def summarize(records: list[dict], diloco: bool, warmup: int) -> tuple[float | None, float | None]:
+    """(measured step seconds, final loss) of a trial's step records; (None, None) if too few."""
+    timed = [r["step_time_s"] for r in records[warmup:] if r.get("step_time_s")]
+    if not timed:
+        return None, None
+    step = statistics.fmean(timed) if diloco else statistics.median(timed)
+    losses = [r["loss"] for r in records[-LOSS_STEPS:]]
+    return step, statistics.fmean(losses)
+
+
+def run_trial(config_path: str | None, base_overrides: list[str], projection: cost.Projection, addresses: list,
+              run_dir: pathlib.Path, steps: int, warmup: int) -> Trial:
+    """Train the candidate for `steps` steps on the pods at `addresses`; its Trial (with the error
+    if the run failed: a candidate that cannot run is a row of the report, not the tuner's end)."""
+    from multipod.controller.core.run_config import load_config
+    from multipod.controller.data.corpus import prepare
+    from multipod.controller.run.training import run_training
+    choice = projection.choice
+    try:
+        config = load_config(config_path, trial_overrides(base_overrides, choice, steps))
+        data = prepare(config, progress=False)
+        run_training(data.config, addresses, run_dir, data=data, local=True)
+    except Exception as exc:    # noqa: BLE001 -- a failed trial is reported with its error
+        return Trial(projection, None, error=f"{type(exc).__name__}: {exc}"[:500])
+    step, loss = summarize(read_steps(run_dir), choice.sync.diloco, warmup)
+    if step is None:
+        return Trial(projection, None, error=f"no timed steps in {run_dir / 'metrics.jsonl'}")
+    return Trial(projection, step, loss)

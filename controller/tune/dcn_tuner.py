@@ -1,0 +1,173 @@
+"""The candidates of `multipod tune --dcn`, predicted with the cost model from what was measured,
+and the choice among the ones that ran. Pure Python: the measurements come in as values
+(controller/tune/dcn_probe.py), the trial runs' results too (controller/tune/dcn_trials.py).
+
+Calibration from the measurements (nothing assumed where a figure was measured):
+  compute     Chip(peak, mfu = 1) set so that the cost model's compute is the measured forward +
+              backward; backward_ratio = measured backward / forward; update_s = the probe's step
+              minus its compute (update + checksum)
+  link        one Links per measured (streams, chunk) variant: its rate (dcn_efficiency = 1: the rate
+              is the data plane's own), the measured latency per exchange round
+  overlap     the overlapped step's measured extra cost spread over its per-layer programs
+              (program_launch_s; block0_recompute_layers = 0: it is inside that figure)
+  host        host_values_per_s of each compression whose probe was bound by the hosts
+
+The candidates: cost.candidates' (every-step fused or overlapped with each compression, DiLoCo over
+H x F x outer dtype) for every link variant, restricted to --compressions. Ranked in two tiers
+(exact; lossy: compression or DiLoCo); the best `exact` and `lossy` of them run; the choice is the
+fastest measured exact one, or with allow_lossy a lossy one measured at least LOSSY_MIN_GAIN faster.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from multipod.controller.tune import cost
+from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement
+from multipod.model.config import ConfigError
+from multipod.pod_worker.schema import Compression
+
+ICI_GBPS = 1e6      # one-host pods gather nothing over ICI: any value; named for the Links dataclass
+
+
+def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int
+              ) -> tuple[cost.ModelShape, cost.Layout, cost.Chip, cost.Calibration]:
+    """The cost model's inputs for this run, calibrated on the measurements (module docstring)."""
+    for name, value in (("compute.forward_s", compute.forward_s), ("compute.compute_s", compute.compute_s)):
+        cost.check_number(name, value)
+    if pods < 2:
+        raise ConfigError("--pods", f"tuning the cross-pod sync needs at least 2 pods, got {pods}")
+    shape = cost.ModelShape.from_config(config.model, config.data.seq_len)
+    layout = cost.Layout(pods, 1, devices, config.data.global_batch * config.data.seq_len, config.model.microbatches,
+                         config.mesh.model)
+    peak = layout.tokens_per_pod * shape.flops_per_token / (devices * compute.compute_s)
+    chip = cost.Chip(peak, 1.0)
+    backward_ratio = max(compute.backward_s, 1e-9) / compute.forward_s
+    programs = (2 * shape.n_layers + 3) * layout.microbatches
+    launch = 0.0
+    if compute.overlapped_step_s is not None:
+        launch = max(0.0, compute.overlapped_step_s - compute.step_s) / programs
+    calibration = cost.Calibration(backward_ratio=backward_ratio, dcn_efficiency=1.0, program_launch_s=launch,
+                                   block0_recompute_layers=0.0, update_s=compute.update_s,
+                                   host_values_per_s=dict(link.host_values_per_s))
+    calibration.validate()
+    return shape, layout, chip, calibration
+
+
+def links_of(link: LinkMeasurement) -> list[cost.Links]:
+    """One cost.Links per measured variant; ConfigError naming the field if a value is not usable."""
+    if not link.variants:
+        raise ConfigError("link", "no link measurement: nothing to predict with")
+    found = []
+    for v in link.variants:
+        links = cost.Links(v.gbps, link.latency_ms, ICI_GBPS, streams=v.streams)
+        try:
+            links.validate()
+        except ConfigError as exc:
+            name = {"dcn_gbps": "--link-gbps", "dcn_latency_ms": "--latency-ms"}.get(exc.field, exc.field)
+            raise ConfigError(name, exc.message) from None
+        found.append(links)
+    return found
+
+
+def predict(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
+            compressions: tuple[Compression, ...] = (Compression.NONE, Compression.BF16, Compression.INT8),
+            diloco: bool = True) -> list[cost.Projection]:
+    """Every candidate's projection on every link variant, ranked (exact tier first)."""
+    shape, layout, chip, calibration = calibrate(config, compute, link, pods, devices)
+    allowed = set(compressions) | {Compression.NONE}
+    found: list[cost.Projection] = []
+    for variant, links in zip(link.variants, links_of(link)):
+        for choice in cost.candidates(shape, layout, chip, links, calibration):
+            if choice.sync.diloco:
+                if not diloco or choice.sync.outer_dtype.compression not in allowed:
+                    continue
+            elif choice.compression not in allowed:
+                continue
+            choice = dataclasses.replace(choice, streams=variant.streams, chunk_bytes=variant.chunk_bytes)
+            found.append(cost.project(shape, layout, chip, links, choice, calibration))
+    return cost.rank(found)
+
+
+def describe(p: cost.Projection) -> str:
+    """A candidate's label with its data-plane setting."""
+    return f"{p.choice.label()}, {p.choice.streams} stream(s), {p.choice.chunk_bytes / 2**20:g} MiB chunks"
+
+
+def pick_trials(ranked: list[cost.Projection], exact: int, lossy: int, max_period: int | None = None
+                ) -> list[cost.Projection]:
+    """The best `exact` exact candidates and the best `lossy` lossy ones (by predicted step; a
+    DiLoCo candidate only if an outer sync happens within max_period inner steps)."""
+    chosen = [p for p in ranked if not p.choice.lossy][:exact]
+    runnable = [p for p in ranked if p.choice.lossy and not (
+        max_period is not None and p.choice.sync.diloco and p.choice.sync.period > max_period)]
+    return chosen + runnable[:lossy]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A candidate that ran: its prediction and what its run measured."""
+    projection: cost.Projection
+    measured_step_s: float | None       # None: the run failed
+    final_loss: float | None = None
+    error: str = ""
+    loss_delta: float | None = None     # final loss minus the exact reference's (lossy tier)
+
+    @property
+    def ok(self) -> bool:
+        return self.measured_step_s is not None
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured."""
+        if self.measured_step_s is None:
+            return None
+        return (self.projection.step_s - self.measured_step_s) / self.measured_step_s
+
+    def as_dict(self) -> dict:
+        return {"candidate": describe(self.projection), **self.projection.as_dict(),
+                "predicted_step_s": self.projection.step_s, "measured_step_s": self.measured_step_s,
+                "prediction_error": self.prediction_error, "final_loss": self.final_loss,
+                "loss_delta_vs_exact": self.loss_delta, "error": self.error}
+
+
+def with_loss_deltas(trials: list[Trial]) -> list[Trial]:
+    """Each lossy trial's final loss against the first exact trial's that ran (the reference)."""
+    reference = next((t for t in trials if t.ok and not t.projection.choice.lossy and t.final_loss is not None), None)
+    if reference is None:
+        return trials
+    assert reference.final_loss is not None
+    return [dataclasses.replace(t, loss_delta=t.final_loss - reference.final_loss)
+            if t.projection.choice.lossy and t.ok and t.final_loss is not None else t for t in trials]
+
+
+def rank_measured(trials: list[Trial]) -> list[Trial]:
+    """Exact tier first, each by measured step; failed trials last."""
+    return sorted(trials, key=lambda t: (not t.ok, t.projection.choice.lossy, t.measured_step_s or 0.0))
+
+
+def choose(trials: list[Trial], allow_lossy: bool) -> Trial | None:
+    """The fastest measured exact trial; with allow_lossy, the fastest measured lossy one instead
+    if it is at least cost.LOSSY_MIN_GAIN faster. None if no exact trial ran (and no lossy one may)."""
+    ran = [t for t in trials if t.ok]
+    exact = [t for t in ran if not t.projection.choice.lossy]
+    best = min(exact, key=lambda t: t.measured_step_s or 0.0) if exact else None
+    lossy = [t for t in ran if t.projection.choice.lossy]
+    if not allow_lossy or not lossy:
+        return best
+    fastest = min(lossy, key=lambda t: t.measured_step_s or 0.0)
+    assert fastest.measured_step_s is not None
+    if best is None or best.measured_step_s is None or \
+            fastest.measured_step_s <= best.measured_step_s * (1 - cost.LOSSY_MIN_GAIN):
+        return fastest
+    return best
+
+
+def overrides(choice: cost.SyncChoice) -> list[str]:
+    """The chosen [dcn]/[sync] settings as `--set` values (dcn.overlap spelled as the enum)."""
+    import json
+    found = []
+    for section, table in choice.settings().items():
+        for key, value in table.items():
+            found.append(f"{section}.{key}={json.dumps(value)}")
+    return found

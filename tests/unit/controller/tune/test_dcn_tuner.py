@@ -1,0 +1,163 @@
+"""`multipod tune --dcn`'s pure parts (controller/tune/dcn_tuner.py, dcn_probe.py, dcn_trials.py):
+candidates predicted from given link and compute values, overlapped ranked above fused when the
+exchange outlasts the backward tail, the lossy tier kept apart and chosen only when allowed, bad
+inputs refused naming the field, and the written config loads with the chosen settings."""
+import argparse
+import dataclasses
+
+import pytest
+
+from multipod.controller.core.run_config import ConfigError, load_config
+from multipod.controller.tune import dcn_session, dcn_trials
+from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement, LinkVariant, given_link
+from multipod.controller.tune.dcn_tuner import (
+    Trial,
+    choose,
+    overrides,
+    pick_trials,
+    predict,
+    rank_measured,
+    with_loss_deltas,
+)
+from multipod.controller.tune.table import write_config
+from multipod.pod_worker.schema import Compression, Overlap, SyncMode
+from tests.helpers import TINY
+
+# A pod's step: forward 10 ms, backward 20 ms, update 5 ms; the overlapped step 2 ms dearer.
+COMPUTE = ComputeMeasurement(step_s=0.035, compute_s=0.030, forward_s=0.010, overlapped_step_s=0.037)
+
+
+def config():
+    return load_config(TINY, ["model.vocab_size=256"])
+
+
+def link(gbps, latency_ms=0.1, streams=(4,), chunks=(2 << 20,)):
+    return given_link(gbps, latency_ms, list(streams), list(chunks))
+
+
+def exact(ranked, overlap):
+    return next(p for p in ranked if not p.choice.lossy and p.choice.overlap is overlap)
+
+
+def test_overlapped_ranks_above_fused_when_the_exchange_outlasts_the_backward_tail():
+    grad_bytes = config().model.param_count() * 4
+    slow = grad_bytes * 8 / 0.010 / 1e9          # the whole gradient takes 10 ms: more than the tail
+    ranked = predict(config(), COMPUTE, link(slow), 2, 2)
+    fused, overlapped = exact(ranked, False), exact(ranked, True)
+    assert fused.exposed_s == pytest.approx(0.010 + 0.0001, rel=1e-6)       # all of it, plus a round
+    assert overlapped.exposed_s < fused.exposed_s
+    assert overlapped.step_s < fused.step_s
+    assert ranked.index(overlapped) < ranked.index(fused)
+    # On a link so fast that the exchange is nothing, the per-layer programs' measured 2 ms lose.
+    fast = predict(config(), COMPUTE, link(1e6, 0.0), 2, 2)
+    assert fast.index(exact(fast, False)) < fast.index(exact(fast, True))
+
+
+def test_calibration_reproduces_the_measured_compute_and_every_variant_is_a_candidate():
+    two = LinkMeasurement(0.1, (LinkVariant(1, 1 << 20, 0.05), LinkVariant(4, 4 << 20, 0.2)))
+    ranked = predict(config(), COMPUTE, two, 2, 2)
+    p = ranked[0]
+    assert p.forward_s == pytest.approx(0.010) and p.backward_s == pytest.approx(0.020)
+    assert p.one_pod_step_s == pytest.approx(0.035)
+    assert {(r.choice.streams, r.choice.chunk_bytes) for r in ranked} == {(1, 1 << 20), (4, 4 << 20)}
+    one = [r for r in ranked if not r.choice.lossy and not r.choice.overlap]
+    assert min(one, key=lambda r: r.step_s).choice.streams == 4      # the faster variant, all else equal
+    assert all(not r.choice.lossy for r in ranked[:len([r for r in ranked if not r.choice.lossy])])
+    assert {r.choice.compression for r in ranked} == {Compression.NONE, Compression.BF16, Compression.INT8}
+    assert any(r.choice.sync.diloco for r in ranked)
+    assert not any(r.choice.sync.diloco for r in predict(config(), COMPUTE, two, 2, 2, diloco=False))
+
+
+def trial(p, measured, loss=2.0):
+    return Trial(p, measured, loss)
+
+
+def test_the_lossy_tier_is_chosen_only_when_allowed_and_faster_and_carries_its_loss_difference():
+    ranked = predict(config(), COMPUTE, link(0.01), 2, 2)
+    picked = pick_trials(ranked, 2, 2, max_period=5)
+    assert [p.choice.lossy for p in picked] == [False, False, True, True]
+    assert not any(p.choice.sync.diloco and p.choice.sync.period > 5 for p in picked)
+    trials = [trial(picked[0], 0.050, 2.0), trial(picked[1], 0.040, 2.0), trial(picked[2], 0.020, 2.3),
+              trial(picked[3], None)]
+    trials = rank_measured(with_loss_deltas(trials))
+    assert [t.measured_step_s for t in trials] == [0.040, 0.050, 0.020, None]     # exact first, failed last
+    assert trials[2].loss_delta == pytest.approx(0.3)
+    assert trials[0].loss_delta is None
+    assert choose(trials, allow_lossy=False).measured_step_s == 0.040
+    assert choose(trials, allow_lossy=True).measured_step_s == 0.020
+    barely = [trials[0], dataclasses.replace(trials[2], measured_step_s=0.039)]   # < 5% faster: exact stays
+    assert choose(barely, allow_lossy=True).measured_step_s == 0.040
+    assert trials[0].prediction_error == pytest.approx((trials[0].projection.step_s - 0.040) / 0.040)
+
+
+def test_the_trial_reads_its_step_time_and_loss_from_the_records():
+    records = [{"loss": 3.0, "step_time_s": 9.0}] * 2 + [{"loss": 2.0, "step_time_s": t} for t in (0.1, 0.3, 0.2)]
+    assert dcn_trials.summarize(records, diloco=False, warmup=2) == (pytest.approx(0.2), pytest.approx(2.0))
+    assert dcn_trials.summarize(records, diloco=True, warmup=2)[0] == pytest.approx(0.2)
+    assert dcn_trials.summarize(records[:2], diloco=False, warmup=2) == (None, None)
+
+
+@pytest.mark.parametrize("given, latency, field", [(0.0, None, "--link-gbps"), (-1.0, None, "--link-gbps"),
+                                                    (float("nan"), None, "--link-gbps"), (1.0, -2.0, "--latency-ms")])
+def test_a_non_positive_bandwidth_or_negative_latency_is_refused_naming_the_flag(given, latency, field):
+    with pytest.raises(ConfigError) as caught:
+        given_link(given, latency, [4], [2 << 20])
+    assert caught.value.field == field
+
+
+def test_bad_measurements_and_pod_counts_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="link"):
+        predict(config(), COMPUTE, LinkMeasurement(0.1, ()), 2, 2)
+    with pytest.raises(ConfigError) as caught:
+        predict(config(), COMPUTE, LinkMeasurement(0.1, (LinkVariant(4, 2 << 20, 0.0),)), 2, 2)
+    assert caught.value.field == "--link-gbps"
+    with pytest.raises(ConfigError) as caught:
+        predict(config(), COMPUTE, link(1.0), 1, 2)
+    assert caught.value.field == "--pods"
+    with pytest.raises(ConfigError) as caught:
+        predict(config(), dataclasses.replace(COMPUTE, forward_s=0.0), link(1.0), 2, 2)
+    assert caught.value.field == "compute.forward_s"
+
+
+def _args(**fields):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    dcn_session.add_arguments(parser)
+    args = parser.parse_args(["--dcn"])
+    for key, value in fields.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("fields, flag", [
+    ({"workers": "a:1,b:2", "netns": True}, "--netns"), ({"netns_rate_gbps": 1.0}, "--netns-rate-gbps"),
+    ({"netns": True, "netns_rate_gbps": 0.0}, "--netns-rate-gbps"), ({"link_gbps": 0.0}, "--link-gbps"),
+    ({"latency_ms": 1.0}, "--latency-ms"), ({"trial_steps": 0}, "--trial-steps"),
+    ({"warmup_steps": 12}, "--warmup-steps"), ({"compressions": "none,zip"}, "--compressions"),
+    ({"run_lossy": -1}, "--run-lossy"),
+])
+def test_bad_flags_are_refused_naming_the_flag(fields, flag):
+    with pytest.raises(ConfigError) as caught:
+        dcn_session.check_args(_args(**fields))
+    assert caught.value.field == flag
+
+
+@pytest.mark.parametrize("which", ["overlapped", "diloco"])
+def test_the_chosen_settings_are_written_as_a_config_that_loads_with_them(tmp_path, which):
+    ranked = predict(config(), COMPUTE, link(0.01, streams=(2,), chunks=(1 << 20,)), 2, 2)
+    if which == "overlapped":
+        p = exact(ranked, True)
+    else:
+        p = next(r for r in ranked if r.choice.sync.diloco)
+    written = load_config(TINY, overrides(p.choice))
+    write_config(tmp_path / "tuned.toml", written, ["written by a test"])
+    loaded = load_config(str(tmp_path / "tuned.toml"))
+    assert loaded.dcn.streams == 2 and loaded.dcn.chunk_bytes == 1 << 20
+    if which == "overlapped":
+        assert loaded.dcn.overlap is Overlap.ON and loaded.dcn.compression is Compression.NONE
+        assert loaded.sync.mode is SyncMode.EVERY_STEP
+    else:
+        s = p.choice.sync
+        assert loaded.sync.mode is SyncMode.DILOCO
+        assert (loaded.sync.inner_steps, loaded.sync.fragments, loaded.sync.overlap_steps, loaded.sync.outer_dtype) \
+            == (s.inner_steps, s.fragments, s.overlap_steps, s.outer_dtype)
