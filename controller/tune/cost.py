@@ -24,6 +24,8 @@ Per step:
   DiLoCo                  inner compute; every H/F steps one fragment (1/F of the parameters, in
                           sync.outer_dtype) is exchanged, hidden by the overlap_steps inner steps
                           that follow it: what exceeds them is exposed, amortised over H/F steps.
+Every candidate's step also carries Calibration.step_overhead_s: what a real run's step costs beyond
+compute, update and exchange (the control plane, waiting for the slower pod; 0 on paper).
 Weak scaling is one pod's step (the same tokens per pod, no DCN) over the projected step.
 Calibration holds every term that is not arithmetic, named, with where its value comes from.
 """
@@ -86,6 +88,9 @@ class Calibration:
     #                                     decodes and sums (pipelined with the sending); absent: not modelled
     jitter_cv: float = 0.0              # a pod's step-time standard deviation / mean: every-step sync waits
     #                                     for the slowest pod, E[max of N normals] sigmas; 0: not modelled
+    step_overhead_s: float = 0.0        # per step of a real run beyond compute, update and the exchange: the
+    #                                     controller's step RPCs, waiting for the slower pod, pods sharing
+    #                                     cores; 0: not modelled (`tune --dcn` measures it: a calibration run)
 
     def validate(self) -> None:
         check_number("backward_ratio", self.backward_ratio)
@@ -94,7 +99,7 @@ class Calibration:
             raise ConfigError("dcn_efficiency", f"must be at most 1, got {self.dcn_efficiency:g}")
         check_number("stream_window_bytes", self.stream_window_bytes)
         for name in ("program_launch_s", "block0_recompute_layers", "update_s", "outer_update_s",
-                     "chunk_overhead_s", "jitter_cv"):
+                     "chunk_overhead_s", "jitter_cv", "step_overhead_s"):
             check_number(name, getattr(self, name), strict=False)
         for key, rate in self.host_values_per_s.items():
             check_number(f"host_values_per_s.{key}", rate)
@@ -365,7 +370,7 @@ def project(model: ModelShape, layout: Layout, chip: Chip, links: Links, choice:
         ici = assembly_time(values, model, layout, links) / period
         exposed = (max(0.0, exchange - sync.overlap_steps * one_pod) + cal.outer_update_s) / period
         jitter /= math.sqrt(period)     # pods drift apart over `period` steps, then wait once
-        step = one_pod + exposed + ici + jitter
+        step = one_pod + exposed + ici + jitter + cal.step_overhead_s
         return Projection(choice, forward, backward, 0.0, exchange, exposed, ici, jitter, step, one_pod, sent / period)
     values = float(model.params)
     sent = values * bytes_per_value(choice.compression, model.grad_bytes) * collective_factor(n)
@@ -379,7 +384,7 @@ def project(model: ModelShape, layout: Layout, chip: Chip, links: Links, choice:
         latency = rounds(n) * links.dcn_latency_ms / 1e3
         tail = model.last_ready_fraction * (exchange - latency) + latency
         exposed = max(exchange - backward / layout.microbatches, tail)
-    step = compute + overlap_cost + exposed + ici + cal.update_s + jitter
+    step = compute + overlap_cost + exposed + ici + cal.update_s + jitter + cal.step_overhead_s
     return Projection(choice, forward, backward, overlap_cost, exchange, exposed, ici, jitter, step, one_pod, sent)
 
 

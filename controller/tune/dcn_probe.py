@@ -15,14 +15,16 @@ Given --link-gbps (and --latency-ms), nothing is measured: those values stand fo
 
 The compute (measure_compute): the run's layout in the layout probe (controller/tune/runner.py), its
 step without an exchange (compute, update, checksum) and its forward pass alone; with dcn.overlap on
-too, so the overlapped step's extra cost is measured rather than assumed. `concurrent` probes run at
-once, as many as local pods will share this machine's cores, and the slowest counts.
+too, so the overlapped step's extra cost is measured rather than assumed. `repeats` probes run one
+after another (never at once: concurrent probes on shared cores measured each other, the plain
+step 23 and 31 ms in one session where the overlapped one, probed after them, took 11-14 ms), and
+each figure is the median over them. What one pod costs while the other pods compute at the same
+time is not this probe's: the calibration run measures it (controller/tune/dcn_trials.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -147,10 +149,10 @@ class ComputeMeasurement:
         return max(self.step_s - self.compute_s, 0.0)
 
 
-def measure_compute(config, devices: int, per_pod_batch: int, steps: int, timeout_s: float, concurrent: int = 1,
+def measure_compute(config, devices: int, per_pod_batch: int, steps: int, timeout_s: float, repeats: int = 1,
                     overlap: bool = True) -> ComputeMeasurement:
-    """The layout probe on the run's layout (and with dcn.overlap on), `concurrent` probes at once;
-    ConfigError("--config") if the layout does not run."""
+    """The layout probe on the run's layout (and with dcn.overlap on), `repeats` probes one after
+    another, each figure the median over them; ConfigError("--config") if the layout does not run."""
     from multipod.controller.tune.grid import Candidate
     from multipod.controller.tune.runner import run_candidates
     from multipod.pod_worker.schema import Overlap
@@ -162,25 +164,18 @@ def measure_compute(config, devices: int, per_pod_batch: int, steps: int, timeou
     payloads = [c.worker_config().to_json() for c in configs]
     spec = {"devices": devices, "per_pod_batch": per_pod_batch, "steps": steps, "memory_limit": None,
             "forward": True}
-    results: list = [None] * concurrent
-
-    def one(i: int) -> None:
-        results[i] = run_candidates([candidate] * len(payloads), payloads, spec, timeout_s)[0]
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(concurrent)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    rows = [r for r in results if r is not None]
-    if len(rows) < concurrent:
-        raise ConfigError("--config", "the layout probe did not report (see the errors above)")
-    for row in (r for rs in rows for r in rs):
-        if row.get("status") != "ok":
-            raise ConfigError("--config", f"the run's layout {candidate.label()} does not run: "
-                                          f"{row.get('error', row.get('status'))}")
+    rows = []
+    for _ in range(max(1, repeats)):
+        found = run_candidates([candidate] * len(payloads), payloads, spec, timeout_s)[0]
+        if found is None:
+            raise ConfigError("--config", "the layout probe did not report (see the errors above)")
+        for row in found:
+            if row.get("status") != "ok":
+                raise ConfigError("--config", f"the run's layout {candidate.label()} does not run: "
+                                              f"{row.get('error', row.get('status'))}")
+        rows.append(found)
     fused = [rs[0] for rs in rows]
-    slowest = max(fused, key=lambda r: r["step_time_s"])
-    overlapped = max(rs[1]["step_time_s"] for rs in rows) if overlap else None
-    return ComputeMeasurement(slowest["step_time_s"], slowest["step_parts_s"]["compute_s"], slowest["forward_s"],
-                              overlapped)
+    overlapped = statistics.median(rs[1]["step_time_s"] for rs in rows) if overlap else None
+    return ComputeMeasurement(statistics.median(r["step_time_s"] for r in fused),
+                              statistics.median(r["step_parts_s"]["compute_s"] for r in fused),
+                              statistics.median(r["forward_s"] for r in fused), overlapped)

@@ -5,11 +5,14 @@ actually have (issue 23).
      --netns-rate-gbps, as `multipod local` starts them) or the user's (--workers; one host per pod);
   2. the link, measured on their data plane (controller/tune/dcn_probe.py; or --link-gbps and
      --latency-ms as given), and one pod's compute for the run's layout (the layout probe);
-  3. every candidate predicted with the cost model (controller/tune/dcn_tuner.py);
-  4. the best --run-exact exact and --run-lossy lossy candidates trained --trial-steps steps each
+  3. a calibration run: the reference candidate (fused, exact, fastest link variant) trained
+     --trial-steps steps on those pods, for what only a real run shows (compute while every pod
+     computes, update, the per-step overhead of the control plane);
+  4. every candidate predicted with the cost model so calibrated (controller/tune/dcn_tuner.py);
+  5. the best --run-exact exact and --run-lossy lossy candidates trained --trial-steps steps each
      on those pods (controller/tune/dcn_trials.py), predicted against measured, ranked by measured,
      the lossy ones with their loss against exact sync's;
-  5. the choice (exact unless --allow-lossy) written as a config for --config (as `multipod tune`
+  6. the choice (exact unless --allow-lossy) written as a config for --config (as `multipod tune`
      writes its layout: controller/tune/table.py write_config), and the report printed
      (controller/tune/dcn_report.py) and, with --json, written.
 """
@@ -26,6 +29,7 @@ from multipod.controller.tune.grid import parse_bytes, parse_int_list
 
 PROBE_BYTES_MIN = 4 << 20      # the throughput rounds: at least this, or the gradient if larger
 PROBE_BYTES_MAX = 64 << 20
+COMPUTE_REPEATS = 3            # layout probes one after another; each figure their median
 
 
 def _byte_list(text: str) -> list[int]:
@@ -180,8 +184,16 @@ def main(args: argparse.Namespace) -> int:
     from multipod.controller.observe.metrics import out
     from multipod.controller.tune import dcn_report
     from multipod.controller.tune.dcn_probe import measure_compute
-    from multipod.controller.tune.dcn_trials import run_trial
-    from multipod.controller.tune.dcn_tuner import choose, pick_trials, predict, rank_measured, with_loss_deltas
+    from multipod.controller.tune.dcn_trials import run_calibration, run_trial
+    from multipod.controller.tune.dcn_tuner import (
+        calibrate,
+        choose,
+        pick_trials,
+        predict,
+        rank_measured,
+        reference,
+        with_loss_deltas,
+    )
     from multipod.controller.tune.table import write_config
     from multipod.pod_worker.schema import Compression
     check_args(args)
@@ -203,11 +215,23 @@ def main(args: argparse.Namespace) -> int:
     grad_bytes = config.model.param_count() * (2 if config.model.param_dtype == "bfloat16" else 4)
     with pods_for(args, pods, args.devices, work) as addresses:
         link = _measure_link(args, addresses, grad_bytes, args.candidate_timeout, out)
-        out("measuring one pod's compute with the layout probe (fused and overlapped step, forward alone)")
+        out(f"measuring one pod's compute with the layout probe (fused and overlapped step, forward alone; "
+            f"{COMPUTE_REPEATS} probes one after another, medians)")
         compute = measure_compute(config, args.devices, per_pod, args.steps, args.candidate_timeout,
-                                  concurrent=1 if args.workers else pods)
+                                  repeats=COMPUTE_REPEATS)
+        reference_choice = reference(link)
+        out(f"calibration run: {reference_choice.label()}, {reference_choice.streams} stream(s), "
+            f"{reference_choice.chunk_bytes / 2**20:g} MiB chunks, {args.trial_steps} steps")
+        run = run_calibration(args.config, list(args.overrides), reference_choice, addresses, work / "calibration",
+                              args.trial_steps, args.warmup_steps)
+        out(f"  median step {run.step_s * 1e3:.1f} ms: compute {run.compute_s * 1e3:.1f} ms (slowest pod), update "
+            f"+ checksum {run.update_s * 1e3:.1f} ms, exposed exchange {run.exposed_exchange_s * 1e3:.1f} ms")
         compressions = tuple(Compression(c) for c in args.compressions)
-        ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=not args.no_diloco)
+        ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=not args.no_diloco,
+                         run=run)
+        calibration = calibrate(config, compute, link, pods, args.devices, run)[3]
+        out(f"  step overhead beyond compute, update and exchange: {calibration.step_overhead_s * 1e3:.1f} ms "
+            f"(the calibration run's step minus the model's)")
         trials = pick_trials(ranked, args.run_exact, args.run_lossy,
                              max_period=(args.trial_steps - args.warmup_steps) // 2)
         out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each")
@@ -220,9 +244,9 @@ def main(args: argparse.Namespace) -> int:
             ran.append(trial)
     ran = rank_measured(with_loss_deltas(ran))
     chosen = choose(ran, args.allow_lossy)
-    dcn_report.print_report(link, compute, ranked, ran, chosen, args.allow_lossy)
+    dcn_report.print_report(link, compute, ranked, ran, chosen, args.allow_lossy, run, calibration)
     if args.json_path:
-        dcn_report.write_json(args.json_path, link, compute, ranked, ran, chosen)
+        dcn_report.write_json(args.json_path, link, compute, ranked, ran, chosen, run, calibration)
         out(f"report written to {args.json_path}")
     if chosen is None:
         out("no exact candidate ran: no config written")

@@ -3,9 +3,15 @@ and the choice among the ones that ran. Pure Python: the measurements come in as
 (controller/tune/dcn_probe.py), the trial runs' results too (controller/tune/dcn_trials.py).
 
 Calibration from the measurements (nothing assumed where a figure was measured):
-  compute     Chip(peak, mfu = 1) set so that the cost model's compute is the measured forward +
-              backward; backward_ratio = measured backward / forward; update_s = the probe's step
-              minus its compute (update + checksum)
+  compute     Chip(peak, mfu = 1) set so that the cost model's compute is the calibration run's
+              median compute (the slowest pod's forward + backward while every pod computes on the
+              shared cores; without a run: the layout probe's); backward_ratio = the probe's
+              backward / forward; update_s = the run's median update + checksum (the probe's step
+              minus its compute without a run)
+  overhead    step_overhead_s = the calibration run's median step minus what the model, calibrated
+              on everything else, predicts for the candidate it ran (the control plane's step RPCs
+              and waiting for the slower pod: what no probe of one pod or of the link contains);
+              at least 0
   link        one Links per measured (streams, chunk) variant: its rate (dcn_efficiency = 1: the rate
               is the data plane's own), the measured latency per exchange round
   overlap     the overlapped step's measured extra cost spread over its per-layer programs
@@ -21,26 +27,34 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from multipod.controller.tune import cost
 from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement
 from multipod.model.config import ConfigError
 from multipod.pod_worker.schema import Compression
 
+if TYPE_CHECKING:
+    from multipod.controller.tune.dcn_trials import RunCalibration
+
 ICI_GBPS = 1e6      # one-host pods gather nothing over ICI: any value; named for the Links dataclass
 
 
-def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int
-              ) -> tuple[cost.ModelShape, cost.Layout, cost.Chip, cost.Calibration]:
+def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
+              run: RunCalibration | None = None) -> tuple[cost.ModelShape, cost.Layout, cost.Chip, cost.Calibration]:
     """The cost model's inputs for this run, calibrated on the measurements (module docstring)."""
     for name, value in (("compute.forward_s", compute.forward_s), ("compute.compute_s", compute.compute_s)):
         cost.check_number(name, value)
     if pods < 2:
         raise ConfigError("--pods", f"tuning the cross-pod sync needs at least 2 pods, got {pods}")
+    if run is not None:
+        cost.check_number("calibration.compute_s", run.compute_s)
+        cost.check_number("calibration.step_s", run.step_s)
     shape = cost.ModelShape.from_config(config.model, config.data.seq_len)
     layout = cost.Layout(pods, 1, devices, config.data.global_batch * config.data.seq_len, config.model.microbatches,
                          config.mesh.model)
-    peak = layout.tokens_per_pod * shape.flops_per_token / (devices * compute.compute_s)
+    compute_s = run.compute_s if run is not None else compute.compute_s
+    peak = layout.tokens_per_pod * shape.flops_per_token / (devices * compute_s)
     chip = cost.Chip(peak, 1.0)
     backward_ratio = max(compute.backward_s, 1e-9) / compute.forward_s
     programs = (2 * shape.n_layers + 3) * layout.microbatches
@@ -48,10 +62,33 @@ def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: 
     if compute.overlapped_step_s is not None:
         launch = max(0.0, compute.overlapped_step_s - compute.step_s) / programs
     calibration = cost.Calibration(backward_ratio=backward_ratio, dcn_efficiency=1.0, program_launch_s=launch,
-                                   block0_recompute_layers=0.0, update_s=compute.update_s,
+                                   block0_recompute_layers=0.0,
+                                   update_s=run.update_s if run is not None else compute.update_s,
                                    host_values_per_s=dict(link.host_values_per_s))
     calibration.validate()
+    if run is not None:
+        links = links_of(link)[variant_index(link, run.choice)]
+        modelled = cost.project(shape, layout, chip, links, run.choice, calibration).step_s
+        calibration = dataclasses.replace(calibration, step_overhead_s=max(0.0, run.step_s - modelled))
     return shape, layout, chip, calibration
+
+
+def variant_index(link: LinkMeasurement, choice: cost.SyncChoice) -> int:
+    """The link variant measured at the choice's streams and chunk size (ConfigError if none)."""
+    for i, v in enumerate(link.variants):
+        if (v.streams, v.chunk_bytes) == (choice.streams, choice.chunk_bytes):
+            return i
+    raise ConfigError("link", f"no link variant of {choice.streams} stream(s), {choice.chunk_bytes} bytes chunks")
+
+
+def reference(link: LinkMeasurement) -> cost.SyncChoice:
+    """The calibration run's candidate: every-step sync, fused, exact, on the fastest measured
+    link variant (its exchange is the one the link probe measured most directly)."""
+    if not link.variants:
+        raise ConfigError("link", "no link measurement: nothing to predict with")
+    best = max(link.variants, key=lambda v: v.gbps)
+    return cost.SyncChoice(overlap=False, compression=Compression.NONE, streams=best.streams,
+                           chunk_bytes=best.chunk_bytes)
 
 
 def links_of(link: LinkMeasurement) -> list[cost.Links]:
@@ -72,9 +109,10 @@ def links_of(link: LinkMeasurement) -> list[cost.Links]:
 
 def predict(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
             compressions: tuple[Compression, ...] = (Compression.NONE, Compression.BF16, Compression.INT8),
-            diloco: bool = True) -> list[cost.Projection]:
-    """Every candidate's projection on every link variant, ranked (exact tier first)."""
-    shape, layout, chip, calibration = calibrate(config, compute, link, pods, devices)
+            diloco: bool = True, run: RunCalibration | None = None) -> list[cost.Projection]:
+    """Every candidate's projection on every link variant, ranked (exact tier first); with `run`,
+    calibrated on the calibration run too."""
+    shape, layout, chip, calibration = calibrate(config, compute, link, pods, devices, run)
     allowed = set(compressions) | {Compression.NONE}
     found: list[cost.Projection] = []
     for variant, links in zip(link.variants, links_of(link)):

@@ -12,11 +12,13 @@ from multipod.controller.tune import dcn_session, dcn_trials
 from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement, LinkVariant, given_link
 from multipod.controller.tune.dcn_tuner import (
     Trial,
+    calibrate,
     choose,
     overrides,
     pick_trials,
     predict,
     rank_measured,
+    reference,
     with_loss_deltas,
 )
 from multipod.controller.tune.table import write_config
@@ -161,3 +163,32 @@ def test_the_chosen_settings_are_written_as_a_config_that_loads_with_them(tmp_pa
         assert loaded.sync.mode is SyncMode.DILOCO
         assert (loaded.sync.inner_steps, loaded.sync.fragments, loaded.sync.overlap_steps, loaded.sync.outer_dtype) \
             == (s.inner_steps, s.fragments, s.overlap_steps, s.outer_dtype)
+
+
+def test_the_calibration_run_sets_compute_update_and_the_step_overhead():
+    # The run: compute 40 ms (the probe's 30 ms alone), update + checksum 6 + 1 ms, step 60 ms, on
+    # the link variant of 4 streams at 1 Gb/s with 0.1 ms rounds. Tiny's float32 gradient of B
+    # bytes takes B * 8 / 1e9 s + 0.1 ms: the model's fused step is 40 + 7 + that; the overhead is
+    # the rest of the 60 ms.
+    grad_bytes = config().model.param_count() * 4
+    records = [{"loss": 3.0, "step_time_s": 9.0, "compute_time_s": 9.0, "update_time_s": 1.0,
+                "checksum_time_s": 0.0, "exposed_exchange_s": 1.0}] * 2 + \
+        [{"loss": 2.0, "step_time_s": s, "compute_time_s": c, "update_time_s": 0.006, "checksum_time_s": 0.001,
+          "exposed_exchange_s": 0.004} for s, c in ((0.050, 0.030), (0.060, 0.040), (0.070, 0.050))]
+    two = LinkMeasurement(0.1, (LinkVariant(1, 1 << 20, 0.5), LinkVariant(4, 1 << 20, 1.0)))
+    choice = reference(two)
+    assert (choice.streams, choice.chunk_bytes, choice.overlap, choice.lossy) == (4, 1 << 20, False, False)
+    run = dcn_trials.calibration_of(records, choice, warmup=2)
+    assert (run.step_s, run.compute_s, run.update_s, run.steps) == pytest.approx((0.060, 0.040, 0.007, 3))
+    exchange = grad_bytes * 8 / 1e9 + 0.0001
+    cal = calibrate(config(), COMPUTE, two, 2, 2, run)[3]
+    assert cal.update_s == pytest.approx(0.007)
+    assert cal.step_overhead_s == pytest.approx(0.060 - 0.040 - 0.007 - exchange)
+    ranked = predict(config(), COMPUTE, two, 2, 2, run=run)
+    ref = next(p for p in ranked if p.choice == choice)
+    assert ref.step_s == pytest.approx(0.060)                        # by construction
+    assert ref.forward_s == pytest.approx(0.040 / 3)                 # the probe's backward/forward = 2
+    # A run faster than the model's parts gives no negative overhead.
+    quick = dataclasses.replace(run, step_s=0.030)
+    assert calibrate(config(), COMPUTE, two, 2, 2, quick)[3].step_overhead_s == 0.0
+    assert dcn_trials.calibration_of(records[:2], choice, warmup=2) is None
