@@ -34,23 +34,23 @@ def trial_line(trial: Trial) -> str:
 
 
 def print_report(link: LinkMeasurement, compute: ComputeMeasurement, ranked: list[cost.Projection],
-                 trials: list[Trial], chosen: Trial | None, allow_lossy: bool, run=None,
-                 calibration: cost.Calibration | None = None) -> None:
+                 trials: list[Trial], chosen: Trial | None, allow_lossy: bool, runs=(),
+                 calibrated: dict | None = None) -> None:
     print()
     print(f"multipod tune --dcn: {link_line(link)}")
     print(f"  layout probe, one pod alone: step without exchange {ms(compute.step_s)} (forward "
           f"{ms(compute.forward_s)}, backward {ms(compute.backward_s)}, update + checksum {ms(compute.update_s)}; "
           f"overlapped step {ms(compute.overlapped_step_s)})")
-    if run is not None:
+    for run in runs:
         print(f"  calibration run ({run.choice.label()}, {run.choice.streams} stream(s), "
               f"{run.choice.chunk_bytes / 2**20:g} MiB chunks, {run.steps} steps): step {ms(run.step_s)}, compute "
               f"{ms(run.compute_s)}, update + checksum {ms(run.update_s)}, exposed exchange "
               f"{ms(run.exposed_exchange_s)}")
-    if calibration is not None:
+    for overlap, (_, _, _, calibration) in (calibrated or {}).items():
         hosts = ", ".join(f"{k} {v / 1e6:.0f} M values/s" for k, v in calibration.host_values_per_s.items()) or "-"
-        print(f"  calibrated: step overhead {ms(calibration.step_overhead_s)}, backward/forward "
-              f"{calibration.backward_ratio:.2f}, per-layer program {ms(calibration.program_launch_s)}, "
-              f"host-bound compression {hosts}")
+        print(f"  calibrated, {'overlapped' if overlap else 'fused'} step: overhead "
+              f"{ms(calibration.step_overhead_s)}, backward/forward {calibration.backward_ratio:.2f}, per-layer "
+              f"program {ms(calibration.program_launch_s)}, host-bound compression {hosts}")
     print()
     print(f"best predicted of {len(ranked)} candidates:")
     header = f"  {'tier':<5}  {'candidate':<66} {'step':>10} {'exposed':>10} {'DCN bytes/step':>15}"
@@ -87,12 +87,13 @@ def print_report(link: LinkMeasurement, compute: ComputeMeasurement, ranked: lis
 
 
 def write_json(path: str | pathlib.Path, link: LinkMeasurement, compute: ComputeMeasurement,
-               ranked: list[cost.Projection], trials: list[Trial], chosen: Trial | None, run=None,
-               calibration: cost.Calibration | None = None) -> None:
+               ranked: list[cost.Projection], trials: list[Trial], chosen: Trial | None, runs=(),
+               calibrated: dict | None = None) -> None:
     import dataclasses
     report = {"link": link.as_dict(),
-              "calibration_run": None if run is None else run.as_dict(),
-              "calibration": None if calibration is None else dataclasses.asdict(calibration),
+              "calibration_runs": [run.as_dict() for run in runs],
+              "calibration": {("overlapped" if overlap else "fused"): dataclasses.asdict(c[3])
+                              for overlap, c in (calibrated or {}).items()},
               "compute": {"step_s": compute.step_s, "compute_s": compute.compute_s, "forward_s": compute.forward_s,
                           "backward_s": compute.backward_s, "update_s": compute.update_s,
                           "overlapped_step_s": compute.overlapped_step_s},

@@ -5,9 +5,9 @@ actually have (issue 23).
      --netns-rate-gbps, as `multipod local` starts them) or the user's (--workers; one host per pod);
   2. the link, measured on their data plane (controller/tune/dcn_probe.py; or --link-gbps and
      --latency-ms as given), and one pod's compute for the run's layout (the layout probe);
-  3. a calibration run: the reference candidate (fused, exact, fastest link variant) trained
-     --trial-steps steps on those pods, for what only a real run shows (compute while every pod
-     computes, update, the per-step overhead of the control plane);
+  3. two calibration runs: the reference candidate (exact, fastest link variant), fused and
+     overlapped, each trained --trial-steps steps on those pods, for what only a real run shows
+     (compute while every pod computes, update, the per-step overhead of the control plane);
   4. every candidate predicted with the cost model so calibrated (controller/tune/dcn_tuner.py);
   5. the best --run-exact exact and --run-lossy lossy candidates trained --trial-steps steps each
      on those pods (controller/tune/dcn_trials.py), predicted against measured, ranked by measured,
@@ -186,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     from multipod.controller.tune.dcn_probe import measure_compute
     from multipod.controller.tune.dcn_trials import run_calibration, run_trial
     from multipod.controller.tune.dcn_tuner import (
-        calibrate,
+        calibrations,
         choose,
         pick_trials,
         predict,
@@ -195,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
         with_loss_deltas,
     )
     from multipod.controller.tune.table import write_config
-    from multipod.pod_worker.schema import Compression
+    from multipod.pod_worker.schema import Compression, resolve_overlap
     check_args(args)
     pods = args.pods if args.pods is not None else (len(args.workers.split(";" if ";" in args.workers else ","))
                                                     if args.workers else 2)
@@ -219,19 +219,26 @@ def main(args: argparse.Namespace) -> int:
             f"{COMPUTE_REPEATS} probes one after another, medians)")
         compute = measure_compute(config, args.devices, per_pod, args.steps, args.candidate_timeout,
                                   repeats=COMPUTE_REPEATS)
-        reference_choice = reference(link)
-        out(f"calibration run: {reference_choice.label()}, {reference_choice.streams} stream(s), "
-            f"{reference_choice.chunk_bytes / 2**20:g} MiB chunks, {args.trial_steps} steps")
-        run = run_calibration(args.config, list(args.overrides), reference_choice, addresses, work / "calibration",
-                              args.trial_steps, args.warmup_steps)
-        out(f"  median step {run.step_s * 1e3:.1f} ms: compute {run.compute_s * 1e3:.1f} ms (slowest pod), update "
-            f"+ checksum {run.update_s * 1e3:.1f} ms, exposed exchange {run.exposed_exchange_s * 1e3:.1f} ms")
+        runs = []
+        for overlap in (False, True):
+            choice = reference(link, overlap)
+            out(f"calibration run: {choice.label()}, {choice.streams} stream(s), {choice.chunk_bytes / 2**20:g} MiB "
+                f"chunks, {args.trial_steps} steps")
+            run = run_calibration(args.config, list(args.overrides), choice, addresses,
+                                  work / f"calibration-{'overlapped' if overlap else 'fused'}", args.trial_steps,
+                                  args.warmup_steps)
+            out(f"  median step {run.step_s * 1e3:.1f} ms: compute {run.compute_s * 1e3:.1f} ms (slowest pod), "
+                f"update + checksum {run.update_s * 1e3:.1f} ms, exposed exchange "
+                f"{run.exposed_exchange_s * 1e3:.1f} ms")
+            runs.append(run)
         compressions = tuple(Compression(c) for c in args.compressions)
+        diloco_overlap = resolve_overlap(config.worker_config(), per_pod)[0]
         ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=not args.no_diloco,
-                         run=run)
-        calibration = calibrate(config, compute, link, pods, args.devices, run)[3]
-        out(f"  step overhead beyond compute, update and exchange: {calibration.step_overhead_s * 1e3:.1f} ms "
-            f"(the calibration run's step minus the model's)")
+                         runs=tuple(runs), diloco_overlap=diloco_overlap)
+        calibrated = calibrations(config, compute, link, pods, args.devices, tuple(runs))
+        for overlap, (_, _, _, calibration) in calibrated.items():
+            out(f"  {'overlapped' if overlap else 'fused'} step overhead beyond compute, update and exchange: "
+                f"{calibration.step_overhead_s * 1e3:.1f} ms (its calibration run's step minus the model's)")
         trials = pick_trials(ranked, args.run_exact, args.run_lossy,
                              max_period=(args.trial_steps - args.warmup_steps) // 2)
         out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each")
@@ -244,9 +251,9 @@ def main(args: argparse.Namespace) -> int:
             ran.append(trial)
     ran = rank_measured(with_loss_deltas(ran))
     chosen = choose(ran, args.allow_lossy)
-    dcn_report.print_report(link, compute, ranked, ran, chosen, args.allow_lossy, run, calibration)
+    dcn_report.print_report(link, compute, ranked, ran, chosen, args.allow_lossy, runs, calibrated)
     if args.json_path:
-        dcn_report.write_json(args.json_path, link, compute, ranked, ran, chosen, run, calibration)
+        dcn_report.write_json(args.json_path, link, compute, ranked, ran, chosen, runs, calibrated)
         out(f"report written to {args.json_path}")
     if chosen is None:
         out("no exact candidate ran: no config written")

@@ -13,6 +13,7 @@ from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasureme
 from multipod.controller.tune.dcn_tuner import (
     Trial,
     calibrate,
+    calibrations,
     choose,
     overrides,
     pick_trials,
@@ -184,7 +185,7 @@ def test_the_calibration_run_sets_compute_update_and_the_step_overhead():
     cal = calibrate(config(), COMPUTE, two, 2, 2, run)[3]
     assert cal.update_s == pytest.approx(0.007)
     assert cal.step_overhead_s == pytest.approx(0.060 - 0.040 - 0.007 - exchange)
-    ranked = predict(config(), COMPUTE, two, 2, 2, run=run)
+    ranked = predict(config(), COMPUTE, two, 2, 2, runs=(run,))
     ref = next(p for p in ranked if p.choice == choice)
     assert ref.step_s == pytest.approx(0.060)                        # by construction
     assert ref.forward_s == pytest.approx(0.040 / 3)                 # the probe's backward/forward = 2
@@ -192,3 +193,29 @@ def test_the_calibration_run_sets_compute_update_and_the_step_overhead():
     quick = dataclasses.replace(run, step_s=0.030)
     assert calibrate(config(), COMPUTE, two, 2, 2, quick)[3].step_overhead_s == 0.0
     assert dcn_trials.calibration_of(records[:2], choice, warmup=2) is None
+
+
+def test_the_fused_and_the_overlapped_step_are_each_predicted_on_their_own_calibration_run():
+    # Fused run: compute 40 ms, step 60 ms; overlapped run: compute 30 ms (it shares the cores
+    # better), update + checksum 7 ms, step 45 ms. On a 1 Gb/s link tiny's exchange X = B * 8 / 1e9
+    # + 0.1 ms is shorter than the overlapped run's backward (20 ms): only the tail is exposed, the
+    # embedding's and block 0's share f of X - 0.1 ms, plus the round's 0.1 ms.
+    grad_bytes = config().model.param_count() * 4
+    two = LinkMeasurement(0.1, (LinkVariant(4, 1 << 20, 1.0),))
+    fused_run = dcn_trials.RunCalibration(reference(two), 0.060, 0.040, 0.007, 0.004, 8)
+    overlapped_run = dcn_trials.RunCalibration(reference(two, overlap=True), 0.045, 0.030, 0.007, 0.002, 8)
+    calibrated = calibrations(config(), COMPUTE, two, 2, 2, (fused_run, overlapped_run))
+    fused_cal, overlapped_cal = calibrated[False][3], calibrated[True][3]
+    assert overlapped_cal.program_launch_s == 0.0          # inside the overlapped run's compute
+    assert fused_cal.program_launch_s == pytest.approx(0.002 / ((2 * 2 + 3) * 1))    # the probes' 2 ms
+    exchange = grad_bytes * 8 / 1e9 + 0.0001
+    shape = calibrated[True][0]
+    tail = shape.last_ready_fraction * (exchange - 0.0001) + 0.0001
+    assert overlapped_cal.step_overhead_s == pytest.approx(0.045 - 0.030 - 0.007 - tail)
+    ranked = predict(config(), COMPUTE, two, 2, 2, runs=(fused_run, overlapped_run))
+    assert exact(ranked, True).step_s == pytest.approx(0.045) and exact(ranked, False).step_s == pytest.approx(0.060)
+    assert exact(ranked, True).forward_s == pytest.approx(0.010)
+    # DiLoCo's inner step is the step the trainer resolves: the overlapped one's terms if so.
+    diloco = next(p for p in predict(config(), COMPUTE, two, 2, 2, runs=(fused_run, overlapped_run),
+                                     diloco_overlap=True) if p.choice.sync.diloco)
+    assert diloco.one_pod_step_s == pytest.approx(0.030 + 0.007)
