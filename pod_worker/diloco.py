@@ -238,15 +238,13 @@ class OuterSync:
         pending = self.pending
         if pending is None:
             raise RuntimeError("no outer sync is pending")
-        moved = not _same_link(pending.link, all_reduce) and pending.full is not None
-        if moved:
-            # The membership changed since this sync's exchange started, which aborted the old link:
-            # its exchange ends soon (its own deadline, dcn.timeout_s, bounds the wait). Deciding
-            # before it ends would wait on the old link while the peers exchange on the new one.
+        if not _same_link(pending.link, all_reduce) and pending.full is not None:
+            # The membership changed since this sync's exchange started: every pod that started it
+            # on the old link exchanges it again on the new one, whatever the old exchange did
+            # there. It may have ended well on one pod (its peer's bytes had arrived) and failed on
+            # another; keeping that result would leave the other waiting alone on the new link.
+            # The aborted old exchange ends first (its own deadline, dcn.timeout_s, bounds it).
             concurrent.futures.wait([pending.result])
-        failed = pending.result.done() and pending.result.exception() is not None
-        if failed and moved and pending.full is not None:
-            # Its exchange failed on a link that is gone: exchange it again on the new one.
             pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment],
                                           pending.extra)
             pending.link = all_reduce
