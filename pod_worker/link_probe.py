@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from multipod.pod_worker.dcn import Exchange, ExchangeError, Listener
 from multipod.pod_worker.dcn.plan import LeafSpec
-from multipod.pod_worker.errors import InvalidRequest
+from multipod.pod_worker.errors import InvalidRequest, NotReady
 from multipod.pod_worker.schema import MAX_STREAMS, Compression
 from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
@@ -75,7 +76,7 @@ class LinkProbe:
             raise InvalidRequest(f"rounds: must be in [1, {MAX_ROUNDS}], got {self.rounds}")
 
 
-def prepare(listener: Listener, probe: LinkProbe, deadline: float) -> Exchange:
+def open_exchange(listener: Listener, probe: LinkProbe, deadline: float) -> Exchange:
     """The probe's Exchange, its inbox on the listener from now on (the peers may send)."""
     return Exchange(probe.run_id, probe.pod_index, list(probe.addresses),
                     [LeafSpec((probe.nbytes // 4,), np.dtype(np.float32))], listener,
@@ -111,3 +112,40 @@ def run(exchange: Exchange, probe: LinkProbe, deadline: float) -> tuple[list[flo
     finally:
         exchange.close()
     return seconds, sent
+
+
+class LinkProbePod:
+    """Pod's ProbeLink (a mixin of pod_worker/pod.py Pod: its listener, exchange, sequencer and
+    `_probe`, the prepared probe)."""
+
+    pod_index: int | None
+    listener: Listener | None
+    exchange: Exchange | None
+    seq: Any
+    _probe: tuple[LinkProbe, Exchange] | None
+
+    def probe_link(self, probe: LinkProbe, deadline: float, prepare: bool = False
+                   ) -> tuple[list[float], int]:
+        """Measure the data plane with the probing pods (pod_worker/link_probe.py), between steps:
+        waits for a running step until `deadline` (Busy then). prepare: only build the probe's
+        exchange (it takes the listener until the probe runs; a newer one replaces it); else run
+        the rounds on it (built now if not prepared), and give the listener back to the pod's own
+        exchange."""
+        if self.listener is None:
+            raise NotReady(f"pod {self.pod_index} has no data-plane listener")
+        if self.pod_index is None or self.pod_index != probe.pod_index:
+            raise NotReady(f"this worker serves pod {self.pod_index}, not pod {probe.pod_index}")
+        with self.seq.hold("a link probe", deadline=deadline):
+            prepared, self._probe = self._probe, None
+            if prepared is not None and (prepare or prepared[0] != probe):
+                prepared[1].close()
+                prepared = None
+            try:
+                exchange = prepared[1] if prepared is not None else open_exchange(self.listener, probe, deadline)
+                if prepare:
+                    self._probe = (probe, exchange)
+                    return [], 0
+                return run(exchange, probe, deadline)
+            finally:
+                if self._probe is None and self.exchange is not None:
+                    self.listener.attach(self.exchange.inbox)

@@ -34,6 +34,7 @@ from multipod.pod_worker.errors import (
     StepAborted,
 )
 from multipod.pod_worker.hosts import HostLayout, meet
+from multipod.pod_worker.link_probe import LinkProbePod
 from multipod.pod_worker.membership import PodMembership
 from multipod.pod_worker.outcome import StepOutcome
 from multipod.pod_worker.prompt_trainer import PromptTrainer
@@ -90,7 +91,7 @@ class PodStatus:
     run_id: str = ""
 
 
-class Pod(PodMembership, DilocoPod):
+class Pod(PodMembership, DilocoPod, LinkProbePod):
     """All state of one pod worker: the trainer, the DCN exchange, the checkpoint writer and the
     step sequencer. Thread-safe: the gRPC adapter calls it from many handler threads. The
     sequencer is the lock: the setup, the exchange and the checksum change only while it has
@@ -193,33 +194,6 @@ class Pod(PodMembership, DilocoPod):
         # Read inside the hold: a step may donate the state's buffers once it is released.
         fp = trainer.fingerprint()
         return trainer, fp
-
-    # -- link probe (ProbeLink) ----------------------------------------------------------------
-    def probe_link(self, probe: link_probe.LinkProbe, deadline: float, prepare: bool = False
-                   ) -> tuple[list[float], int]:
-        """Measure the data plane with the probing pods (pod_worker/link_probe.py), between steps:
-        waits for a running step until `deadline` (Busy then). prepare: only build the probe's
-        exchange (it takes the listener until the probe runs; a newer one replaces it); else run
-        the rounds on it (built now if not prepared), and give the listener back to the pod's own
-        exchange."""
-        if self.listener is None:
-            raise NotReady(f"pod {self.pod_index} has no data-plane listener")
-        if self.pod_index is None or self.pod_index != probe.pod_index:
-            raise NotReady(f"this worker serves pod {self.pod_index}, not pod {probe.pod_index}")
-        with self.seq.hold("a link probe", deadline=deadline):
-            prepared, self._probe = self._probe, None
-            if prepared is not None and (prepare or prepared[0] != probe):
-                prepared[1].close()
-                prepared = None
-            try:
-                exchange = prepared[1] if prepared is not None else link_probe.prepare(self.listener, probe, deadline)
-                if prepare:
-                    self._probe = (probe, exchange)
-                    return [], 0
-                return link_probe.run(exchange, probe, deadline)
-            finally:
-                if self._probe is None and self.exchange is not None:
-                    self.listener.attach(self.exchange.inbox)
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
