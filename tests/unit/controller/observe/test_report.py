@@ -13,18 +13,10 @@ from multipod.cli import main
 from multipod.controller.commands.train import write_report_quietly
 from multipod.controller.observe.events import Event
 from multipod.controller.observe.records import PodTimings, StepRecord
-from multipod.controller.observe.report import (
-    DCN_GID,
-    OUTER_GID,
-    ReportError,
-    draw,
-    figure,
-    read_events,
-    read_jsonl,
-    read_metrics,
-    report_series,
-    write_report,
-)
+from multipod.controller.observe.report import draw, write_report
+from multipod.controller.observe.report_figure import DCN_GID, OUTER_GID, figure
+from multipod.controller.observe.report_input import ReportError, read_events, read_jsonl, read_metrics
+from multipod.controller.observe.report_series import report_series
 from tests.unit.controller.fakes import a_step_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
