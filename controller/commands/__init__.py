@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             return train_run(args, lambda run_dir, config: Local(args, run_dir, config))
         if args.command == "ray":
             from multipod.controller.launch.ray_cluster import check_request, import_ray, parse_resources
-            from multipod.controller.launch.ray_pods import RayContext
+            from multipod.controller.launch.ray_context import RayContext
             # Everything that can be checked without a cluster, before the data is prepared.
             import_ray()
             parse_resources(args.resources_per_host)

@@ -5,48 +5,40 @@ a host asks for, e.g. {"TPU": 4}), gang-scheduled with STRICT_SPREAD by default 
 node of its own). Each host's worker runs under a Ray actor (controller/launch/ray_worker.py
 `WorkerHost`) pinned to its bundle. The launcher:
   - picks each host's ports once, on its node (a task in its bundle), so every incarnation of
-    its actor listens on the same addresses and a restarted pod rejoins like a restarted local one;
+    its actor listens on the same addresses and a restarted pod rejoins like a restarted local one
+    (its flags and environment: controller/launch/ray_host_specs.py);
   - hands the auth token to the actors as a constructor argument (never a command line);
   - learns the workers' addresses from the actors and gives them to the controller;
   - watches the actors: Ray restarts a dead one (max_restarts); a pod that Ray cannot bring back
     within the deadline, or will not restart any more, is reported, and the run goes on with the
     surviving pods (degraded mode);
-  - replaces a pod that Ray will not bring back at its address (its actor is dead for good, or
-    Ray placed it again on another node): a new placement group wherever Ray finds room, its
-    workers started with --spare, offered to the run (RUN_DIR/spares, controller/cluster/spares.py)
-    so that the controller hot-swaps the failed slot to it; once it has, `swapped` makes the
-    replacement the slot's pod (the old actors are killed for good);
+  - replaces a pod that Ray will not bring back at its address, through a spare that the
+    controller hot-swaps the failed slot to (controller/launch/ray_replacement.py);
   - removes every actor and placement group it made when the run ends, fails or is interrupted.
     If the controller is killed outright, Ray itself removes them: they belong to its job.
 
-The request's checks and the connection are controller/launch/ray_cluster.py's."""
+The request's checks and the connection are controller/launch/ray_cluster.py's; the training run
+enters it through controller/launch/ray_context.py `RayContext`."""
 from __future__ import annotations
 
-import os
 import pathlib
 import secrets
 import threading
 import time
 
 from multipod.controller.launch.local import Launched, LaunchError
-from multipod.controller.launch.ray_cluster import (
-    NAMESPACE,
-    actor_options,
-    check_capacity,
-    check_request,
-    connect,
-    fmt,
-    parse_resources,
-)
+from multipod.controller.launch.ray_cluster import NAMESPACE, actor_options, check_capacity, check_request, fmt
+from multipod.controller.launch.ray_host_specs import check_exposure, worker_env, worker_flags
+from multipod.controller.launch.ray_replacement import RayReplacement
 from multipod.controller.launch.ray_worker import HostSpec, WorkerHost, free_ports
 from multipod.controller.observe.metrics import out
-from multipod.protos.channels import TOKEN_ENV, Security, default_security
+from multipod.protos.channels import Security, default_security
 
 MONITOR_S = 1.0              # how often the actors are checked
 PING_S = 5.0                 # an actor that does not answer a ping within this is counted as down
 
 
-class RayPods(Launched):
+class RayPods(RayReplacement, Launched):
     """The pods of one run as Ray placement groups and actors; the controller's supervisor
     (kill(pod), like LocalPods). Use start() then stop(), or as a context manager."""
 
@@ -114,7 +106,7 @@ class RayPods(Launched):
                               f"free now: {fmt(ray.available_resources())}. Free resources, add nodes, or ask for "
                               f"fewer pods (--place-timeout sets the deadline)")
         specs = self._host_specs()
-        self._check_exposure()
+        check_exposure(self.security, self.dcn_encrypt, self.insecure, self.on_this_machine)
         Host = ray.remote(WorkerHost)
         for pod in range(self.num_pods):
             self.actors.append([
@@ -152,13 +144,8 @@ class RayPods(Launched):
         if spare is None:
             self.on_this_machine = all(ip == here for ip, _ in found)
         loopback = self.on_this_machine and all(ip == here for ip, _ in found)
-        flags = self._worker_flags()
-        env = tuple(sorted((k, v) for k, v in os.environ.items()
-                           if (k.startswith("MULTIPOD_") or k.startswith("JAX_")) and k != TOKEN_ENV))
-        if not any(k == "JAX_COMPILATION_CACHE_DIR" for k, _ in env):
-            # As under `multipod local`: a restarted worker loads its compiled step instead of compiling it.
-            env += (("JAX_COMPILATION_CACHE_DIR", str((self.run_dir / ".jax-cache").absolute())),
-                    ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
+        flags = worker_flags(self.security, self.dcn_encrypt, self.insecure)
+        env = worker_env(self.run_dir)
         specs = []
         for pod in range(len(groups)):
             mine = found[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
@@ -172,36 +159,6 @@ class RayPods(Launched):
                                    spare=spare is not None)
                           for h, (_, ports) in enumerate(mine)])
         return specs
-
-    def _worker_flags(self) -> tuple[str, ...]:
-        flags = []
-        if self.dcn_encrypt:
-            flags.append("--dcn-encrypt")
-        if self.insecure:
-            flags.append("--insecure")
-        if not self.security.token:
-            flags.append("--insecure-no-auth")
-        sec = self.security
-        for flag, value in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key), ("--tls-ca", sec.tls_ca),
-                            ("--tls-server-name", sec.tls_server_name)):
-            if value:   # the same paths on every node
-                flags += [flag, str(pathlib.Path(value).absolute())]
-        return tuple(flags)
-
-    def _check_exposure(self) -> None:
-        """Workers on other nodes listen beyond loopback: refused unencrypted unless --insecure
-        (the worker would refuse too; this says it before any worker starts)."""
-        if self.on_this_machine or self.insecure:
-            return
-        missing = []
-        if not self.security.tls_cert:
-            missing.append("TLS for the control plane (--tls-cert/--tls-key, --tls-ca)")
-        if not self.dcn_encrypt:
-            missing.append("an encrypted data plane (--set dcn.encrypt=true)")
-        if missing:
-            raise LaunchError("the pods run on other nodes than the controller, so their workers listen beyond "
-                              "loopback: that needs " + " and ".join(missing)
-                              + ", or --insecure on a network you trust")
 
     def _get(self, refs: list, timeout_s: float, what: str) -> list:
         """ray.get with a deadline; a failure is a LaunchError saying which host and why."""
@@ -317,71 +274,6 @@ class RayPods(Launched):
             out(f"pod {pod}: Ray could not place it again within {self.place_timeout_s:g}s ({why}); "
                 f"the run goes on with the surviving pods")
 
-    def _replace(self, pod: int) -> None:
-        """A replacement for `pod` wherever Ray finds room (a placement group of its own, its
-        workers started with --spare), offered to the run as a spare; said if Ray cannot."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        from multipod.controller.cluster.spares import offer
-        ray = self.ray
-        self._spare_count += 1
-        number = self._spare_count
-        group = placement_group([dict(self.resources)] * self.hosts_per_pod, strategy=self.strategy,
-                                name=f"multipod-{self.run_id}-spare{number}")
-        actors: list = []
-        try:
-            ready, _ = ray.wait([group.ready()], timeout=self.place_timeout_s)
-            if not ready:
-                raise LaunchError(f"Ray could not place it within {self.place_timeout_s:g}s; free now: "
-                                  f"{fmt(ray.available_resources())}")
-            specs = self._host_specs([group], spare=number)[0]
-            Host = ray.remote(WorkerHost)
-            actors = [Host.options(name=f"multipod-{self.run_id}-spare{number}-host{host}", namespace=NAMESPACE,
-                                   max_restarts=self.max_restarts, max_task_retries=0, max_concurrency=4,
-                                   scheduling_strategy=self._bundle(0, host, group), **actor_options(self.resources))
-                      .remote(specs[host], self.security.token) for host in range(self.hosts_per_pod)]
-            infos = self._get([a.ready.remote(self.start_timeout_s) for a in actors], self.start_timeout_s + 30,
-                              "start the replacement of")
-        except (LaunchError, ray.exceptions.RayError) as exc:
-            out(f"pod {pod}: no replacement: {exc}")
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
-            remove_placement_group(group)
-            self._replacing.discard(pod)
-            return
-        if self._stopping.is_set():
-            return
-        hosts = [info["address"] for info in infos]
-        self._spares[",".join(hosts)] = (group, actors, hosts, [i["node"] for i in infos], [i["pid"] for i in infos])
-        out(f"pod {pod}: Ray placed a replacement (spare {number}) at {','.join(hosts)} on node(s) "
-            f"{', '.join(i['node'] for i in infos)}; offered to the run")
-        offer(self.run_dir, hosts)
-
-    def swapped(self, slot: int, address: str) -> None:
-        """The controller hot-swapped `slot` to the pod at `address`: a replacement of ours becomes
-        the slot's pod (watched, stopped at the end), and the slot's old actors go for good."""
-        spare = self._spares.pop(address, None)
-        if spare is None:
-            return
-        group, actors, hosts, nodes, pids = spare
-        old_actors, old_group = self.actors[slot], self.groups[slot]
-        self.groups[slot], self.actors[slot] = group, actors
-        self.host_addresses[slot], self.nodes[slot], self.pids[slot] = hosts, nodes, pids
-        self._down_since.pop(slot, None)
-        self._reported.pop(slot, None)
-        self._stopped.pop(slot, None)
-        self._replacing.discard(slot)
-        from ray.util.placement_group import remove_placement_group
-        for actor in old_actors:
-            try:
-                self.ray.kill(actor, no_restart=True)
-            except Exception:   # already gone
-                pass
-        try:
-            remove_placement_group(old_group)
-        except Exception:
-            pass
-
     # -- the end ---------------------------------------------------------------------------------
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop every worker, then remove every actor and placement group of the run (each step
@@ -409,49 +301,3 @@ class RayPods(Launched):
             except Exception:
                 pass
         self.actors, self.groups, self._spares = [], [], {}
-
-
-class RayContext:
-    """`multipod ray`'s launcher for controller/commands/train.py `_train`: connect to the cluster, start the
-    pods (entering gives their addresses, [pod][host]); leaving stops them and disconnects."""
-
-    def __init__(self, args, run_dir: pathlib.Path, config):
-        self.args, self.run_dir, self.config = args, run_dir, config
-        self.pods: RayPods | None = None
-        self._ray = None
-
-    def __enter__(self) -> list[list[str]]:
-        args, config = self.args, self.config
-        resources = parse_resources(args.resources_per_host)
-        check_request(args.pods, args.hosts_per_pod, args.placement_strategy, args.devices_per_host)
-        self._ray = connect(args.address)
-        try:
-            self.pods = RayPods(self._ray, args.pods, args.hosts_per_pod, resources, self.run_dir,
-                                strategy=args.placement_strategy, devices_per_host=args.devices_per_host,
-                                max_restarts=config.recovery.max_restarts, place_timeout_s=args.place_timeout,
-                                dcn_encrypt=config.dcn.encrypt, insecure=args.insecure)
-            out(f"placing {args.pods} pod(s) x {args.hosts_per_pod} host(s) of {fmt(resources)} on the Ray cluster "
-                f"({args.placement_strategy})")
-            self.pods.__enter__()
-            if not self.pods.on_this_machine and not config.checkpoint.dir:
-                from multipod.controller.core.run_config import ConfigError
-                raise ConfigError("checkpoint.dir", "the pods run on other nodes than the controller: pass "
-                                  "--checkpoint-dir DIR on storage every node mounts at the same path")
-        except BaseException:
-            self.__exit__()
-            raise
-        pods = self.pods
-        where = "; ".join(f"pod {p}: " + ", ".join(f"{a} (node {n})" for a, n in zip(addrs, nodes))
-                          for p, (addrs, nodes) in enumerate(zip(pods.host_addresses, pods.nodes)))
-        out(f"started {args.pods} pod(s) x {args.hosts_per_pod} host(s) on Ray: {where} "
-            f"(logs in {self.run_dir} on each worker's node)")
-        return pods.host_addresses
-
-    def __exit__(self, *exc) -> bool:
-        try:
-            if self.pods is not None:
-                self.pods.stop()
-        finally:
-            if self._ray is not None and self._ray.is_initialized():
-                self._ray.shutdown()
-        return False
