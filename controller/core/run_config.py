@@ -2,7 +2,7 @@
 
 The controller resolves a Config from defaults, an optional TOML file (`--config`) and
 `--set section.key=value` overrides. The sections the workers use (model, optimizer, mesh, dcn,
-prompt) are the worker's published schema (pod_worker/schema.py); `worker_config()` projects out
+prompt) are the worker's published schema (pod_worker/schema/); `worker_config()` projects out
 what a worker gets in Configure. The controller's own sections: data, run (the step loop), one
 per component of the loop (checkpoint, eval, sample, recovery, health, spike: each component
 gets its own) and generate. Every error names the offending field.
@@ -38,7 +38,7 @@ MIN_BPE_VOCAB = 258
 MAX_BPE_VOCAB = 1 << 20
 
 # The worker's sections (ModelConfig, OptimizerConfig, MeshConfig, DcnConfig, PromptConfig) are
-# imported from where they live (model/config.py, pod_worker/schema.py), not from here.
+# imported from where they live (model/config.py, pod_worker/schema/), not from here.
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "GenerateConfig", "HealthConfig",
            "RecoveryConfig", "RunConfig", "SampleConfig", "SpikeConfig", "load_config", "parse_override", "upgrade"]
 

@@ -78,7 +78,7 @@ class Calibration:
     stream_window_bytes: float = 4 * 2**20   # bytes in flight per TCP stream (assumed: Linux's autotuned
     #                                     window of a few MiB); one stream carries at most window / RTT
     program_launch_s: float = 3e-4      # per per-layer program of the overlapped step: "some tenths of a
-    #                                     millisecond" on XLA CPU here (pod_worker/schema.py); ~0 on TPU
+    #                                     millisecond" on XLA CPU here (pod_worker/schema/overlap.py); ~0 on TPU
     block0_recompute_layers: float = 0.25    # overlap.py runs block 0's backward as two programs that
     #                                     recompute about one MLP matmul: a quarter of a block's backward
     update_s: float = 0.0               # AdamW + checksum per step, beyond what the MFU already counts

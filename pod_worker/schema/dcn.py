@@ -1,0 +1,51 @@
+"""The dcn section: the cross-pod gradient link's settings (DcnConfig), its encodings
+(Compression) and the bound on its streams per peer."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from multipod.model.config import ConfigError, to_enum
+from multipod.pod_worker.schema.loader import non_negative, positive
+from multipod.pod_worker.schema.overlap import Overlap
+from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+
+
+class Compression(enum.StrEnum):
+    """Gradient encodings on the DCN link (pod_worker/dcn/wire.py implements them)."""
+    NONE = "none"
+    BF16 = "bf16"
+    INT8 = "int8"     # one scale per block of <= 256 values
+    INT4 = "int4"     # two values per byte, one scale per block of <= 256 values
+
+
+# Data-plane connections (ZeroMQ streams) per peer, at most.
+MAX_STREAMS = 8
+
+
+@dataclass(frozen=True)
+class DcnConfig:
+    """The cross-pod gradient link."""
+    chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
+    timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
+    streams: int = 4              # parallel data-plane connections per peer
+    compression: Compression = Compression.NONE
+    link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
+    link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
+    encrypt: bool = False         # refuse peers whose data plane is not CURVE-encrypted (worker --dcn-encrypt)
+    overlap: Overlap = Overlap.AUTO   # per-layer backward programs; each block's gradient leaves when ready
+
+    def __post_init__(self):
+        object.__setattr__(self, "compression", to_enum("dcn.compression", Compression, self.compression))
+        object.__setattr__(self, "overlap", to_enum("dcn.overlap", Overlap, self.overlap))
+
+    def validate(self) -> None:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError("dcn.chunk_bytes",
+                              f"must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
+        positive("dcn.timeout_s", self.timeout_s)
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ConfigError("dcn.streams", f"must be in [1, {MAX_STREAMS}], got {self.streams}")
+        non_negative("dcn.link_gbps", self.link_gbps)
+        non_negative("dcn.link_latency_ms", self.link_latency_ms)
+
