@@ -2,7 +2,7 @@
 
 model and protos import nothing of ours (protos only itself); pod_worker imports model and protos;
 the controller imports model, protos and, of pod_worker, only the schema it publishes
-(pod_worker/schema.py). The root cli.py is the one entry module that knows both sides.
+(the pod_worker/schema package). The root cli.py is the one entry module that knows both sides.
 """
 import ast
 import pathlib

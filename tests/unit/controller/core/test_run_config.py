@@ -163,7 +163,7 @@ def test_default_toml_is_the_built_in_defaults():
 
 
 def test_the_workers_sections_are_imported_from_where_they_live():
-    """The schema lives in pod_worker/schema.py (and ModelConfig in model/config.py), which the
+    """The schema lives in the pod_worker/schema package (and ModelConfig in model/config.py), which the
     controller and the worker both import: nothing takes them through the controller's config."""
     import ast
 
