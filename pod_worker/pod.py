@@ -162,7 +162,9 @@ class Pod(PodMembership, DilocoPod, LinkProbePod):
     def _build(self, config: WorkerConfig, num_pods: int) -> PodTrainer:
         """A trainer for `config`, its programs compiled for this pod's shard of num_pods."""
         trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
-        trainer.compile_for((config.train.global_batch // num_pods, config.train.seq_len + 1))
+        shard = (config.train.global_batch // num_pods, config.train.seq_len + 1)
+        trainer.compile_for(shard)
+        trainer.warm_up(shard)
         if config.sync.diloco:
             trainer.start_outer(num_pods)
         return trainer

@@ -160,6 +160,10 @@ class PromptTrainer(PodTrainer):
             return int(host_value(self._mask_count(batch.loss_mask)))
         return batch.count
 
+    def warm_up(self, batch_shape: tuple[int, int]) -> None:
+        """Nothing: prompt tuning runs the fused step, compiled ahead, and its evaluation takes the
+        task's loss mask, which a shard of zeros does not have."""
+
     def evaluate(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> tuple[float, int]:
         if self.layout.multi:
             # Every host of the pod is given the whole batch: each puts the rows of its devices.

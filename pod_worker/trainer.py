@@ -238,6 +238,21 @@ class PodTrainer:
         self._compiled_shape = tuple(batch_shape)
         return {"compile_s": time.perf_counter() - start}
 
+    def warm_up(self, batch_shape: tuple[int, int]) -> None:
+        """Run, once, the programs a run calls later that compile_for does not compile ahead: the
+        evaluation of a shard and, with the overlapped step, its per-layer programs, on a pod's
+        shard of zeros. They then compile (or load from the persistent compilation cache) at
+        configure, where pods that share a cache compile them once (Cluster.configure), instead
+        of at the first step and evaluation, where every pod would compile them at once. The
+        state is untouched: nothing is applied."""
+        self.evaluate(np.zeros(batch_shape, np.int32))
+        if self._overlapped is None:
+            return
+        rows = batch_shape[0] // self.layout.hosts_per_pod     # this host's rows (put_batch)
+        batch = self.put_batch(np.zeros((rows, batch_shape[1]), np.int32))
+        norm = jax.device_put(np.float32(1.0), self.scalar_sharding)
+        jax.block_until_ready(self._overlapped.launch(self.params, batch, norm, to_host=False).leaves)
+
     def compiled_stats(self) -> dict:
         """Memory and hardware FLOPs of the programs `compile_for` compiled, from XLA.
 

@@ -208,9 +208,12 @@ class Cluster:
         timeout = self.config.run.configure_timeout_s
         return parallel(lambda c: c.configure(request(c), timeout), targets)
 
-    def configure(self) -> list[pb.ConfigureReply]:
+    def configure(self, shared_cache: bool = False) -> list[pb.ConfigureReply]:
         """Configure every pod and refuse pods that disagree on protocol, mesh, config or state;
-        the replies are kept as the reference for pods restarted later."""
+        the replies are kept as the reference for pods restarted later. shared_cache: the pods
+        share one persistent compilation cache (pods on one machine, as `multipod local` starts
+        them): pod 0 configures first and the others then load its compiled programs from the
+        cache instead of compiling the same programs at the same time."""
         from multipod.controller.core.run_config import ConfigError
         self.dcn_addresses = self.collect_dcn_addresses()
         # Told before any pod compiles: the same config on other device counts gives other meshes.
@@ -218,7 +221,10 @@ class Cluster:
             detail = ", ".join(f"{c.name} has {n}" for c, n in zip(self.clients, self.device_counts))
             raise RunError(f"pods disagree on device count, so on mesh shape: {detail}. Every pod must run "
                            f"the same multipod version with the same device count and mesh.")
-        replies = self._configure(self.clients)
+        if shared_cache and len(self.clients) > 1:
+            replies = self._configure(self.clients[:1]) + self._configure(self.clients[1:])
+        else:
+            replies = self._configure(self.clients)
         for what, get in AGREEMENT:
             values = [get(r) for r in replies]
             if len(set(values)) > 1:

@@ -142,8 +142,12 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         out(f"reattached to {cluster.size} live pod(s) at step {replies[0].step} (every state hash equal): "
             f"no checkpoint read")
     else:
-        out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
-        replies = cluster.configure()
+        if local and cluster.size > 1:      # the pods share the run's compilation cache
+            out(f"configuring {cluster.size} pod(s): pod 0 compiles the step (this takes a while the first "
+                f"time), then the others load it from the shared compilation cache")
+        else:
+            out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
+        replies = cluster.configure(shared_cache=local)
     accounting = _accounting(cluster, replies, local)
     overlapped, why_not = resolve_overlap(config.worker_config(), config.data.global_batch // cluster.size)
     if not overlapped and config.dcn.overlap is Overlap.AUTO:

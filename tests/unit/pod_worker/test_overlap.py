@@ -78,6 +78,26 @@ def test_leaves_are_handed_to_the_exchange_in_readiness_order():
     assert outcome.exposed_exchange_s >= 0.0 and outcome.compute_s > 0.0
 
 
+def test_the_warm_up_compiles_the_per_layer_programs_and_leaves_the_state_as_it_was():
+    """Pod._build runs warm_up at configure, so the first step and evaluation do not compile
+    (where every pod would compile the same programs at once); the state and the step stay as
+    they were, and the first step then trains exactly as on a trainer without the warm-up."""
+    warmed, cold = (PodTrainer(_config(), jax.devices()[:1]) for _ in range(2))
+    before = (warmed.checksum(), warmed.fingerprint(), warmed.step)
+    warmed.warm_up((4, 33))
+    assert (warmed.checksum(), warmed.fingerprint(), warmed.step) == before
+    programs = [p for p in vars(warmed._overlapped).values() if hasattr(p, "_cache_size")]
+    sizes = [p._cache_size() for p in programs]
+    assert len(programs) == 7 and all(sizes), sizes
+    assert warmed._eval_step._cache_size() == 1
+    losses = [t.train_step(t.put_batch(_tokens()), 4 * 32).loss_sum for t in (warmed, cold)]
+    assert [p._cache_size() for p in programs] == sizes     # the first step compiled nothing new
+    assert losses[0] == losses[1] and warmed.checksum() == cold.checksum()
+    fused = PodTrainer(_config(overlap=False), jax.devices()[:1])
+    fused.warm_up((4, 33))      # the fused step has no per-layer programs: only the evaluation
+    assert fused._overlapped is None and fused.step == 0 and fused._eval_step._cache_size() == 1
+
+
 def test_overlap_on_and_off_train_alike():
     """Three steps of train_step with an identity exchange: same losses and parameters."""
     runs = {}

@@ -166,3 +166,24 @@ def test_pods_with_different_device_counts_are_refused_before_any_compiles():
                                        r"pod 1 \(fake:1\) has 1"):
         Cluster(pods, make_config()).configure()
     assert pods[0].calls == [] and pods[1].calls == []     # no Configure: nothing was compiled
+
+
+@pytest.mark.parametrize("shared_cache", [True, False])
+def test_pods_sharing_a_compilation_cache_configure_pod_0_first_and_the_rest_together(shared_cache):
+    events: list[tuple[str, int]] = []
+    pods = [FakePod(p) for p in range(3)]
+    for pod in pods:
+        def answer(request, pod=pod):
+            events.append(("start", pod.pod_index))
+            time.sleep(0.05)    # long enough for pods configured together to overlap
+            events.append(("end", pod.pod_index))
+            return configure_reply(pod.pod_index)
+        pod.on_configure = answer
+    replies = Cluster(pods, make_config()).configure(shared_cache=shared_cache)
+    assert [r.pod_index for r in replies] == [0, 1, 2]
+    if shared_cache:
+        # Pod 0 alone, so the others load its programs; then pods 1 and 2 at once.
+        assert events[:2] == [("start", 0), ("end", 0)]
+        assert {e for e in events[2:4]} == {("start", 1), ("start", 2)}
+    else:
+        assert {e for e in events[:3]} == {("start", 0), ("start", 1), ("start", 2)}
