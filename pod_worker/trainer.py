@@ -6,13 +6,16 @@ The step is split in two compiled programs so the DCN exchange can sit between t
   apply_update: summed gradient -> clip (global norm of the summed gradient) -> AdamW, skipped as a
              whole if the summed gradient is not finite. Every pod runs the same program on the
              same bytes, so the decision and the result are identical everywhere.
+
+PodTrainer keeps the mesh, the state's construction and the per-step core (gradients -> exchange
+-> update -> checksum); its other jobs are mixins of their own: trainer_programs.py
+TrainerPrograms (compiling the programs, choosing the fused or overlapped step, their XLA
+accounting), trainer_state.py TrainerState (checksum, fingerprint, host copies and loads of the
+state) and diloco_trainer.py DilocoTrainer (the DiLoCo outer sync, snapshots, replay).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
-import logging
 import time
 
 import jax
@@ -21,31 +24,23 @@ import numpy as np
 
 from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
-from multipod.pod_worker import overlap, programs, split
-from multipod.pod_worker.accumulate import MicrobatchSum
+from multipod.pod_worker import split
 from multipod.pod_worker.dcn import ExchangeError, LeafSpec
-from multipod.pod_worker.diloco import OuterReport, OuterSync, Replica
-from multipod.pod_worker.errors import InvalidRequest
+from multipod.pod_worker.diloco import OuterSync
+from multipod.pod_worker.diloco_trainer import DilocoTrainer
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
 from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
 from multipod.pod_worker.outcome import StepOutcome, StepResult
-from multipod.pod_worker.schema import WorkerConfig, resolve_overlap
+from multipod.pod_worker.schema import WorkerConfig
 from multipod.pod_worker.split import Piece, Relay
+from multipod.pod_worker.trainer_programs import TrainerPrograms
+from multipod.pod_worker.trainer_state import TrainerState, fingerprint
 
-log = logging.getLogger(__name__)
-
-
-def fingerprint(*trees) -> str:
-    """A hash of the bytes of every leaf, in tree order: equal iff the states are bitwise equal."""
-    digest = hashlib.blake2b(digest_size=16)
-    for tree in trees:
-        for leaf in jax.tree.leaves(tree):
-            digest.update(memoryview(np.ascontiguousarray(host_value(leaf)).reshape(-1).view(np.uint8)))
-    return digest.hexdigest()
+__all__ = ["PodTrainer", "fingerprint"]     # fingerprint lives in trainer_state.py; importers take it from here
 
 
-class PodTrainer:
+class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
     """Parameters, optimizer state and compiled programs of one pod. With several hosts
     (`layout`), every host of the pod builds the same trainer over all the pod's devices
     (jax.devices() spans the pod's jax.distributed cluster) and runs the same programs."""
@@ -81,83 +76,6 @@ class PodTrainer:
         self.outer: OuterSync | None = None     # DiLoCo (sync.mode): the agreed state, set by start_outer
         self._compile()
 
-    def start_outer(self, num_pods: int) -> None:
-        """DiLoCo mode (sync.mode = "diloco") for a run of num_pods pods: from now on the steps are
-        inner steps and the outer syncs of pod_worker/diloco.py follow them (outer_step)."""
-        if self.layout.multi:
-            from multipod.model.config import ConfigError
-            raise ConfigError("sync.mode", "DiLoCo runs on pods of one host each for now (this pod has "
-                                           f"{self.layout.hosts_per_pod} hosts)")
-        self.outer = OuterSync(self.config.sync, self.params, self.param_sharding, self.scalar_sharding,
-                               self.config.model.n_layers, num_pods)
-        self._outer_checksum = jax.jit(programs.state_checksum, out_shardings=self.scalar_sharding)
-
-    def outer_step(self, all_reduce) -> OuterReport | None:
-        """DiLoCo: after an inner step, the outer step due now (if any) and the start of the outer
-        sync due now (pod_worker/diloco.py); the report of an outer step applied."""
-        self.params, report = self.outer.after_step(self.step, self.params, all_reduce)
-        return report
-
-    def snapshot(self) -> tuple:
-        """A copy of the trainer's state (on the devices; with the DiLoCo replicas it hosts) that
-        restore_snapshot puts back: what a DiLoCo step that waits for an outer exchange keeps, so
-        that it can be undone."""
-        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-        replicas = {} if self.outer is None else {
-            slot: dataclasses.replace(r, params=copy(r.params), opt_state=copy(r.opt_state), deltas=dict(r.deltas))
-            for slot, r in self.outer.replicas.items()}
-        return copy(self.params), copy(self.opt_state), self.step, getattr(self, "_count", None), replicas
-
-    def restore_snapshot(self, snapshot: tuple) -> None:
-        self.params, self.opt_state, self.step, self._count, replicas = snapshot
-        if self.outer is not None:
-            self.outer.replicas = replicas
-
-    def inner_step_on(self, replica: Replica, batch: jax.Array) -> StepOutcome:
-        """DiLoCo: one inner step of a failed pod's replica (pod_worker/diloco.py Replica) on its
-        shard, by this trainer's own programs, as that pod would have taken it; the trainer's own
-        state is put back afterwards, whatever happens."""
-        own = (self.params, self.opt_state, self.step, getattr(self, "_count", None))
-        self.params, self.opt_state, self.step, self._count = (replica.params, replica.opt_state, replica.step,
-                                                               replica.count)
-        try:
-            outcome = self.train_step(batch, self.target_count(batch), None)
-            replica.params, replica.opt_state, replica.step, replica.count = (self.params, self.opt_state, self.step,
-                                                                              self._count)
-        finally:
-            self.params, self.opt_state, self.step, self._count = own
-        return outcome
-
-    def replay(self, slot: int, params, opt_state, step: int, batches: list[np.ndarray]) -> Replica:
-        """DiLoCo, sync.on_pod_failure = "replay": rebuild failed pod `slot`'s state from its
-        checkpoint part (params, opt_state after `step` steps) by retaking its inner steps on
-        `batches` (its shards of steps step, step+1, ...) with the outer steps merged where this
-        pod applied them (its history), then host it. ValueError if the history does not reach
-        back to `step` or the batches do not bring it to this pod's step."""
-        self.outer.check_history(step)
-        if step + len(batches) != self.step:
-            raise ValueError(f"a replay from step {step} with {len(batches)} batches ends at step "
-                             f"{step + len(batches)}, this pod is at step {self.step}")
-        replica = Replica(slot, jax.device_put(params, self.param_sharding),
-                          jax.device_put(opt_state, self.opt_sharding), int(step))
-        for tokens in batches:
-            self.inner_step_on(replica, self.put_batch(tokens))
-            self.outer.replay_merges(replica)
-        self.outer.adopt(replica)
-        return replica
-
-    @property
-    def exchange_key(self) -> int:
-        """The key of the next exchange on the data plane (Inbox.set_next_step): the next step, or
-        in DiLoCo mode the number of the next outer sync."""
-        return self.step if self.outer is None else self.outer.next_sync(self.step)
-
-    @property
-    def agreed_params(self):
-        """The parameters every pod holds alike: the trained ones, or in DiLoCo mode the agreed
-        ones (each fragment as of its last outer step). Evaluation and generation use these."""
-        return self.params if self.outer is None else self.outer.agreed_params()
-
     def _initial_params(self):
         """(shardings, parameters) of what this pod trains: the whole model, laid out by the rules
         table. Identical on every pod: a pure function of the seed, computed locally, never
@@ -180,101 +98,6 @@ class PodTrainer:
         """This host's block of every gradient leaf (flat), each read from the device only when
         the exchange takes it."""
         return [HostBlock(leaf, *self.assembler.block(index)) for index, leaf in enumerate(leaves)]
-
-    # -- compiled programs ---------------------------------------------------------------------
-    def _compile(self) -> None:
-        # With microbatches, one program computes one microbatch's gradient, run once per
-        # microbatch; the programs of pod_worker/accumulate.py sum them in their fixed order (so a
-        # failed pod's microbatches can be computed on several pods and summed to the same bits).
-        k = self.config.model.microbatches
-        grad_step = programs.make_grad_step(self.config.model) if k == 1 else \
-            programs.make_microbatch_grad_step(self.config.model)
-        apply_update = programs.make_apply_update(self.tx)
-        eval_step = programs.make_eval_step(self.config.model)
-        p, o, b, s = self.param_sharding, self.opt_sharding, self.batch_sharding, self.scalar_sharding
-        with activate_rules(self.mesh):
-            self._grad_step = jax.jit(grad_step, in_shardings=(p, b, s) + ((s,) if k > 1 else ()),
-                                      out_shardings=(p, s, s))
-            self._apply_update = jax.jit(apply_update, in_shardings=(p, o, p), out_shardings=(p, o, s, s),
-                                         donate_argnums=(0, 1))
-            self._eval_step = jax.jit(eval_step, in_shardings=(p, b), out_shardings=(s, s))
-            # The per-step state checksum, computed where the state lives (no host copy).
-            self._checksum = jax.jit(programs.state_checksum, in_shardings=(p, o), out_shardings=s)
-            # Narrow token batches (uint8/uint16 on the wire) become int32 on the devices.
-            self._widen = jax.jit(lambda t: t.astype(jnp.int32), in_shardings=b, out_shardings=b)
-        self.summer = MicrobatchSum(self.config.model, self.mesh)
-        self._overlapped: overlap.OverlappedGradStep | None = None
-        self._choose_step(self.config.train.global_batch)
-
-    def _choose_step(self, rows: int) -> bool:
-        """Run the overlapped step (dcn.overlap: per-layer programs, pod_worker/overlap.py, so each
-        block's gradient can leave the pod while earlier blocks' backward programs still run) or the
-        fused one, for a pod's step of `rows` sequences (schema.resolve_overlap); whether it overlaps."""
-        overlapped, self._fused_because = resolve_overlap(self.config, rows)
-        if not overlapped:
-            self._overlapped = None
-        elif self._overlapped is None:     # jit wrappers only: each program compiles at its first call
-            self._overlapped = overlap.OverlappedGradStep(self.config.model, self.mesh, self.param_sharding,
-                                                          self.summer)
-        return overlapped
-
-    def compile_for(self, batch_shape: tuple[int, int]) -> dict:
-        """Choose the step (fused or overlapped) and compile its programs ahead of time for a shard
-        shape; return compile timings. The fused gradient program is compiled either way: its
-        XLA analyses are the step's memory and FLOPs accounting (compiled_stats)."""
-        overlapped = self._choose_step(batch_shape[0])
-        log.info("the gradient step: %s", "overlapped (per-layer programs)" if overlapped
-                 else f"fused ({self._fused_because})")
-        start = time.perf_counter()
-        batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
-        norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.scalar_sharding)
-        inputs = self._grad_inputs(self.abstract_batch(batch), norm)
-        if self.config.model.microbatches > 1:
-            inputs += (jax.ShapeDtypeStruct((), jnp.int32, sharding=self.scalar_sharding),)
-        with activate_rules(self.mesh):
-            self._grad_compiled = self._grad_step.lower(*inputs).compile()
-            self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
-            self._checksum_compiled = self._checksum.lower(self.params, self.opt_state).compile()
-        self._compiled_shape = tuple(batch_shape)
-        return {"compile_s": time.perf_counter() - start}
-
-    def warm_up(self, batch_shape: tuple[int, int]) -> None:
-        """Run, once, the programs a run calls later that compile_for does not compile ahead: the
-        evaluation of a shard and, with the overlapped step, its per-layer programs, on a pod's
-        shard of zeros. They then compile (or load from the persistent compilation cache) at
-        configure, where pods that share a cache compile them once (Cluster.configure), instead
-        of at the first step and evaluation, where every pod would compile them at once. The
-        state is untouched: nothing is applied."""
-        self.evaluate(np.zeros(batch_shape, np.int32))
-        if self._overlapped is None:
-            return
-        rows = batch_shape[0] // self.layout.hosts_per_pod     # this host's rows (put_batch)
-        batch = self.put_batch(np.zeros((rows, batch_shape[1]), np.int32))
-        norm = jax.device_put(np.float32(1.0), self.scalar_sharding)
-        jax.block_until_ready(self._overlapped.launch(self.params, batch, norm, to_host=False).leaves)
-
-    def compiled_stats(self) -> dict:
-        """Memory and hardware FLOPs of the programs `compile_for` compiled, from XLA.
-
-        Memory is per device: the gradient program's arguments/outputs/temporaries (the step's
-        peak, where activations live; with microbatches, one microbatch's program plus the
-        float32 sum it adds into) and the update program's peak. hardware_flops_per_step is the
-        whole pod's (per-device FLOPs x devices) for one step: gradient program (once per
-        microbatch), recompute included, plus the update.
-        """
-        if not hasattr(self, "_grad_compiled"):
-            raise RuntimeError("compiled_stats() needs compile_for() first")
-        grad_mem = programs.memory_stats(self._grad_compiled)
-        k = self.config.model.microbatches
-        if k > 1 and grad_mem["peak_bytes"] is not None:
-            grad_mem["peak_bytes"] += sum(4 * int(np.prod(sharding.shard_shape(leaf.shape)))
-                                          for leaf, sharding in zip(jax.tree.leaves(self.params),
-                                                                    jax.tree.leaves(self.param_sharding)))
-        update_mem = programs.memory_stats(self._update_compiled)
-        grad_flops = programs.program_flops(self._grad_compiled, k)
-        update_flops = programs.program_flops(self._update_compiled)
-        hw = None if grad_flops is None else (grad_flops + (update_flops or 0.0)) * self.num_devices
-        return {**grad_mem, "update_peak_bytes": update_mem["peak_bytes"], "hardware_flops_per_step": hw}
 
     # -- the step ------------------------------------------------------------------------------
     def put_batch(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> jax.Array:
@@ -560,79 +383,8 @@ class PodTrainer:
             ce, z = self._eval_step(self.agreed_params, batch)
         return float(ce), int(tokens.shape[0] * (tokens.shape[1] - 1))
 
-    def save_metadata(self) -> dict:
-        """What a checkpoint of this trainer records beside its state (PromptTrainer: its base)."""
-        return {}
-
-    def check_restorable(self, path: str, metadata: dict) -> None:
-        """CheckpointError-raising hook: a checkpoint that fits the state's shapes but not this
-        trainer (PromptTrainer: made for another base model)."""
-
-    def fingerprint(self) -> str:
-        """The fingerprint: BLAKE2b of a host copy of every parameter and optimizer-state leaf (at
-        checkpoints, transfers, and every run.fingerprint_every steps); in DiLoCo mode, of the
-        agreed state (the agreed parameters and the outer optimizer's), which every pod shares."""
-        if self.outer is not None:
-            return fingerprint(*self.outer.agreed_state())
-        return fingerprint(self.params, self.opt_state)
-
-    def checksum(self) -> str:
-        """The state checksum (every step): programs.state_checksum of the state, computed on the devices;
-        only its 8 bytes come to the host. In DiLoCo mode, of the agreed state (as fingerprint)."""
-        if self.outer is not None:     # it changes only with an outer step: computed once per version
-            cached = getattr(self, "_outer_checksum_of", None)
-            if cached is None or cached[0] != self.outer.version:
-                value = programs.checksum_hex(host_value(self._outer_checksum(*self.outer.agreed_state())))
-                self._outer_checksum_of = cached = (self.outer.version, value)
-            return cached[1]
-        program = getattr(self, "_checksum_compiled", None) or self._checksum
-        return programs.checksum_hex(host_value(program(self.params, self.opt_state)))
-
     @functools.cached_property
     def generator(self) -> Generator:
         """Generation on this trainer's mesh with its parameter layout (pod_worker/generation.py),
         built on first use; it goes with the trainer, so a reconfigured pod keeps no old programs."""
         return Generator(self.config.model, self.mesh, self.param_sharding)
-
-    def params_copy(self) -> dict:
-        """A copy of the parameters on the devices, in their training layout, for generation: the
-        next update donates the live buffers. Take it between steps (a sequencer hold). In DiLoCo
-        mode, of the agreed parameters."""
-        return jax.tree.map(jnp.copy, self.agreed_params)
-
-    def host_state(self, replica: int | None = None) -> dict:
-        """Parameters, optimizer state and step as host arrays (for checkpoints, sampling and a
-        peer's rejoin); in DiLoCo mode also the outer state ("outer": outer_arrays), and with
-        `replica`, the inner state of that slot's replica if this pod hosts one."""
-        own = self.outer.replicas.get(replica) if self.outer is not None and replica is not None else None
-        params, opt_state = (own.params, own.opt_state) if own is not None else (self.params, self.opt_state)
-        state = {"params": jax.tree.map(host_value, params),
-                 "opt_state": jax.tree.map(host_value, opt_state),
-                 "step": self.step}
-        if self.outer is not None:
-            state["outer"] = jax.tree.map(host_value, self.outer_arrays())
-        return state
-
-    def outer_arrays(self) -> dict:
-        """DiLoCo: the agreed parameters and outer optimizer states as a checkpoint holds them
-        (OuterSync.checkpoint), refused while a sync is pending (InvalidRequest: a peer's state is
-        taken only between outer syncs); {} in every-step mode."""
-        if self.outer is None:
-            return {}
-        if self.outer.pending is not None:
-            raise InvalidRequest(f"outer sync {self.outer.pending.sync} is pending after step {self.step}: the state "
-                                 f"moves between pods only at an outer boundary")
-        return self.outer.checkpoint(0.0)[0]
-
-    def load_state(self, params, opt_state, step: int) -> None:
-        """Replace the state (after a restore); shapes are checked against the current state."""
-        expected = jax.tree.structure(self.params)
-        if jax.tree.structure(params) != expected:
-            raise ValueError("checkpoint parameters have a different structure than this model")
-        for have, want in zip(jax.tree.leaves(params), jax.tree.leaves(self.params)):
-            if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
-                raise ValueError(f"checkpoint parameter {have.shape}/{have.dtype} != model's {want.shape}/{want.dtype}")
-        self.params = jax.device_put(params, self.param_sharding)
-        self.opt_state = jax.device_put(opt_state, self.opt_sharding)
-        self.step = int(step)
-        self._count = None      # read from the restored optimizer state at the next update

@@ -1,0 +1,88 @@
+"""A PodTrainer's state in and out, a mixin of PodTrainer (trainer.py): what it hashes to (the
+per-step on-device checksum; the fingerprint, BLAKE2b of a host copy), copies of it (on the host
+for checkpoints, sampling and a peer's rejoin; on the devices for generation), its replacement
+after a restore, and the checkpoint hooks a PromptTrainer overrides."""
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multipod.pod_worker import programs
+from multipod.pod_worker.hosts import host_value
+
+
+def fingerprint(*trees) -> str:
+    """A hash of the bytes of every leaf, in tree order: equal iff the states are bitwise equal."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tree in trees:
+        for leaf in jax.tree.leaves(tree):
+            digest.update(memoryview(np.ascontiguousarray(host_value(leaf)).reshape(-1).view(np.uint8)))
+    return digest.hexdigest()
+
+
+class TrainerState:
+    """The state I/O of PodTrainer: it works on PodTrainer's params, opt_state, step, shardings and
+    (DiLoCo) outer state."""
+
+    def save_metadata(self) -> dict:
+        """What a checkpoint of this trainer records beside its state (PromptTrainer: its base)."""
+        return {}
+
+    def check_restorable(self, path: str, metadata: dict) -> None:
+        """CheckpointError-raising hook: a checkpoint that fits the state's shapes but not this
+        trainer (PromptTrainer: made for another base model)."""
+
+    def fingerprint(self) -> str:
+        """The fingerprint: BLAKE2b of a host copy of every parameter and optimizer-state leaf (at
+        checkpoints, transfers, and every run.fingerprint_every steps); in DiLoCo mode, of the
+        agreed state (the agreed parameters and the outer optimizer's), which every pod shares."""
+        if self.outer is not None:
+            return fingerprint(*self.outer.agreed_state())
+        return fingerprint(self.params, self.opt_state)
+
+    def checksum(self) -> str:
+        """The state checksum (every step): programs.state_checksum of the state, computed on the devices;
+        only its 8 bytes come to the host. In DiLoCo mode, of the agreed state (as fingerprint)."""
+        if self.outer is not None:     # it changes only with an outer step: computed once per version
+            cached = getattr(self, "_outer_checksum_of", None)
+            if cached is None or cached[0] != self.outer.version:
+                value = programs.checksum_hex(host_value(self._outer_checksum(*self.outer.agreed_state())))
+                self._outer_checksum_of = cached = (self.outer.version, value)
+            return cached[1]
+        program = getattr(self, "_checksum_compiled", None) or self._checksum
+        return programs.checksum_hex(host_value(program(self.params, self.opt_state)))
+
+    def params_copy(self) -> dict:
+        """A copy of the parameters on the devices, in their training layout, for generation: the
+        next update donates the live buffers. Take it between steps (a sequencer hold). In DiLoCo
+        mode, of the agreed parameters."""
+        return jax.tree.map(jnp.copy, self.agreed_params)
+
+    def host_state(self, replica: int | None = None) -> dict:
+        """Parameters, optimizer state and step as host arrays (for checkpoints, sampling and a
+        peer's rejoin); in DiLoCo mode also the outer state ("outer": outer_arrays), and with
+        `replica`, the inner state of that slot's replica if this pod hosts one."""
+        own = self.outer.replicas.get(replica) if self.outer is not None and replica is not None else None
+        params, opt_state = (own.params, own.opt_state) if own is not None else (self.params, self.opt_state)
+        state = {"params": jax.tree.map(host_value, params),
+                 "opt_state": jax.tree.map(host_value, opt_state),
+                 "step": self.step}
+        if self.outer is not None:
+            state["outer"] = jax.tree.map(host_value, self.outer_arrays())
+        return state
+
+    def load_state(self, params, opt_state, step: int) -> None:
+        """Replace the state (after a restore); shapes are checked against the current state."""
+        expected = jax.tree.structure(self.params)
+        if jax.tree.structure(params) != expected:
+            raise ValueError("checkpoint parameters have a different structure than this model")
+        for have, want in zip(jax.tree.leaves(params), jax.tree.leaves(self.params)):
+            if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
+                raise ValueError(f"checkpoint parameter {have.shape}/{have.dtype} != model's {want.shape}/{want.dtype}")
+        self.params = jax.device_put(params, self.param_sharding)
+        self.opt_state = jax.device_put(opt_state, self.opt_sharding)
+        self.step = int(step)
+        self._count = None      # read from the restored optimizer state at the next update
