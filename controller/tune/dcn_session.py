@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--run-lossy", type=int, default=2, help="lossy candidates to run (default 2)")
     group.add_argument("--trial-steps", type=int, default=12, help="steps of each trial run (default 12)")
     group.add_argument("--warmup-steps", type=int, default=2, help="first steps of a trial not timed (default 2)")
+    group.add_argument("--max-trial-steps", type=int, default=60,
+                       help="a DiLoCo trial trains the warm-up, one untimed period of its outer syncs (the "
+                            "first compiles them) and two timed ones (at least --trial-steps in all); "
+                            "candidates that would need more are not run (default 60)")
     group.add_argument("--allow-lossy", action="store_true",
                        help="may choose a candidate that changes the math (compression, DiLoCo)")
     add_security_arguments(parser)
@@ -100,6 +104,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(flag, f"must be >= 0, got {value}")
     if args.warmup_steps >= args.trial_steps:
         raise ConfigError("--warmup-steps", f"must be below --trial-steps ({args.trial_steps})")
+    if args.max_trial_steps < args.trial_steps:
+        raise ConfigError("--max-trial-steps", f"must be at least --trial-steps ({args.trial_steps}), "
+                                               f"got {args.max_trial_steps}")
     if not args.streams or not args.chunk_bytes:
         raise ConfigError("--streams", "give at least one stream count and one chunk size")
     args.compressions = [c.strip() for c in args.compressions.split(",") if c.strip()]
@@ -192,6 +199,8 @@ def main(args: argparse.Namespace) -> int:
         predict,
         rank_measured,
         reference,
+        trial_steps,
+        trial_warmup,
         with_loss_deltas,
     )
     from multipod.controller.tune.table import write_config
@@ -240,13 +249,15 @@ def main(args: argparse.Namespace) -> int:
             out(f"  {'overlapped' if overlap else 'fused'} step overhead beyond compute, update and exchange: "
                 f"{calibration.step_overhead_s * 1e3:.1f} ms (its calibration run's step minus the model's)")
         trials = pick_trials(ranked, args.run_exact, args.run_lossy,
-                             max_period=(args.trial_steps - args.warmup_steps) // 2)
-        out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each")
+                             max_period=(args.max_trial_steps - args.warmup_steps) // 3)
+        out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each "
+            f"(a DiLoCo one for two whole periods of its outer syncs)")
         ran = []
         for i, projection in enumerate(trials):
-            out(f"  trial {i + 1}/{len(trials)}: {dcn_report.describe(projection)}")
+            steps = trial_steps(projection.choice, args.trial_steps, args.warmup_steps)
+            out(f"  trial {i + 1}/{len(trials)}: {dcn_report.describe(projection)}, {steps} steps")
             trial = run_trial(args.config, list(args.overrides), projection, addresses, work / f"trial-{i + 1}",
-                              args.trial_steps, args.warmup_steps)
+                              steps, trial_warmup(projection.choice, args.warmup_steps))
             out(f"    {dcn_report.trial_line(trial)}")
             ran.append(trial)
     ran = rank_measured(with_loss_deltas(ran))

@@ -31,6 +31,7 @@ fastest measured exact one, or with allow_lossy a lossy one measured at least LO
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -157,6 +158,23 @@ def predict(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: in
 def describe(p: cost.Projection) -> str:
     """A candidate's label with its data-plane setting."""
     return f"{p.choice.label()}, {p.choice.streams} stream(s), {p.choice.chunk_bytes / 2**20:g} MiB chunks"
+
+
+def trial_warmup(choice: cost.SyncChoice, warmup: int) -> int:
+    """The first steps of a candidate's trial that are not timed: `warmup`, and for DiLoCo also
+    its first period, whose outer sync compiles the outer programs (measured: 0.3 and 0.8 s on the
+    tiny model's first sync, 20-36 ms on the next)."""
+    return warmup + (choice.sync.period if choice.sync.diloco else 0)
+
+
+def trial_steps(choice: cost.SyncChoice, steps: int, warmup: int) -> int:
+    """How many steps a candidate's trial trains: `steps`, or for DiLoCo its trial_warmup plus
+    whole periods of its outer syncs (H/F inner steps each), at least two and at least `steps` in
+    all, so that its mean step counts every outer exchange it pays, once per period."""
+    if not choice.sync.diloco:
+        return steps
+    period, untimed = choice.sync.period, trial_warmup(choice, warmup)
+    return untimed + period * max(2, math.ceil((steps - untimed) / period))
 
 
 def pick_trials(ranked: list[cost.Projection], exact: int, lossy: int, max_period: int | None = None

@@ -20,6 +20,8 @@ from multipod.controller.tune.dcn_tuner import (
     predict,
     rank_measured,
     reference,
+    trial_steps,
+    trial_warmup,
     with_loss_deltas,
 )
 from multipod.controller.tune.table import write_config
@@ -93,6 +95,27 @@ def test_the_lossy_tier_is_chosen_only_when_allowed_and_faster_and_carries_its_l
     assert trials[0].prediction_error == pytest.approx((trials[0].projection.step_s - 0.040) / 0.040)
 
 
+def test_a_diloco_trial_times_whole_periods_of_its_outer_syncs_after_its_first():
+    ranked = predict(config(), COMPUTE, link(0.01), 2, 2)
+    every_step = next(p.choice for p in ranked if not p.choice.sync.diloco)
+    assert (trial_steps(every_step, 12, 2), trial_warmup(every_step, 2)) == (12, 2)
+    by_period = {}
+    for p in ranked:
+        if p.choice.sync.diloco:
+            by_period.setdefault(p.choice.sync.period, p.choice)
+    assert {5, 10, 25} <= set(by_period)
+    # The warm-up and the first period untimed (its sync compiles the outer programs), then two
+    # or more whole periods timed.
+    assert trial_warmup(by_period[5], 2) == 7
+    assert trial_steps(by_period[5], 12, 2) == 7 + 2 * 5
+    assert trial_steps(by_period[5], 30, 2) == 7 + 5 * 5         # 23 steps left after 7: 5 periods
+    assert trial_steps(by_period[25], 12, 2) == 27 + 2 * 25
+    # The default bound (--max-trial-steps 60, warm-up 2) admits periods up to 19.
+    picked = pick_trials(ranked, 0, len(ranked), max_period=(60 - 2) // 3)
+    assert {p.choice.sync.period for p in picked if p.choice.sync.diloco} == \
+        {period for period in by_period if period <= 19}
+
+
 def test_the_trial_reads_its_step_time_and_loss_from_the_records():
     records = [{"loss": 3.0, "step_time_s": 9.0}] * 2 + [{"loss": 2.0, "step_time_s": t} for t in (0.1, 0.3, 0.2)]
     assert dcn_trials.summarize(records, diloco=False, warmup=2) == (pytest.approx(0.2), pytest.approx(2.0))
@@ -137,7 +160,7 @@ def _args(**fields):
     ({"netns": True, "netns_rate_gbps": 0.0}, "--netns-rate-gbps"), ({"link_gbps": 0.0}, "--link-gbps"),
     ({"latency_ms": 1.0}, "--latency-ms"), ({"trial_steps": 0}, "--trial-steps"),
     ({"warmup_steps": 12}, "--warmup-steps"), ({"compressions": "none,zip"}, "--compressions"),
-    ({"run_lossy": -1}, "--run-lossy"),
+    ({"run_lossy": -1}, "--run-lossy"), ({"max_trial_steps": 11}, "--max-trial-steps"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(fields, flag):
     with pytest.raises(ConfigError) as caught:
