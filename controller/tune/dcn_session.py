@@ -257,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
             steps = trial_steps(projection.choice, args.trial_steps, args.warmup_steps)
             out(f"  trial {i + 1}/{len(trials)}: {dcn_report.describe(projection)}, {steps} steps")
             trial = run_trial(args.config, list(args.overrides), projection, addresses, work / f"trial-{i + 1}",
-                              steps, trial_warmup(projection.choice, args.warmup_steps))
+                              steps, trial_warmup(projection.choice, args.warmup_steps), loss_at=args.trial_steps)
             out(f"    {dcn_report.trial_line(trial)}")
             ran.append(trial)
     ran = rank_measured(with_loss_deltas(ran))

@@ -42,20 +42,25 @@ def read_steps(run_dir: pathlib.Path) -> list[dict]:
     return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if "loss" in r]
 
 
-def summarize(records: list[dict], diloco: bool, warmup: int) -> tuple[float | None, float | None]:
-    """(measured step seconds, final loss) of a trial's step records; (None, None) if too few."""
+def summarize(records: list[dict], diloco: bool, warmup: int, loss_at: int | None = None
+              ) -> tuple[float | None, float | None]:
+    """(measured step seconds, final loss) of a trial's step records; (None, None) if too few.
+    The loss is the mean of the LOSS_STEPS steps up to step `loss_at` (default: the last), so
+    that trials of different lengths (DiLoCo's are longer) compare at the same step."""
     timed = [r["step_time_s"] for r in records[warmup:] if r.get("step_time_s")]
     if not timed:
         return None, None
     step = statistics.fmean(timed) if diloco else statistics.median(timed)
-    losses = [r["loss"] for r in records[-LOSS_STEPS:]]
+    end = len(records) if loss_at is None else min(loss_at, len(records))
+    losses = [r["loss"] for r in records[max(0, end - LOSS_STEPS):end]]
     return step, statistics.fmean(losses)
 
 
 def run_trial(config_path: str | None, base_overrides: list[str], projection: cost.Projection, addresses: list,
-              run_dir: pathlib.Path, steps: int, warmup: int) -> Trial:
+              run_dir: pathlib.Path, steps: int, warmup: int, loss_at: int | None = None) -> Trial:
     """Train the candidate for `steps` steps on the pods at `addresses`; its Trial (with the error
-    if the run failed: a candidate that cannot run is a row of the report, not the tuner's end)."""
+    if the run failed: a candidate that cannot run is a row of the report, not the tuner's end),
+    its loss taken up to step `loss_at` (summarize)."""
     from multipod.controller.core.run_config import load_config
     from multipod.controller.data.corpus import prepare
     from multipod.controller.run.training import run_training
@@ -66,7 +71,7 @@ def run_trial(config_path: str | None, base_overrides: list[str], projection: co
         run_training(data.config, addresses, run_dir, data=data, local=True)
     except Exception as exc:    # noqa: BLE001 -- a failed trial is reported with its error
         return Trial(projection, None, error=f"{type(exc).__name__}: {exc}"[:500])
-    step, loss = summarize(read_steps(run_dir), choice.sync.diloco, warmup)
+    step, loss = summarize(read_steps(run_dir), choice.sync.diloco, warmup, loss_at)
     if step is None:
         return Trial(projection, None, error=f"no timed steps in {run_dir / 'metrics.jsonl'}")
     return Trial(projection, step, loss)

@@ -121,6 +121,10 @@ def test_the_trial_reads_its_step_time_and_loss_from_the_records():
     assert dcn_trials.summarize(records, diloco=False, warmup=2) == (pytest.approx(0.2), pytest.approx(2.0))
     assert dcn_trials.summarize(records, diloco=True, warmup=2)[0] == pytest.approx(0.2)
     assert dcn_trials.summarize(records[:2], diloco=False, warmup=2) == (None, None)
+    # A longer (DiLoCo) trial's loss is read at the exact trials' length: the same batches.
+    longer = records + [{"loss": 1.0, "step_time_s": 0.2}] * 4
+    assert dcn_trials.summarize(longer, diloco=True, warmup=2, loss_at=5)[1] == pytest.approx(2.0)
+    assert dcn_trials.summarize(longer, diloco=True, warmup=2)[1] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("given, latency, field", [(0.0, None, "--link-gbps"), (-1.0, None, "--link-gbps"),
