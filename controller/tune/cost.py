@@ -24,8 +24,9 @@ Per step:
   DiLoCo                  inner compute; every H/F steps one fragment (1/F of the parameters, in
                           sync.outer_dtype) is exchanged, hidden by the overlap_steps inner steps
                           that follow it: what exceeds them is exposed, amortised over H/F steps.
-Every candidate's step also carries Calibration.step_overhead_s: what a real run's step costs beyond
-compute, update and exchange (the control plane, waiting for the slower pod; 0 on paper).
+Every every-step candidate's step also carries Calibration.step_overhead_s: what a real run's step
+costs beyond compute, update and exchange (the control plane, waiting for the slower pod, and what
+the exchange costs beyond the model; 0 on paper). DiLoCo's inner steps send nothing and do not.
 Weak scaling is one pod's step (the same tokens per pod, no DCN) over the projected step.
 Calibration holds every term that is not arithmetic, named, with where its value comes from.
 """
@@ -370,7 +371,10 @@ def project(model: ModelShape, layout: Layout, chip: Chip, links: Links, choice:
         ici = assembly_time(values, model, layout, links) / period
         exposed = (max(0.0, exchange - sync.overlap_steps * one_pod) + cal.outer_update_s) / period
         jitter /= math.sqrt(period)     # pods drift apart over `period` steps, then wait once
-        step = one_pod + exposed + ici + jitter + cal.step_overhead_s
+        # No step_overhead_s: that residual is calibrated on runs that exchange every step, and
+        # is mostly their exchange not hiding; an inner step sends nothing (docs/benchmarks.md,
+        # "DiLoCo candidates as trials": 539-585 ms measured, 868 ms predicted with it).
+        step = one_pod + exposed + ici + jitter
         return Projection(choice, forward, backward, 0.0, exchange, exposed, ici, jitter, step, one_pod, sent / period)
     values = float(model.params)
     sent = values * bytes_per_value(choice.compression, model.grad_bytes) * collective_factor(n)
