@@ -11,7 +11,7 @@ Calibration from the measurements (nothing assumed where a figure was measured):
   overhead    step_overhead_s = the calibration run's median step minus what the model, calibrated
               on everything else, predicts for the candidate it ran (the control plane's step RPCs
               and waiting for the slower pod: what no probe of one pod or of the link contains);
-              at least 0
+              at least 0; every-step candidates only (cost.project: DiLoCo's inner steps send nothing)
   two steps   the fused and the overlapped step each calibrated on a run of its own (calibrations):
               under contention they differ by more than the probes of one pod alone show (bench
               model on loopback: overlapped 7% faster alone, 20% faster in the run); a candidate is
