@@ -51,7 +51,7 @@ DILOCO_INNER_STEPS = (10, 20, 50, 100)
 DILOCO_FRAGMENTS = (1, 2, 4)
 DILOCO_OUTER_DTYPES = (OuterDtype.FLOAT32, OuterDtype.INT8, OuterDtype.INT4)
 _LOSSINESS = {"none": 0, "float32": 0, "bf16": 1, "int8": 2, "int4": 3}
-# pod_worker/trainer.py refuses sync.mode = "diloco" on pods of several hosts for now: the plan
+# pod_worker/diloco_trainer.py (start_outer) refuses sync.mode = "diloco" on pods of several hosts for now: the plan
 # proposes DiLoCo only for pods of one host until this is True.
 DILOCO_ON_SEVERAL_HOSTS = False
 
