@@ -1,0 +1,148 @@
+"""A pod's checkpoints, a mixin of Pod (pod.py): start an orbax save of the state (the pod steps
+on while it is written), wait for it, and restore one (the newest under a directory, or a path),
+checked against its fingerprint before anything uses it. A failed or refused restore leaves the
+state, and the DCN link, as they were; a restore starts a new timeline at its step."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+
+from multipod.pod_worker import checkpoint
+from multipod.pod_worker.checkpoint import CheckpointError
+from multipod.pod_worker.errors import Busy, CorruptCheckpoint, InvalidRequest, SaveNotFound, SavePending
+from multipod.pod_worker.trainer import PodTrainer, fingerprint
+from multipod.protos import multipod_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStarted:
+    path: pathlib.Path
+    fingerprint: str
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    path: str
+    step: int
+    fingerprint: str
+    metadata: dict
+
+
+def _state_fingerprint(state: dict) -> str:
+    """The fingerprint of everything a checkpoint holds (a DiLoCo pod's outer state too)."""
+    return fingerprint(state["params"], state["opt_state"], state.get("outer", {}))
+
+
+class CheckpointPod:
+    """The checkpoint part of Pod: it works on Pod's state (setup, writer, exchange, sequencer)."""
+
+    def start_save(self, step: int, directory: str, metadata: dict, keep: int, deadline: float) -> SaveStarted:
+        """Start writing the state after `step` steps with orbax's asynchronous checkpointing,
+        waiting until `deadline` for a running step or for the previous save under `directory`
+        to finish writing (Busy): the pod may step on as soon as this returns (orbax has its host
+        copy of this host's shards). Every host of a pod gets the same request and takes part."""
+        self.setup()
+        try:
+            self._writer.wait_idle(directory, deadline - time.monotonic())
+        except TimeoutError as exc:
+            raise Busy(f"pod {self.pod_index}: {exc}") from None
+        with self.seq.hold("a save's host copy", deadline):
+            setup = self.setup()
+            trainer = setup.trainer
+            if step != trainer.step:
+                raise InvalidRequest(f"save requested for step {step}, pod {self.pod_index} is at step {trainer.step}")
+            metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key(),
+                            **trainer.save_metadata())
+            # The device arrays themselves: orbax copies what this host owns before submit returns.
+            state = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+            if trainer.outer is not None:   # DiLoCo: this pod's own inner state, and the outer state
+                state["outer"], metadata["outer"] = trainer.outer.checkpoint(setup.config.dcn.timeout_s)
+            fp = _state_fingerprint(state)
+            path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
+            if trainer.outer is not None:
+                # A replay starts from the last good checkpoint: this one, or the one before if it fails.
+                trainer.outer.trim_history(getattr(self, "_saved_before", step))
+                self._saved_before = step
+        return SaveStarted(path, fp, step)
+
+    def wait_save(self, directory: str, step: int, timeout_s: float) -> pathlib.Path:
+        """The path of the finished save of `step`: SavePending if still being written after
+        timeout_s, SaveNotFound if never started here, CheckpointError if it failed."""
+        self.setup()
+        try:
+            return self._writer.wait(directory, step, max(0.0, timeout_s))
+        except KeyError as exc:
+            raise SaveNotFound(str(exc.args[0])) from None
+        except TimeoutError as exc:
+            raise SavePending(str(exc)) from None
+
+    def restore(self, path: str | None, directory: str | None, run_id: str, deadline: float) -> Restored:
+        """Load checkpoint `path`, or the newest one under `directory`, waiting until `deadline`
+        for a running step (Busy). A new timeline starts at its step: steps that arrived before
+        are refused; with `run_id`, the DCN exchange starts afresh under it. A checkpoint that
+        does not fit, cannot be read, or is corrupt changes nothing."""
+        setup = self.setup()
+        path = path or str(checkpoint.latest(directory))
+        metadata = checkpoint.read_metadata(path)
+        checkpoint.check_compatible(path, metadata, setup.config.state_key())
+        setup.trainer.check_restorable(path, metadata)
+        aborted = None
+        if run_id and self.exchange is not None:
+            # A step stuck waiting on a dead peer fails now, not at the DCN deadline: the restore
+            # builds a new exchange under run_id anyway.
+            aborted = self.exchange.run_id
+            self.exchange.abort(f"pod {self.pod_index}: restoring a checkpoint")
+        try:
+            return self._restore(setup, path, run_id, deadline)
+        except BaseException:
+            if aborted is not None and self.exchange is not None and self.exchange.run_id == aborted:
+                # Refused: the pod keeps a working link under its old run id, as it was.
+                old, self.exchange = self.exchange, self._new_exchange(
+                    aborted, setup.trainer, setup.config, self._peers, self.setup().hosts)
+                old.close()
+            raise
+
+    def _read_checkpoint(self, trainer: PodTrainer, path: str) -> tuple[dict, dict]:
+        """(state, metadata) of the checkpoint at `path`, read straight onto this host's devices
+        laid out as `trainer`'s state (orbax reshards a checkpoint written by another device or
+        host count), and checked against its fingerprint before anyone uses it (CorruptCheckpoint)."""
+        target = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+        if trainer.outer is not None:
+            saved = checkpoint.read_metadata(path).get("outer")
+            if not isinstance(saved, dict):
+                raise CheckpointError(f"checkpoint {path} holds no DiLoCo outer state (sync.mode = \"diloco\")")
+            target["outer"] = trainer.outer.restore_target(saved)
+        state, metadata = checkpoint.restore(path, checkpoint.abstract(target))
+        if int(state["step"]) != int(metadata.get("step", -1)):
+            raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
+                                  f"metadata says {metadata.get('step')}")
+        fp = _state_fingerprint(state)
+        if metadata.get("fingerprint") != fp:
+            raise CorruptCheckpoint(f"checkpoint {path} is corrupt: the restored state's fingerprint {fp} "
+                                    f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
+        return state, metadata
+
+    def _restore(self, setup, path: str, run_id: str, deadline: float) -> Restored:
+        with self.seq.hold("a restore", deadline, state=pb.WORKER_STATE_RESTORING):
+            setup = self.setup()
+            trainer = setup.trainer
+            state, metadata = self._read_checkpoint(trainer, path)
+            fp = metadata["fingerprint"]
+            trainer.load_state(state["params"], state["opt_state"], state["step"])
+            if trainer.outer is not None:
+                trainer.outer.load(state["outer"], metadata["outer"], trainer.step)
+                fp = trainer.fingerprint()      # what every pod restored alike: the agreed state's
+            self._checksum = (trainer.step, trainer.checksum())
+            if run_id:
+                # A fresh DCN inbox under a new run id: nothing a peer sent before the restore
+                # (streams of the abandoned timeline) can be taken for a step of the new one.
+                exchange = self._new_exchange(run_id, trainer, setup.config, self._peers, setup.hosts)
+                self.exchange.close()
+                self.exchange = exchange
+            self.exchange.inbox.set_next_step(trainer.exchange_key)
+            epoch = self.seq.reset(trainer.step, "restored to a checkpoint")
+            self._setup = dataclasses.replace(setup, epoch=epoch)
+        return Restored(path=path, step=trainer.step, fingerprint=fp, metadata=metadata)
