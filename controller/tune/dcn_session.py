@@ -251,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
         trials = pick_trials(ranked, args.run_exact, args.run_lossy,
                              max_period=(args.max_trial_steps - args.warmup_steps) // 3)
         out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each "
-            f"(a DiLoCo one for two whole periods of its outer syncs)")
+            f"(a DiLoCo one longer: its first period of outer syncs untimed, then two or more timed)")
         ran = []
         for i, projection in enumerate(trials):
             steps = trial_steps(projection.choice, args.trial_steps, args.warmup_steps)
