@@ -24,9 +24,10 @@ Per step:
   DiLoCo                  inner compute; every H/F steps one fragment (1/F of the parameters, in
                           sync.outer_dtype) is exchanged, hidden by the overlap_steps inner steps
                           that follow it: what exceeds them is exposed, amortised over H/F steps.
-Every every-step candidate's step also carries Calibration.step_overhead_s: what a real run's step
-costs beyond compute, update and exchange (the control plane, waiting for the slower pod, and what
-the exchange costs beyond the model; 0 on paper). DiLoCo's inner steps send nothing and do not.
+Every candidate's step also carries Calibration.step_overhead_s: what a real run's step costs
+beyond compute, update and exchange (the control plane, waiting for the slower pod, and what the
+exchange costs beyond the model; 0 on paper). `tune --dcn` calibrates it on a run of the same kind
+of step: fused, overlapped, or DiLoCo's inner steps, which send nothing.
 Weak scaling is one pod's step (the same tokens per pod, no DCN) over the projected step.
 Calibration holds every term that is not arithmetic, named, with where its value comes from.
 """
@@ -371,10 +372,10 @@ def project(model: ModelShape, layout: Layout, chip: Chip, links: Links, choice:
         ici = assembly_time(values, model, layout, links) / period
         exposed = (max(0.0, exchange - sync.overlap_steps * one_pod) + cal.outer_update_s) / period
         jitter /= math.sqrt(period)     # pods drift apart over `period` steps, then wait once
-        # No step_overhead_s: that residual is calibrated on runs that exchange every step, and
-        # is mostly their exchange not hiding; an inner step sends nothing (docs/benchmarks.md,
-        # "DiLoCo candidates as trials": 539-585 ms measured, 868 ms predicted with it).
-        step = one_pod + exposed + ici + jitter
+        # step_overhead_s: calibrated on a run of DiLoCo's inner steps (`tune --dcn`), never on
+        # one that exchanges every step, whose residual is mostly its exchange not hiding
+        # (docs/benchmarks.md, "DiLoCo candidates as trials": 539-585 ms measured, 868 predicted).
+        step = one_pod + exposed + ici + jitter + cal.step_overhead_s
         return Projection(choice, forward, backward, 0.0, exchange, exposed, ici, jitter, step, one_pod, sent / period)
     values = float(model.params)
     sent = values * bytes_per_value(choice.compression, model.grad_bytes) * collective_factor(n)

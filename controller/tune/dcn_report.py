@@ -42,13 +42,14 @@ def print_report(link: LinkMeasurement, compute: ComputeMeasurement, ranked: lis
           f"{ms(compute.forward_s)}, backward {ms(compute.backward_s)}, update + checksum {ms(compute.update_s)}; "
           f"overlapped step {ms(compute.overlapped_step_s)})")
     for run in runs:
-        print(f"  calibration run ({run.choice.label()}, {run.choice.streams} stream(s), "
+        label = "DiLoCo inner steps" if run.choice.sync.diloco else run.choice.label()
+        print(f"  calibration run ({label}, {run.choice.streams} stream(s), "
               f"{run.choice.chunk_bytes / 2**20:g} MiB chunks, {run.steps} steps): step {ms(run.step_s)}, compute "
               f"{ms(run.compute_s)}, update + checksum {ms(run.update_s)}, exposed exchange "
               f"{ms(run.exposed_exchange_s)}")
-    for overlap, (_, _, _, calibration) in (calibrated or {}).items():
+    for kind, (_, _, _, calibration) in (calibrated or {}).items():
         hosts = ", ".join(f"{k} {v / 1e6:.0f} M values/s" for k, v in calibration.host_values_per_s.items()) or "-"
-        print(f"  calibrated, {'overlapped' if overlap else 'fused'} step: overhead "
+        print(f"  calibrated, {kind} step: overhead "
               f"{ms(calibration.step_overhead_s)}, backward/forward {calibration.backward_ratio:.2f}, per-layer "
               f"program {ms(calibration.program_launch_s)}, host-bound compression {hosts}")
     print()
@@ -92,8 +93,7 @@ def write_json(path: str | pathlib.Path, link: LinkMeasurement, compute: Compute
     import dataclasses
     report = {"link": link.as_dict(),
               "calibration_runs": [run.as_dict() for run in runs],
-              "calibration": {("overlapped" if overlap else "fused"): dataclasses.asdict(c[3])
-                              for overlap, c in (calibrated or {}).items()},
+              "calibration": {str(kind): dataclasses.asdict(c[3]) for kind, c in (calibrated or {}).items()},
               "compute": {"step_s": compute.step_s, "compute_s": compute.compute_s, "forward_s": compute.forward_s,
                           "backward_s": compute.backward_s, "update_s": compute.update_s,
                           "overlapped_step_s": compute.overlapped_step_s},

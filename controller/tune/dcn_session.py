@@ -5,9 +5,10 @@ actually have (issue 23).
      --netns-rate-gbps, as `multipod local` starts them) or the user's (--workers; one host per pod);
   2. the link, measured on their data plane (controller/tune/dcn_probe.py; or --link-gbps and
      --latency-ms as given), and one pod's compute for the run's layout (the layout probe);
-  3. two calibration runs: the reference candidate (exact, fastest link variant), fused and
-     overlapped, each trained --trial-steps steps on those pods, for what only a real run shows
-     (compute while every pod computes, update, the per-step overhead of the control plane);
+  3. calibration runs, each trained --trial-steps steps on those pods, for what only a real run
+     shows (compute while every pod computes, update, the per-step overhead of the control plane):
+     the reference candidate (exact, fastest link variant) fused and overlapped, and (unless
+     --no-diloco) DiLoCo's inner steps alone (dcn_tuner.diloco_reference);
   4. every candidate predicted with the cost model so calibrated (controller/tune/dcn_tuner.py);
   5. the best --run-exact exact and --run-lossy lossy candidates trained --trial-steps steps each
      on those pods (controller/tune/dcn_trials.py), predicted against measured, ranked by measured,
@@ -195,10 +196,12 @@ def main(args: argparse.Namespace) -> int:
     from multipod.controller.tune.dcn_tuner import (
         calibrations,
         choose,
+        diloco_reference,
         pick_trials,
         predict,
         rank_measured,
         reference,
+        step_kind,
         trial_steps,
         trial_warmup,
         with_loss_deltas,
@@ -229,12 +232,16 @@ def main(args: argparse.Namespace) -> int:
         compute = measure_compute(config, args.devices, per_pod, args.steps, args.candidate_timeout,
                                   repeats=COMPUTE_REPEATS)
         runs = []
-        for overlap in (False, True):
-            choice = reference(link, overlap)
-            out(f"calibration run: {choice.label()}, {choice.streams} stream(s), {choice.chunk_bytes / 2**20:g} MiB "
+        references = [reference(link, False), reference(link, True)]
+        if not args.no_diloco:
+            references.append(diloco_reference(link, args.trial_steps))
+        for choice in references:
+            kind = step_kind(choice)
+            what = f"{kind.value} steps (H beyond the run: no outer sync)" if choice.sync.diloco else choice.label()
+            out(f"calibration run: {what}, {choice.streams} stream(s), {choice.chunk_bytes / 2**20:g} MiB "
                 f"chunks, {args.trial_steps} steps")
             run = run_calibration(args.config, list(args.overrides), choice, addresses,
-                                  work / f"calibration-{'overlapped' if overlap else 'fused'}", args.trial_steps,
+                                  work / f"calibration-{kind.name.lower().replace('_', '-')}", args.trial_steps,
                                   args.warmup_steps)
             out(f"  median step {run.step_s * 1e3:.1f} ms: compute {run.compute_s * 1e3:.1f} ms (slowest pod), "
                 f"update + checksum {run.update_s * 1e3:.1f} ms, exposed exchange "
@@ -244,9 +251,9 @@ def main(args: argparse.Namespace) -> int:
         diloco_overlap = resolve_overlap(config.worker_config(), per_pod)[0]
         ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=not args.no_diloco,
                          runs=tuple(runs), diloco_overlap=diloco_overlap)
-        calibrated = calibrations(config, compute, link, pods, args.devices, tuple(runs))
-        for overlap, (_, _, _, calibration) in calibrated.items():
-            out(f"  {'overlapped' if overlap else 'fused'} step overhead beyond compute, update and exchange: "
+        calibrated = calibrations(config, compute, link, pods, args.devices, tuple(runs), diloco_overlap)
+        for kind, (_, _, _, calibration) in calibrated.items():
+            out(f"  {kind.value} step overhead beyond compute, update and exchange: "
                 f"{calibration.step_overhead_s * 1e3:.1f} ms (its calibration run's step minus the model's)")
         trials = pick_trials(ranked, args.run_exact, args.run_lossy,
                              max_period=(args.max_trial_steps - args.warmup_steps) // 3)

@@ -11,12 +11,16 @@ Calibration from the measurements (nothing assumed where a figure was measured):
   overhead    step_overhead_s = the calibration run's median step minus what the model, calibrated
               on everything else, predicts for the candidate it ran (the control plane's step RPCs
               and waiting for the slower pod: what no probe of one pod or of the link contains);
-              at least 0; every-step candidates only (cost.project: DiLoCo's inner steps send nothing)
-  two steps   the fused and the overlapped step each calibrated on a run of its own (calibrations):
-              under contention they differ by more than the probes of one pod alone show (bench
-              model on loopback: overlapped 7% faster alone, 20% faster in the run); a candidate is
-              predicted with its own step's terms (the overlapped run's compute holds the per-layer
-              programs' cost: program_launch_s 0)
+              at least 0
+  three steps the fused step, the overlapped step and DiLoCo's inner step (StepKind) each calibrated
+              on a run of its own (calibrations): under contention they differ by more than the
+              probes of one pod alone show (bench model on loopback: overlapped 7% faster alone, 20%
+              faster in the run); a candidate is predicted with its own step's terms (the overlapped
+              run's compute holds the per-layer programs' cost: program_launch_s 0). DiLoCo's run
+              (diloco_reference) takes no outer step, so its overhead is the inner step's alone:
+              an every-step run's residual is mostly exchange that did not hide, which an inner step
+              does not send (0.1 Gb/s: DiLoCo trials predicted +48..+61% with it, -16..-26% with
+              none); without that run, DiLoCo is predicted with no overhead
   link        one Links per measured (streams, chunk) variant: its rate (dcn_efficiency = 1: the rate
               is the data plane's own), the measured latency per exchange round
   overlap     the overlapped step's measured extra cost spread over its per-layer programs
@@ -31,6 +35,7 @@ fastest measured exact one, or with allow_lossy a lossy one measured at least LO
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,12 +43,26 @@ from typing import TYPE_CHECKING
 from multipod.controller.tune import cost
 from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement
 from multipod.model.config import ConfigError
-from multipod.pod_worker.schema import Compression
+from multipod.pod_worker.schema import Compression, OuterDtype, SyncConfig, SyncMode
 
 if TYPE_CHECKING:
     from multipod.controller.tune.dcn_trials import RunCalibration
 
 ICI_GBPS = 1e6      # one-host pods gather nothing over ICI: any value; named for the Links dataclass
+
+
+class StepKind(enum.StrEnum):
+    """The kinds of step a candidate trains with, each calibrated on a run of its own."""
+    FUSED = "fused"                 # every-step sync, the exchange after the backward pass
+    OVERLAPPED = "overlapped"       # every-step sync, the exchange during the backward pass
+    DILOCO_INNER = "DiLoCo inner"   # DiLoCo: inner steps, no exchange (the outer syncs are modelled)
+
+
+def step_kind(choice: cost.SyncChoice) -> StepKind:
+    """Which calibrated step a candidate is predicted with."""
+    if choice.sync.diloco:
+        return StepKind.DILOCO_INNER
+    return StepKind.OVERLAPPED if choice.overlap else StepKind.FUSED
 
 
 def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
@@ -76,7 +95,9 @@ def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: 
     calibration.validate()
     if run is not None:
         links = links_of(link)[variant_index(link, run.choice)]
-        modelled = cost.project(shape, layout, chip, links, run.choice, calibration).step_s
+        projection = cost.project(shape, layout, chip, links, run.choice, calibration)
+        # A DiLoCo calibration run takes no outer step: its steps are inner steps alone.
+        modelled = projection.one_pod_step_s if run.choice.sync.diloco else projection.step_s
         calibration = dataclasses.replace(calibration, step_overhead_s=max(0.0, run.step_s - modelled))
     return shape, layout, chip, calibration
 
@@ -99,17 +120,31 @@ def reference(link: LinkMeasurement, overlap: bool = False) -> cost.SyncChoice:
                            chunk_bytes=best.chunk_bytes)
 
 
+def diloco_reference(link: LinkMeasurement, steps: int) -> cost.SyncChoice:
+    """DiLoCo's calibration run: inner steps only (H beyond the run's `steps`, so that no outer
+    sync starts), on the fastest measured link variant."""
+    every_step = reference(link)
+    return dataclasses.replace(every_step, sync=SyncConfig(mode=SyncMode.DILOCO, inner_steps=steps + 1,
+                                                           outer_dtype=OuterDtype.FLOAT32))
+
+
 def calibrations(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
-                 runs: tuple[RunCalibration, ...] = ()) -> dict[bool, tuple]:
-    """calibrate()'s inputs for the fused (False) and the overlapped (True) step: each from the
-    calibration run of that step if there is one (the two programs share this machine's cores
-    differently: their compute under contention is measured, not derived from one another), else
-    from any run, else from the probes alone."""
-    by_mode = {run.choice.overlap: run for run in runs}
+                 runs: tuple[RunCalibration, ...] = (), diloco_overlap: bool = False) -> dict[StepKind, tuple]:
+    """calibrate()'s inputs for each StepKind: each from the calibration run of that step if there
+    is one (the programs share this machine's cores differently: their compute under contention
+    is measured, not derived from one another). Without one, an every-step kind takes the other
+    every-step run's, else the probes alone; DiLoCo's inner step takes the every-step calibration
+    of the program it runs (diloco_overlap: the overlapped one) with no overhead (module
+    docstring)."""
+    by_kind = {step_kind(run.choice): run for run in runs}
     found = {}
-    for overlap in (False, True):
-        run = by_mode.get(overlap, by_mode.get(not overlap))
-        found[overlap] = calibrate(config, compute, link, pods, devices, run)
+    for kind, other in ((StepKind.FUSED, StepKind.OVERLAPPED), (StepKind.OVERLAPPED, StepKind.FUSED)):
+        found[kind] = calibrate(config, compute, link, pods, devices, by_kind.get(kind, by_kind.get(other)))
+    if StepKind.DILOCO_INNER in by_kind:
+        found[StepKind.DILOCO_INNER] = calibrate(config, compute, link, pods, devices, by_kind[StepKind.DILOCO_INNER])
+    else:
+        shape, layout, chip, calibration = found[StepKind.OVERLAPPED if diloco_overlap else StepKind.FUSED]
+        found[StepKind.DILOCO_INNER] = (shape, layout, chip, dataclasses.replace(calibration, step_overhead_s=0.0))
     return found
 
 
@@ -134,11 +169,11 @@ def predict(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: in
             diloco: bool = True, runs: tuple[RunCalibration, ...] = (), diloco_overlap: bool = False
             ) -> list[cost.Projection]:
     """Every candidate's projection on every link variant, ranked (exact tier first); with `runs`,
-    calibrated on the calibration runs too, each candidate on its step's (fused or overlapped;
-    DiLoCo's inner step is the overlapped one if diloco_overlap: the trainer resolves dcn.overlap
-    as the base config says, DiLoCo's settings leave it alone)."""
-    calibrated = calibrations(config, compute, link, pods, devices, runs)
-    shape, layout, chip, calibration = calibrated[False]
+    calibrated on the calibration runs too, each candidate on its step's (calibrations; DiLoCo's
+    inner step runs the overlapped program if diloco_overlap: the trainer resolves dcn.overlap as
+    the base config says, DiLoCo's settings leave it alone)."""
+    calibrated = calibrations(config, compute, link, pods, devices, runs, diloco_overlap)
+    shape, layout, chip, calibration = calibrated[StepKind.FUSED]
     allowed = set(compressions) | {Compression.NONE}
     found: list[cost.Projection] = []
     for variant, links in zip(link.variants, links_of(link)):
@@ -149,8 +184,7 @@ def predict(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: in
             elif choice.compression not in allowed:
                 continue
             choice = dataclasses.replace(choice, streams=variant.streams, chunk_bytes=variant.chunk_bytes)
-            mode = diloco_overlap if choice.sync.diloco else choice.overlap
-            _, _, chip_m, calibration_m = calibrated[mode]
+            _, _, chip_m, calibration_m = calibrated[step_kind(choice)]
             found.append(cost.project(shape, layout, chip_m, links, choice, calibration_m))
     return cost.rank(found)
 

@@ -11,15 +11,18 @@ from multipod.controller.core.run_config import ConfigError, load_config
 from multipod.controller.tune import dcn_session, dcn_trials
 from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement, LinkVariant, given_link
 from multipod.controller.tune.dcn_tuner import (
+    StepKind,
     Trial,
     calibrate,
     calibrations,
     choose,
+    diloco_reference,
     overrides,
     pick_trials,
     predict,
     rank_measured,
     reference,
+    step_kind,
     trial_steps,
     trial_warmup,
     with_loss_deltas,
@@ -232,11 +235,11 @@ def test_the_fused_and_the_overlapped_step_are_each_predicted_on_their_own_calib
     fused_run = dcn_trials.RunCalibration(reference(two), 0.060, 0.040, 0.007, 0.004, 8)
     overlapped_run = dcn_trials.RunCalibration(reference(two, overlap=True), 0.045, 0.030, 0.007, 0.002, 8)
     calibrated = calibrations(config(), COMPUTE, two, 2, 2, (fused_run, overlapped_run))
-    fused_cal, overlapped_cal = calibrated[False][3], calibrated[True][3]
+    fused_cal, overlapped_cal = calibrated[StepKind.FUSED][3], calibrated[StepKind.OVERLAPPED][3]
     assert overlapped_cal.program_launch_s == 0.0          # inside the overlapped run's compute
     assert fused_cal.program_launch_s == pytest.approx(0.002 / ((2 * 2 + 3) * 1))    # the probes' 2 ms
     exchange = grad_bytes * 8 / 1e9 + 0.0001
-    shape = calibrated[True][0]
+    shape = calibrated[StepKind.OVERLAPPED][0]
     tail = shape.last_ready_fraction * (exchange - 0.0001) + 0.0001
     assert overlapped_cal.step_overhead_s == pytest.approx(0.045 - 0.030 - 0.007 - tail)
     ranked = predict(config(), COMPUTE, two, 2, 2, runs=(fused_run, overlapped_run))
@@ -246,3 +249,25 @@ def test_the_fused_and_the_overlapped_step_are_each_predicted_on_their_own_calib
     diloco = next(p for p in predict(config(), COMPUTE, two, 2, 2, runs=(fused_run, overlapped_run),
                                      diloco_overlap=True) if p.choice.sync.diloco)
     assert diloco.one_pod_step_s == pytest.approx(0.030 + 0.007)
+    # ... with no overhead: the every-step runs' residual is exchange an inner step does not send.
+    assert diloco.step_s == pytest.approx(diloco.one_pod_step_s + diloco.exposed_s)
+
+
+def test_diloco_is_predicted_on_its_own_calibration_run_of_inner_steps():
+    # The DiLoCo run trains inner steps only (H beyond its steps): compute 35 ms, update 7 ms, step
+    # 50 ms, so 8 ms of overhead, which every DiLoCo candidate (and no every-step one) carries.
+    two = LinkMeasurement(0.1, (LinkVariant(4, 1 << 20, 1.0),))
+    choice = diloco_reference(two, steps=12)
+    assert choice.sync.diloco and choice.sync.inner_steps == 13 and choice.sync.period > 12
+    assert (choice.streams, choice.chunk_bytes) == (4, 1 << 20)
+    assert step_kind(choice) is StepKind.DILOCO_INNER
+    fused_run = dcn_trials.RunCalibration(reference(two), 0.060, 0.040, 0.007, 0.004, 8)
+    diloco_run = dcn_trials.RunCalibration(choice, 0.050, 0.035, 0.007, 0.0, 8)
+    calibrated = calibrations(config(), COMPUTE, two, 2, 2, (fused_run, diloco_run))
+    assert calibrated[StepKind.DILOCO_INNER][3].step_overhead_s == pytest.approx(0.008)
+    ranked = predict(config(), COMPUTE, two, 2, 2, runs=(fused_run, diloco_run))
+    for p in ranked:
+        if p.choice.sync.diloco:
+            assert p.one_pod_step_s == pytest.approx(0.042)
+            assert p.step_s == pytest.approx(0.050 + p.exposed_s + p.ici_s + p.jitter_s)
+    assert exact(ranked, False).step_s == pytest.approx(0.060)     # the fused run's, untouched
