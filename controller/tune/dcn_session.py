@@ -15,7 +15,8 @@ actually have (issue 23).
      the lossy ones with their loss against exact sync's;
   6. the choice (exact unless --allow-lossy) written as a config for --config (as `multipod tune`
      writes its layout: controller/tune/table.py write_config), and the report printed
-     (controller/tune/dcn_report.py) and, with --json, written.
+     (controller/tune/dcn_report.py) and, with --json, written; with --plan-out, the measured
+     cluster and calibration as a `multipod plan --from` file (controller/tune/dcn_plan_file.py).
 """
 from __future__ import annotations
 
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "candidates that would need more are not run (default 60)")
     group.add_argument("--allow-lossy", action="store_true",
                        help="may choose a candidate that changes the math (compression, DiLoCo)")
+    group.add_argument("--plan-out", metavar="FILE",
+                       help="also write the measured cluster and the calibrated cost model's terms as a "
+                            "`multipod plan --from FILE` input")
     add_security_arguments(parser)
 
 
@@ -282,6 +286,18 @@ def main(args: argparse.Namespace) -> int:
               f"measured {chosen.measured_step_s * 1e3:.1f} ms/step, predicted {chosen.projection.step_s * 1e3:.1f} ms "
               f"({dcn_report.link_line(link)})" if chosen.measured_step_s else "", ]
     write_config(args.out, final, [h for h in header if h])
+    if args.plan_out:
+        from multipod.controller.tune.dcn_plan_file import plan_document, write_plan_file
+        _, _, chip, calibration = calibrated[step_kind(chosen.projection.choice)]
+        write_plan_file(args.plan_out, plan_document(config, link, pods, args.devices, chip, calibration,
+                                                     args.netns_rate_gbps if args.netns else None),
+                        [f"written by `multipod tune --dcn` ({time.strftime('%Y-%m-%d %H:%M')}): this machine's "
+                         f"cluster as measured, the cost model's terms calibrated on the run of "
+                         f"{step_kind(chosen.projection.choice).value} steps (the chosen candidate's kind)",
+                         f"`multipod plan --from {args.plan_out}` projects {dcn_report.describe(chosen.projection)} "
+                         f"at {chosen.projection.step_s * 1e3:.1f} ms/step, as tune predicted "
+                         f"(measured {chosen.measured_step_s * 1e3:.1f})" if chosen.measured_step_s else ""])
+        out(f"the measured cluster and calibration written to {args.plan_out} (for `multipod plan --from`)")
     flags = f"--netns --netns-rate-gbps {args.netns_rate_gbps} " if args.netns and args.netns_rate_gbps else \
         "--netns " if args.netns else ""
     out(f"chosen: {dcn_report.describe(chosen.projection)} -> {args.out} (train with `multipod local --pods {pods} "

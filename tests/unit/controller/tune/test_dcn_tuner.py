@@ -271,3 +271,40 @@ def test_diloco_is_predicted_on_its_own_calibration_run_of_inner_steps():
             assert p.one_pod_step_s == pytest.approx(0.042)
             assert p.step_s == pytest.approx(0.050 + p.exposed_s + p.ici_s + p.jitter_s)
     assert exact(ranked, False).step_s == pytest.approx(0.060)     # the fused run's, untouched
+
+
+@pytest.mark.parametrize("shaped_gbps", [None, 1.25])
+def test_the_plan_file_projects_each_kind_of_step_as_tune_predicted_it(tmp_path, capsys, shaped_gbps):
+    # `tune --dcn --plan-out`: `multipod plan --from` the written file, with the measured cluster
+    # and the calibration of one kind of step, projects the candidates of that kind as tune did.
+    # With a shaped rate the file gives the link's rate and the data plane's share of it.
+    import json
+
+    from multipod.cli import build_parser
+    from multipod.controller.commands import run
+    from multipod.controller.tune.dcn_plan_file import plan_document, write_plan_file
+    two = LinkMeasurement(0.1, (LinkVariant(4, 1 << 20, 1.0),), {"int8": 5e8})
+    runs = (dcn_trials.RunCalibration(reference(two), 0.060, 0.040, 0.007, 0.004, 8),
+            dcn_trials.RunCalibration(reference(two, overlap=True), 0.045, 0.030, 0.007, 0.002, 8),
+            dcn_trials.RunCalibration(diloco_reference(two, 12), 0.050, 0.035, 0.007, 0.0, 8))
+    calibrated = calibrations(config(), COMPUTE, two, 2, 2, runs)
+    ranked = predict(config(), COMPUTE, two, 2, 2, runs=runs)
+    for kind in StepKind:
+        _, _, chip, calibration = calibrated[kind]
+        path = tmp_path / f"{kind.name}.toml"
+        write_plan_file(path, plan_document(config(), two, 2, 2, chip, calibration, shaped_gbps), ["a header", ""])
+        assert path.read_text().startswith("# a header\n\n")
+        code = run(build_parser().parse_args(["plan", "--from", str(path), "--allow-lossy", "--json"]))
+        report = json.loads(capsys.readouterr().out)
+        assert code == 0
+        if shaped_gbps:
+            assert report["inputs"]["links"]["dcn_gbps"] == shaped_gbps
+            assert report["calibration"]["dcn_efficiency"] == pytest.approx(1.0 / shaped_gbps)
+        # The same candidates by label (the plan's chunk size is dcn's default: no chunk cost here).
+        planned = {c["label"]: c["step_s"] for c in report["candidates"]}
+        compared = 0
+        for p in ranked:
+            if step_kind(p.choice) is kind and p.choice.label() in planned:
+                assert planned[p.choice.label()] == pytest.approx(p.step_s, rel=1e-9), p.choice.label()
+                compared += 1
+        assert compared >= 2, kind
