@@ -7,6 +7,10 @@ reply. Its sum is thrown away: only the time matters. `multipod tune --dcn`
 (controller/tune/dcn_probe.py) turns rounds of several sizes and stream counts into bandwidth and
 latency.
 
+With measure_encryption the request asks for something else: no exchange and no peer, this host's
+data plane timed over loopback with CURVE and without (pod_worker/dcn/curve_rate.py), for what
+encryption costs apart from the link (EncryptionProbe).
+
 The request is checked here, field by field (InvalidRequest naming it), before anything is built;
 the pod runs it inside a sequencer hold (pod.py Pod.probe_link), so never during a step, and puts
 its own exchange's inbox back on the listener afterwards.
@@ -19,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from multipod.pod_worker.dcn import Exchange, ExchangeError, Listener
+from multipod.pod_worker.dcn import Exchange, ExchangeError, Listener, curve_rate
 from multipod.pod_worker.dcn.plan import LeafSpec
 from multipod.pod_worker.errors import InvalidRequest, NotReady
 from multipod.pod_worker.schema import MAX_STREAMS, Compression
@@ -28,6 +32,7 @@ from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 MAX_PROBE_BYTES = 1 << 30      # one round's buffer, at most
 MAX_ROUNDS = 1000
 MAX_PROBE_PODS = 32            # as server.MAX_PODS
+MAX_ENCRYPTION_SECONDS = 1.0   # per rate: the tuner asks for a fraction of a second
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,26 @@ class LinkProbe:
                                  f"got {self.chunk_bytes}")
         if not 1 <= self.rounds <= MAX_ROUNDS:
             raise InvalidRequest(f"rounds: must be in [1, {MAX_ROUNDS}], got {self.rounds}")
+
+
+@dataclass(frozen=True)
+class EncryptionProbe:
+    """ProbeLink with measure_encryption, as the request gives it."""
+    pod_index: int
+    chunk_bytes: int
+    seconds: float
+
+    @classmethod
+    def from_request(cls, request) -> EncryptionProbe:
+        """From a pb.ProbeLinkRequest; InvalidRequest naming the field that is wrong."""
+        probe = cls(int(request.pod_index), int(request.chunk_bytes), float(request.encryption_seconds))
+        if not MIN_CHUNK_BYTES <= probe.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidRequest(f"chunk_bytes: must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
+                                 f"got {probe.chunk_bytes}")
+        if not 0 < probe.seconds <= MAX_ENCRYPTION_SECONDS:     # NaN fails this too
+            raise InvalidRequest(f"encryption_seconds: must be in (0, {MAX_ENCRYPTION_SECONDS:g}], "
+                                 f"got {probe.seconds}")
+        return probe
 
 
 def open_exchange(listener: Listener, probe: LinkProbe, deadline: float) -> Exchange:
@@ -149,3 +174,15 @@ class LinkProbePod:
             finally:
                 if self._probe is None and self.exchange is not None:
                     self.listener.attach(self.exchange.inbox)
+
+    def measure_encryption(self, probe: EncryptionProbe, deadline: float) -> curve_rate.HostRates:
+        """This host's data plane over loopback with CURVE and without (pod_worker/dcn/curve_rate.py),
+        between steps (a step would share the cores with it): Busy if a step runs past `deadline`,
+        NotReady if the loopback pair fails. A prepared probe stays prepared."""
+        if self.pod_index is None or self.pod_index != probe.pod_index:
+            raise NotReady(f"this worker serves pod {self.pod_index}, not pod {probe.pod_index}")
+        with self.seq.hold("an encryption probe", deadline=deadline):
+            try:
+                return curve_rate.measure(probe.chunk_bytes, probe.seconds, deadline)
+            except curve_rate.RateError as exc:
+                raise NotReady(f"pod {self.pod_index} could not time its data plane on this host: {exc}") from None

@@ -28,7 +28,7 @@ from multipod.pod_worker.dcn import Listener
 from multipod.pod_worker.dcn.transport import parse_address
 from multipod.pod_worker.generation_rpcs import GenerationRpcs
 from multipod.pod_worker.hosts import HostLayout
-from multipod.pod_worker.link_probe import LinkProbe
+from multipod.pod_worker.link_probe import EncryptionProbe, LinkProbe
 from multipod.pod_worker.pod import Pod
 from multipod.pod_worker.request_tokens import TOKEN_DTYPES
 from multipod.pod_worker.rpc_handler import ANSWER_MARGIN_S, DEFAULT_WAIT_S, RequestError, deadline, handler, invalid
@@ -130,15 +130,20 @@ class PodWorkerService(TrainingRpcs, StateRpcs, GenerationRpcs, pb_grpc.PodWorke
 
     @handler
     def ProbeLink(self, request: pb.ProbeLinkRequest, context) -> pb.ProbeLinkReply:
-        """Time the data plane with the other probing pods (pod_worker/link_probe.py)."""
+        """Time the data plane with the other probing pods, or (measure_encryption) on this host alone
+        with CURVE and without (pod_worker/link_probe.py)."""
         if request.protocol_version != protos.PROTOCOL_VERSION:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"protocol version mismatch: controller speaks {request.protocol_version}, "
                                f"this worker speaks {protos.PROTOCOL_VERSION}")
+        encrypted = parse_address(self.pod.listener.address)[1] if self.pod.listener else False
+        if request.measure_encryption:
+            rates = self.pod.measure_encryption(EncryptionProbe.from_request(request), deadline(context))
+            return pb.ProbeLinkReply(encrypted=encrypted, curve_bytes_per_s=rates.curve_bytes_per_s,
+                                     plain_bytes_per_s=rates.plain_bytes_per_s)
         probe = LinkProbe.from_request(request)
         seconds, sent = self.pod.probe_link(probe, deadline(context), prepare=request.prepare)
-        return pb.ProbeLinkReply(seconds=seconds, bytes_sent=sent,
-                                 encrypted=parse_address(self.pod.listener.address)[1] if self.pod.listener else False)
+        return pb.ProbeLinkReply(seconds=seconds, bytes_sent=sent, encrypted=encrypted)
 
     @handler
     def Shutdown(self, request, context) -> pb.ShutdownReply:

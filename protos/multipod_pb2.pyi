@@ -419,7 +419,7 @@ class StatusReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_devices: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., dcn_address: _Optional[str] = ..., config_hash: _Optional[str] = ..., checksum: _Optional[str] = ..., run_id: _Optional[str] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., pod_coordinator: _Optional[str] = ..., local_devices: _Optional[int] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ProbeLinkRequest(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "pod_index", "dcn_addresses", "bytes", "streams", "chunk_bytes", "rounds", "compression", "prepare")
+    __slots__ = ("protocol_version", "run_id", "pod_index", "dcn_addresses", "bytes", "streams", "chunk_bytes", "rounds", "compression", "prepare", "measure_encryption", "encryption_seconds")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +430,8 @@ class ProbeLinkRequest(_message.Message):
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_ENCRYPTION_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     pod_index: int
@@ -440,17 +442,23 @@ class ProbeLinkRequest(_message.Message):
     rounds: int
     compression: str
     prepare: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., pod_index: _Optional[int] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., streams: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., compression: _Optional[str] = ..., prepare: _Optional[bool] = ...) -> None: ...
+    measure_encryption: bool
+    encryption_seconds: float
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., pod_index: _Optional[int] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., streams: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., rounds: _Optional[int] = ..., compression: _Optional[str] = ..., prepare: _Optional[bool] = ..., measure_encryption: _Optional[bool] = ..., encryption_seconds: _Optional[float] = ...) -> None: ...
 
 class ProbeLinkReply(_message.Message):
-    __slots__ = ("seconds", "bytes_sent", "encrypted")
+    __slots__ = ("seconds", "bytes_sent", "encrypted", "curve_bytes_per_s", "plain_bytes_per_s")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
+    CURVE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     seconds: _containers.RepeatedScalarFieldContainer[float]
     bytes_sent: int
     encrypted: bool
-    def __init__(self, seconds: _Optional[_Iterable[float]] = ..., bytes_sent: _Optional[int] = ..., encrypted: _Optional[bool] = ...) -> None: ...
+    curve_bytes_per_s: float
+    plain_bytes_per_s: float
+    def __init__(self, seconds: _Optional[_Iterable[float]] = ..., bytes_sent: _Optional[int] = ..., encrypted: _Optional[bool] = ..., curve_bytes_per_s: _Optional[float] = ..., plain_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

@@ -11,6 +11,8 @@ One job per module, each read top to bottom:
                   mode: failed pods' slots computed by survivors), one interface
   exchange.py     Exchange.all_reduce: the public entry that puts them together; Exchange.abort
   transfer.py     send_state / StateReceiver: a live pod's state to a rejoining pod
+  curve_rate.py   this host's data-plane rate over loopback, CURVE-encrypted and plain (what
+                  encryption costs, for `multipod tune --dcn`)
 """
 from multipod.pod_worker.dcn.exchange import Exchange, ExchangeStats
 from multipod.pod_worker.dcn.inbox import ExchangeError, InvalidChunk, StateVoteError

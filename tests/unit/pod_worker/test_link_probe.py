@@ -1,14 +1,17 @@
 """ProbeLink (pod_worker/link_probe.py, server.py): two workers in this process time rounds of
 their data-plane exchange; a malformed request gets INVALID_ARGUMENT naming its field, and the
-worker keeps serving (and probing) after it."""
+worker keeps serving (and probing) after it. With measure_encryption, a worker times its own data
+plane over loopback with CURVE and without (pod_worker/dcn/curve_rate.py)."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import grpc
 import pytest
 
 from multipod import protos
+from multipod.pod_worker.dcn import curve_rate
 from multipod.pod_worker.server import start_server
 from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.channels import Security, open_channel
@@ -81,3 +84,46 @@ def test_wrong_version_or_pod_is_a_failed_precondition_and_a_lone_pod_fails_in_t
         stubs[0].ProbeLink(_request(dcn, 0, "probe-alone"), timeout=3)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert len(_probe_both(stubs, dcn, "probe-c")[0].seconds) == 3     # and probing works again
+
+
+def _encryption_request(pod: int, **fields) -> pb.ProbeLinkRequest:
+    values = dict(protocol_version=protos.PROTOCOL_VERSION, pod_index=pod, chunk_bytes=1 << 20,
+                  measure_encryption=True, encryption_seconds=0.05)
+    values.update(fields)
+    return pb.ProbeLinkRequest(**values)
+
+
+def test_the_data_plane_is_timed_on_its_host_with_curve_and_without_within_its_budget():
+    start = time.monotonic()
+    rates = curve_rate.measure(1 << 20, 0.05, deadline=time.monotonic() + 30)
+    assert rates.curve_bytes_per_s > 0 and rates.plain_bytes_per_s > 0
+    # Within the rates' own budget (two times 0.05 s) plus setup, nowhere near the deadline.
+    assert time.monotonic() - start < 10
+
+
+def test_a_loopback_pair_that_cannot_finish_by_its_deadline_is_a_rate_error():
+    with pytest.raises(curve_rate.RateError):
+        curve_rate.rate(1 << 20, True, 0.05, deadline=time.monotonic())
+
+
+def test_the_encryption_probe_replies_both_rates_through_the_rpc(workers):
+    stubs, _ = workers
+    reply = stubs[1].ProbeLink(_encryption_request(1), timeout=30)
+    assert reply.curve_bytes_per_s > 0 and reply.plain_bytes_per_s > 0
+    assert not reply.seconds and reply.encrypted is False
+
+
+@pytest.mark.parametrize("field, value", [
+    ("chunk_bytes", 5), ("chunk_bytes", 64 << 20), ("encryption_seconds", 0.0), ("encryption_seconds", -1.0),
+    ("encryption_seconds", 5.0), ("encryption_seconds", float("nan")),
+])
+def test_a_malformed_encryption_probe_is_refused_naming_its_field_and_the_worker_serves_on(workers, field, value):
+    stubs, _ = workers
+    with pytest.raises(grpc.RpcError) as caught:
+        stubs[0].ProbeLink(_encryption_request(0, **{field: value}), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in caught.value.details()
+    assert stubs[0].Status(pb.StatusRequest(), timeout=10).pod_index == 0
+    with pytest.raises(grpc.RpcError) as caught:        # worker 1 is pod 1
+        stubs[1].ProbeLink(_encryption_request(0), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
