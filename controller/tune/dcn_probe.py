@@ -11,6 +11,13 @@ rounds of the Exchange a run uses, under the probe's own run id). From the round
               takes longer than its bytes at the raw rate would, the values per second the hosts
               encode, decode and sum it at (cost.Calibration.host_values_per_s), else nothing.
 The reply says whether the data plane is CURVE-encrypted; every figure is of the link as it is.
+  encryption  what CURVE costs, apart from the link (which the tuner cannot probe unencrypted:
+              workers beyond loopback refuse to listen without CURVE unless --insecure): each pod's
+              worker in turn (pods sharing a host would measure each other) times its own data
+              plane over loopback, with CURVE and without, at the best variant's chunk size
+              (pod_worker/dcn/curve_rate.py). The slowest host's CURVE rate is the ceiling of an
+              encrypted exchange, all streams together (they share one ZeroMQ I/O thread per side);
+              an encrypted link measured at BOUND_FRACTION of it or more is bound by encryption.
 Given --link-gbps (and --latency-ms), nothing is measured: those values stand for every variant.
 
 The compute (measure_compute): the run's layout in the layout probe (controller/tune/runner.py), its
@@ -32,6 +39,8 @@ from multipod.model.config import ConfigError
 
 LATENCY_BYTES = 4096
 MIB = 1 << 20
+ENCRYPTION_SECONDS = 0.2    # per rate and host: two of them, ~0.5 s per worker with setup
+BOUND_FRACTION = 0.7        # near the CURVE ceiling: the ceiling, not the wire, sets the link figures
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,33 @@ class LinkVariant:
 
 
 @dataclass(frozen=True)
+class HostCipherRate:
+    """One pod's host: the rate its data plane moves over loopback, CURVE-encrypted and plain."""
+    pod: int
+    host: str
+    curve_bytes_per_s: float
+    plain_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class EncryptionMeasurement:
+    """What CURVE costs (module docstring), against the link as measured."""
+    chunk_bytes: int
+    hosts: tuple[HostCipherRate, ...]
+    ceiling_gbps: float         # the slowest host's CURVE rate: an encrypted exchange's, every stream together
+    link_gbps: float            # the best rate the link was measured at
+    link_encrypted: bool        # that rate is of a CURVE-encrypted link
+    bound: bool                 # encrypted, and at BOUND_FRACTION of the ceiling or more
+
+    @classmethod
+    def of(cls, hosts: tuple[HostCipherRate, ...], chunk_bytes: int, link_gbps: float, encrypted: bool
+           ) -> EncryptionMeasurement:
+        ceiling = min(h.curve_bytes_per_s for h in hosts) * 8 / 1e9
+        return cls(chunk_bytes, hosts, ceiling, link_gbps, encrypted,
+                   encrypted and link_gbps >= BOUND_FRACTION * ceiling)
+
+
+@dataclass(frozen=True)
 class LinkMeasurement:
     latency_ms: float           # per exchange round
     variants: tuple[LinkVariant, ...]
@@ -50,6 +86,7 @@ class LinkMeasurement:
     encrypted: bool | None = None       # None: not measured (given values)
     measured: bool = True
     probe_bytes: int = 0
+    encryption: EncryptionMeasurement | None = None     # None: not measured
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,6 +137,28 @@ class LinkProber:
         self.encrypted = all(r.encrypted for r in replies)
         return statistics.median(s for r in replies for s in r.seconds)
 
+    def cipher_rates(self, chunk_bytes: int, seconds: float = ENCRYPTION_SECONDS) -> tuple[HostCipherRate, ...]:
+        """Every pod's host's data-plane rate over loopback, CURVE and plain, one pod after another;
+        ConfigError("link") naming the pod if one fails."""
+        from multipod import protos
+        from multipod.controller.cluster.client import WorkerError
+        from multipod.protos import multipod_pb2 as pb
+        rates = []
+        for pod, client in enumerate(self.clients):
+            request = pb.ProbeLinkRequest(protocol_version=protos.PROTOCOL_VERSION, pod_index=pod,
+                                          chunk_bytes=chunk_bytes, measure_encryption=True, encryption_seconds=seconds)
+            try:
+                reply = client.probe_link_async(request, self.timeout_s).result()
+            except WorkerError as exc:
+                raise ConfigError("link", f"pod {pod} could not time its data plane with and without CURVE: "
+                                          f"{exc}") from None
+            if not all(0 < r < float("inf") for r in (reply.curve_bytes_per_s, reply.plain_bytes_per_s)):
+                raise ConfigError("link", f"pod {pod} timed its data plane at no usable rate: CURVE "
+                                          f"{reply.curve_bytes_per_s}, plain {reply.plain_bytes_per_s} bytes/s")
+            host = self.dcn[pod].partition("://")[2].rpartition(":")[0] or self.dcn[pod]
+            rates.append(HostCipherRate(pod, host, reply.curve_bytes_per_s, reply.plain_bytes_per_s))
+        return tuple(rates)
+
 
 def measure_link(prober: LinkProber, size: int, streams: list[int], chunk_bytes: list[int], compressions: list[str],
                  say=print) -> LinkMeasurement:
@@ -129,7 +188,33 @@ def measure_link(prober: LinkProber, size: int, streams: list[int], chunk_bytes:
             host[compression] = values / work
             note = f"bound by the hosts: {values / work / 1e6:.1f} M values/s"
         say(f"  {size / MIB:.1f} MiB as {compression}: {t * 1e3:.1f} ms ({note})")
-    return LinkMeasurement(latency * 1e3, tuple(variants), host, prober.encrypted, True, size)
+    encryption = None
+    try:
+        encryption = EncryptionMeasurement.of(prober.cipher_rates(best.chunk_bytes), best.chunk_bytes, best.gbps,
+                                              bool(prober.encrypted))
+        say(f"  {encryption_summary(encryption)}")
+    except ConfigError as exc:      # the link figures stand without it
+        say(f"  encryption: not measured ({exc})")
+    return LinkMeasurement(latency * 1e3, tuple(variants), host, prober.encrypted, True, size, encryption)
+
+
+def encryption_summary(encryption: EncryptionMeasurement) -> str:
+    """One line: every host's CURVE and plain rate, and what CURVE costs at the measured link rate."""
+    hosts = "; ".join(f"pod {h.pod} ({h.host}) {h.curve_bytes_per_s / 1e9:.2f} GB/s, plain "
+                      f"{h.plain_bytes_per_s / 1e9:.2f} GB/s" for h in encryption.hosts)
+    ceiling, link = encryption.ceiling_gbps, encryption.link_gbps
+    head = f"encryption: CURVE moves {hosts} over loopback ({encryption.chunk_bytes / MIB:g} MiB frames, all streams)"
+    if encryption.bound:
+        return (f"{head}: the link figures are bound by encryption ({link:.3f} Gb/s measured against a CURVE "
+                f"ceiling of {ceiling:.2f} Gb/s); the wire itself may be faster")
+    share = link / ceiling
+    if share >= BOUND_FRACTION:     # and unencrypted
+        return (f"{head}: this unencrypted {link:.3f} Gb/s link would be bound by encryption with dcn.encrypt "
+                f"(a CURVE ceiling of {ceiling:.2f} Gb/s)")
+    what = "this" if encryption.link_encrypted else "this unencrypted"
+    cost = "costs nothing" if share < 0.5 else "does not bound the exchange yet"
+    return (f"{head}: at {what} {link:.3f} Gb/s link it {cost} ({share:.0%} of its ceiling); at a line rate "
+            f"above {ceiling:.2f} Gb/s it would bound the exchange")
 
 
 @dataclass(frozen=True)

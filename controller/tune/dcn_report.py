@@ -7,7 +7,7 @@ import json
 import pathlib
 
 from multipod.controller.tune import cost
-from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement
+from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement, encryption_summary
 from multipod.controller.tune.dcn_tuner import Trial, describe
 
 PREDICTED_SHOWN = 10
@@ -38,6 +38,8 @@ def print_report(link: LinkMeasurement, compute: ComputeMeasurement, ranked: lis
                  calibrated: dict | None = None) -> None:
     print()
     print(f"multipod tune --dcn: {link_line(link)}")
+    if link.encryption is not None:
+        print(f"  {encryption_summary(link.encryption)}")
     print(f"  layout probe, one pod alone: step without exchange {ms(compute.step_s)} (forward "
           f"{ms(compute.forward_s)}, backward {ms(compute.backward_s)}, update + checksum {ms(compute.update_s)}; "
           f"overlapped step {ms(compute.overlapped_step_s)})")
