@@ -69,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trial-steps", type=int, default=12, help="steps of each trial run (default 12)")
     group.add_argument("--warmup-steps", type=int, default=2, help="first steps of a trial not timed (default 2)")
     group.add_argument("--max-trial-steps", type=int, default=60,
-                       help="a DiLoCo trial trains the warm-up, one untimed period of its outer syncs (the "
-                            "first compiles them) and two timed ones (at least --trial-steps in all); "
-                            "candidates that would need more are not run (default 60)")
+                       help="a DiLoCo trial trains the warm-up, its first outer sync untimed (it compiles the "
+                            "outer programs: one period and the overlap steps after it) and two or more timed "
+                            "periods (at least --trial-steps in all); candidates that would need more are not "
+                            "run (default 60)")
     group.add_argument("--allow-lossy", action="store_true",
                        help="may choose a candidate that changes the math (compression, DiLoCo)")
     group.add_argument("--plan-out", metavar="FILE",
@@ -259,8 +260,8 @@ def main(args: argparse.Namespace) -> int:
         for kind, (_, _, _, calibration) in calibrated.items():
             out(f"  {kind.value} step overhead beyond compute, update and exchange: "
                 f"{calibration.step_overhead_s * 1e3:.1f} ms (its calibration run's step minus the model's)")
-        trials = pick_trials(ranked, args.run_exact, args.run_lossy,
-                             max_period=(args.max_trial_steps - args.warmup_steps) // 3)
+        trials = pick_trials(ranked, args.run_exact, args.run_lossy, max_steps=args.max_trial_steps,
+                             steps=args.trial_steps, warmup=args.warmup_steps)
         out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each "
             f"(a DiLoCo one longer: its first period of outer syncs untimed, then two or more timed)")
         ran = []

@@ -196,9 +196,10 @@ def describe(p: cost.Projection) -> str:
 
 def trial_warmup(choice: cost.SyncChoice, warmup: int) -> int:
     """The first steps of a candidate's trial that are not timed: `warmup`, and for DiLoCo also
-    its first period, whose outer sync compiles the outer programs (measured: 0.3 and 0.8 s on the
-    tiny model's first sync, 20-36 ms on the next)."""
-    return warmup + (choice.sync.period if choice.sync.diloco else 0)
+    its first outer sync, which compiles the outer programs (measured: 0.3 and 0.8 s on the tiny
+    model's first sync, 20-36 ms on the next; 1.5 s on the bench model): the first period, and
+    the overlap_steps after it, at whose end that sync is applied."""
+    return warmup + (choice.sync.period + choice.sync.overlap_steps if choice.sync.diloco else 0)
 
 
 def trial_steps(choice: cost.SyncChoice, steps: int, warmup: int) -> int:
@@ -211,13 +212,13 @@ def trial_steps(choice: cost.SyncChoice, steps: int, warmup: int) -> int:
     return untimed + period * max(2, math.ceil((steps - untimed) / period))
 
 
-def pick_trials(ranked: list[cost.Projection], exact: int, lossy: int, max_period: int | None = None
-                ) -> list[cost.Projection]:
+def pick_trials(ranked: list[cost.Projection], exact: int, lossy: int, max_steps: int | None = None,
+                steps: int = 0, warmup: int = 0) -> list[cost.Projection]:
     """The best `exact` exact candidates and the best `lossy` lossy ones (by predicted step; a
-    DiLoCo candidate only if an outer sync happens within max_period inner steps)."""
+    DiLoCo candidate only if its trial of `steps` after `warmup` (trial_steps) fits in max_steps)."""
     chosen = [p for p in ranked if not p.choice.lossy][:exact]
     runnable = [p for p in ranked if p.choice.lossy and not (
-        max_period is not None and p.choice.sync.diloco and p.choice.sync.period > max_period)]
+        max_steps is not None and trial_steps(p.choice, steps, warmup) > max_steps)]
     return chosen + runnable[:lossy]
 
 

@@ -82,9 +82,9 @@ def trial(p, measured, loss=2.0):
 
 def test_the_lossy_tier_is_chosen_only_when_allowed_and_faster_and_carries_its_loss_difference():
     ranked = predict(config(), COMPUTE, link(0.01), 2, 2)
-    picked = pick_trials(ranked, 2, 2, max_period=5)
+    picked = pick_trials(ranked, 2, 2, max_steps=20, steps=10, warmup=2)
     assert [p.choice.lossy for p in picked] == [False, False, True, True]
-    assert not any(p.choice.sync.diloco and p.choice.sync.period > 5 for p in picked)
+    assert not any(p.choice.sync.diloco and trial_steps(p.choice, 10, 2) > 20 for p in picked)
     trials = [trial(picked[0], 0.050, 2.0), trial(picked[1], 0.040, 2.0), trial(picked[2], 0.020, 2.3),
               trial(picked[3], None)]
     trials = rank_measured(with_loss_deltas(trials))
@@ -107,16 +107,19 @@ def test_a_diloco_trial_times_whole_periods_of_its_outer_syncs_after_its_first()
         if p.choice.sync.diloco:
             by_period.setdefault(p.choice.sync.period, p.choice)
     assert {5, 10, 25} <= set(by_period)
-    # The warm-up and the first period untimed (its sync compiles the outer programs), then two
-    # or more whole periods timed.
-    assert trial_warmup(by_period[5], 2) == 7
-    assert trial_steps(by_period[5], 12, 2) == 7 + 2 * 5
-    assert trial_steps(by_period[5], 30, 2) == 7 + 5 * 5         # 23 steps left after 7: 5 periods
-    assert trial_steps(by_period[25], 12, 2) == 27 + 2 * 25
-    # The default bound (--max-trial-steps 60, warm-up 2) admits periods up to 19.
-    picked = pick_trials(ranked, 0, len(ranked), max_period=(60 - 2) // 3)
-    assert {p.choice.sync.period for p in picked if p.choice.sync.diloco} == \
-        {period for period in by_period if period <= 19}
+    # The warm-up and the first outer sync untimed (it compiles the outer programs; it is applied
+    # tau steps after its period ends), then two or more whole periods timed.
+    five = dataclasses.replace(by_period[5], sync=dataclasses.replace(by_period[5].sync, overlap_steps=2))
+    assert trial_warmup(five, 2) == 2 + 5 + 2
+    assert trial_steps(five, 12, 2) == 9 + 2 * 5
+    assert trial_steps(five, 30, 2) == 9 + 5 * 5         # 21 steps left after 9: 5 periods
+    twenty_five = dataclasses.replace(by_period[25], sync=dataclasses.replace(by_period[25].sync, overlap_steps=0))
+    assert trial_steps(twenty_five, 12, 2) == 27 + 2 * 25
+    # --max-trial-steps bounds the trial as it will run.
+    picked = pick_trials(ranked, 0, len(ranked), max_steps=60, steps=12, warmup=2)
+    assert picked and all(trial_steps(p.choice, 12, 2) <= 60 for p in picked)
+    assert {p.choice for p in picked} == {p.choice for p in ranked
+                                          if p.choice.lossy and trial_steps(p.choice, 12, 2) <= 60}
 
 
 def test_the_trial_reads_its_step_time_and_loss_from_the_records():
