@@ -29,9 +29,15 @@ def tuned(tmp_path_factory):
 
 
 def test_the_shaped_link_is_measured_on_the_encrypted_data_plane(tuned):
-    _, report, _ = tuned
+    _, report, result = tuned
     link = report["link"]
     assert link["measured"] and link["encrypted"] is True
+    # What CURVE costs, timed on each pod's host apart from the link: far above the shaped rate.
+    encryption = link["encryption"]
+    assert [h["pod"] for h in encryption["hosts"]] == [0, 1]
+    assert all(h["curve_bytes_per_s"] > 0 and h["plain_bytes_per_s"] > 0 for h in encryption["hosts"])
+    assert encryption["link_encrypted"] is True and encryption["bound"] is False
+    assert "encryption: CURVE moves pod 0" in result.stdout and "costs nothing" in result.stdout
     assert {(v["streams"], v["chunk_bytes"]) for v in link["variants"]} == {(1, 1 << 20), (2, 1 << 20)}
     for variant in link["variants"]:      # the tbf rate, not loopback's (tens of Gb/s)
         assert 0.3 * RATE_GBPS < variant["gbps"] < 1.5 * RATE_GBPS, variant
