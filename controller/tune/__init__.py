@@ -11,4 +11,5 @@
   dcn_tuner    every cross-pod candidate predicted from those measurements; the choice among trials
   dcn_trials   the best few candidates trained a few steps, measured from their metrics
   dcn_report   the report: predicted against measured, the tiers, the choice
+  dcn_plan_file  the measured cluster and calibrated terms as a `multipod plan --from` input
 """
