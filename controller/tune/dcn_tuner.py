@@ -22,13 +22,18 @@ Calibration from the measurements (nothing assumed where a figure was measured):
               does not send (0.1 Gb/s: DiLoCo trials predicted +48..+61% with it, -16..-26% with
               none); without that run, DiLoCo is predicted with no overhead
   link        one Links per measured (streams, chunk) variant: its rate (dcn_efficiency = 1: the rate
-              is the data plane's own), the measured latency per exchange round
+              is the data plane's own; a pod's, every host probed at once), the measured latency per
+              exchange round
+  layout      the run's pods of hosts_per_pod hosts and devices per pod (all its hosts' chips): the
+              streams' window cap counts every host's streams; the gather of the summed blocks over
+              the hosts (cost.assembly_time) is inside the calibration runs' overhead (ICI_GBPS)
   overlap     the overlapped step's measured extra cost spread over its per-layer programs
               (program_launch_s; block0_recompute_layers = 0: it is inside that figure)
   host        host_values_per_s of each compression whose probe was bound by the hosts
 
 The candidates: cost.candidates' (every-step fused or overlapped with each compression, DiLoCo over
-H x F x outer dtype) for every link variant, restricted to --compressions. Ranked in two tiers
+H x F x outer dtype, on pods of several hosts only if cost.DILOCO_ON_SEVERAL_HOSTS) for every link
+variant, restricted to --compressions. Ranked in two tiers
 (exact; lossy: compression or DiLoCo); the best `exact` and `lossy` of them run; the choice is the
 fastest measured exact one, or with allow_lossy a lossy one measured at least LOSSY_MIN_GAIN faster.
 """
@@ -48,7 +53,10 @@ from multipod.pod_worker.schema import Compression, OuterDtype, SyncConfig, Sync
 if TYPE_CHECKING:
     from multipod.controller.tune.dcn_trials import RunCalibration
 
-ICI_GBPS = 1e6      # one-host pods gather nothing over ICI: any value; named for the Links dataclass
+# The gather of a pod's summed blocks over its hosts (cost.assembly_time) is not measured apart: with
+# an ICI this fast the model counts it as nothing, and what it costs is inside the calibration runs'
+# step overhead (each every-step candidate gathers the same float32 sum, whatever its compression).
+ICI_GBPS = 1e6
 
 
 class StepKind(enum.StrEnum):
@@ -66,8 +74,10 @@ def step_kind(choice: cost.SyncChoice) -> StepKind:
 
 
 def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
-              run: RunCalibration | None = None) -> tuple[cost.ModelShape, cost.Layout, cost.Chip, cost.Calibration]:
-    """The cost model's inputs for this run, calibrated on the measurements (module docstring)."""
+              run: RunCalibration | None = None, hosts_per_pod: int = 1
+              ) -> tuple[cost.ModelShape, cost.Layout, cost.Chip, cost.Calibration]:
+    """The cost model's inputs for this run, calibrated on the measurements (module docstring);
+    devices: a pod's chips, all its `hosts_per_pod` hosts' together."""
     for name, value in (("compute.forward_s", compute.forward_s), ("compute.compute_s", compute.compute_s)):
         cost.check_number(name, value)
     if pods < 2:
@@ -76,8 +86,9 @@ def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: 
         cost.check_number("calibration.compute_s", run.compute_s)
         cost.check_number("calibration.step_s", run.step_s)
     shape = cost.ModelShape.from_config(config.model, config.data.seq_len)
-    layout = cost.Layout(pods, 1, devices, config.data.global_batch * config.data.seq_len, config.model.microbatches,
-                         config.mesh.model)
+    layout = cost.Layout(pods, hosts_per_pod, devices, config.data.global_batch * config.data.seq_len,
+                         config.model.microbatches, config.mesh.model)
+    layout.validate()
     compute_s = run.compute_s if run is not None else compute.compute_s
     peak = layout.tokens_per_pod * shape.flops_per_token / (devices * compute_s)
     chip = cost.Chip(peak, 1.0)
@@ -129,7 +140,8 @@ def diloco_reference(link: LinkMeasurement, steps: int) -> cost.SyncChoice:
 
 
 def calibrations(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
-                 runs: tuple[RunCalibration, ...] = (), diloco_overlap: bool = False) -> dict[StepKind, tuple]:
+                 runs: tuple[RunCalibration, ...] = (), diloco_overlap: bool = False, hosts_per_pod: int = 1
+                 ) -> dict[StepKind, tuple]:
     """calibrate()'s inputs for each StepKind: each from the calibration run of that step if there
     is one (the programs share this machine's cores differently: their compute under contention
     is measured, not derived from one another). Without one, an every-step kind takes the other
@@ -139,13 +151,21 @@ def calibrations(config, compute: ComputeMeasurement, link: LinkMeasurement, pod
     by_kind = {step_kind(run.choice): run for run in runs}
     found = {}
     for kind, other in ((StepKind.FUSED, StepKind.OVERLAPPED), (StepKind.OVERLAPPED, StepKind.FUSED)):
-        found[kind] = calibrate(config, compute, link, pods, devices, by_kind.get(kind, by_kind.get(other)))
+        found[kind] = calibrate(config, compute, link, pods, devices, by_kind.get(kind, by_kind.get(other)),
+                                hosts_per_pod)
     if StepKind.DILOCO_INNER in by_kind:
-        found[StepKind.DILOCO_INNER] = calibrate(config, compute, link, pods, devices, by_kind[StepKind.DILOCO_INNER])
+        found[StepKind.DILOCO_INNER] = calibrate(config, compute, link, pods, devices, by_kind[StepKind.DILOCO_INNER],
+                                                 hosts_per_pod)
     else:
         shape, layout, chip, calibration = found[StepKind.OVERLAPPED if diloco_overlap else StepKind.FUSED]
         found[StepKind.DILOCO_INNER] = (shape, layout, chip, dataclasses.replace(calibration, step_overhead_s=0.0))
     return found
+
+
+def diloco_proposed(hosts_per_pod: int) -> bool:
+    """Whether DiLoCo candidates are proposed (and calibrated) for pods of `hosts_per_pod` hosts:
+    always on one host, on several only with cost.DILOCO_ON_SEVERAL_HOSTS (read when asked)."""
+    return hosts_per_pod == 1 or cost.DILOCO_ON_SEVERAL_HOSTS
 
 
 def links_of(link: LinkMeasurement) -> list[cost.Links]:
@@ -166,13 +186,14 @@ def links_of(link: LinkMeasurement) -> list[cost.Links]:
 
 def predict(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
             compressions: tuple[Compression, ...] = (Compression.NONE, Compression.BF16, Compression.INT8),
-            diloco: bool = True, runs: tuple[RunCalibration, ...] = (), diloco_overlap: bool = False
-            ) -> list[cost.Projection]:
+            diloco: bool = True, runs: tuple[RunCalibration, ...] = (), diloco_overlap: bool = False,
+            hosts_per_pod: int = 1) -> list[cost.Projection]:
     """Every candidate's projection on every link variant, ranked (exact tier first); with `runs`,
     calibrated on the calibration runs too, each candidate on its step's (calibrations; DiLoCo's
     inner step runs the overlapped program if diloco_overlap: the trainer resolves dcn.overlap as
-    the base config says, DiLoCo's settings leave it alone)."""
-    calibrated = calibrations(config, compute, link, pods, devices, runs, diloco_overlap)
+    the base config says, DiLoCo's settings leave it alone). DiLoCo candidates only where
+    diloco_proposed(hosts_per_pod)."""
+    calibrated = calibrations(config, compute, link, pods, devices, runs, diloco_overlap, hosts_per_pod)
     shape, layout, chip, calibration = calibrated[StepKind.FUSED]
     allowed = set(compressions) | {Compression.NONE}
     found: list[cost.Projection] = []

@@ -16,6 +16,7 @@ from multipod.controller.tune.dcn_tuner import (
     calibrate,
     calibrations,
     choose,
+    diloco_proposed,
     diloco_reference,
     overrides,
     pick_trials,
@@ -276,11 +277,12 @@ def test_diloco_is_predicted_on_its_own_calibration_run_of_inner_steps():
     assert exact(ranked, False).step_s == pytest.approx(0.060)     # the fused run's, untouched
 
 
-@pytest.mark.parametrize("shaped_gbps", [None, 1.25])
-def test_the_plan_file_projects_each_kind_of_step_as_tune_predicted_it(tmp_path, capsys, shaped_gbps):
+@pytest.mark.parametrize("shaped_gbps, hosts", [(None, 1), (1.25, 1), (None, 2)])
+def test_the_plan_file_projects_each_kind_of_step_as_tune_predicted_it(tmp_path, capsys, shaped_gbps, hosts):
     # `tune --dcn --plan-out`: `multipod plan --from` the written file, with the measured cluster
     # and the calibration of one kind of step, projects the candidates of that kind as tune did.
-    # With a shaped rate the file gives the link's rate and the data plane's share of it.
+    # With a shaped rate the file gives the link's rate and the data plane's share of it; with
+    # pods of several hosts, their hosts.
     import json
 
     from multipod.cli import build_parser
@@ -290,16 +292,20 @@ def test_the_plan_file_projects_each_kind_of_step_as_tune_predicted_it(tmp_path,
     runs = (dcn_trials.RunCalibration(reference(two), 0.060, 0.040, 0.007, 0.004, 8),
             dcn_trials.RunCalibration(reference(two, overlap=True), 0.045, 0.030, 0.007, 0.002, 8),
             dcn_trials.RunCalibration(diloco_reference(two, 12), 0.050, 0.035, 0.007, 0.0, 8))
-    calibrated = calibrations(config(), COMPUTE, two, 2, 2, runs)
-    ranked = predict(config(), COMPUTE, two, 2, 2, runs=runs)
+    calibrated = calibrations(config(), COMPUTE, two, 2, 2, runs, hosts_per_pod=hosts)
+    ranked = predict(config(), COMPUTE, two, 2, 2, runs=runs, hosts_per_pod=hosts)
     for kind in StepKind:
+        if kind is StepKind.DILOCO_INNER and not diloco_proposed(hosts):
+            continue        # neither tune nor plan proposes DiLoCo on these pods
         _, _, chip, calibration = calibrated[kind]
         path = tmp_path / f"{kind.name}.toml"
-        write_plan_file(path, plan_document(config(), two, 2, 2, chip, calibration, shaped_gbps), ["a header", ""])
+        write_plan_file(path, plan_document(config(), two, 2, 2, chip, calibration, shaped_gbps, hosts),
+                        ["a header", ""])
         assert path.read_text().startswith("# a header\n\n")
         code = run(build_parser().parse_args(["plan", "--from", str(path), "--allow-lossy", "--json"]))
         report = json.loads(capsys.readouterr().out)
         assert code == 0
+        assert report["inputs"]["layout"]["hosts_per_pod"] == hosts
         if shaped_gbps:
             assert report["inputs"]["links"]["dcn_gbps"] == shaped_gbps
             assert report["calibration"]["dcn_efficiency"] == pytest.approx(1.0 / shaped_gbps)
