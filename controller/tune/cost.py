@@ -185,7 +185,8 @@ class Chip:
 
 @dataclass(frozen=True)
 class Links:
-    """dcn_gbps: one pod's DCN bandwidth each way (the sum over its hosts' links), Gb/s;
+    """dcn_gbps: one pod's DCN bandwidth each way (the sum over its hosts' links, each host sending its
+    block of the gradient; `tune --dcn` measures every host at once: its hosts x the slowest's), Gb/s;
     dcn_latency_ms: one way; ici_gbps: one chip's ICI bandwidth; streams: data-plane connections
     per peer (dcn.streams)."""
     dcn_gbps: float

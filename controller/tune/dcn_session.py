@@ -1,14 +1,17 @@
 """`multipod tune --dcn`: choose the cross-pod settings ([dcn] and [sync]) for the link the pods
 actually have (issue 23).
 
-  1. the pods: started here (--pods, in network namespaces with --netns and a shaped rate with
-     --netns-rate-gbps, as `multipod local` starts them) or the user's (--workers; one host per pod);
-  2. the link, measured on their data plane (controller/tune/dcn_probe.py; or --link-gbps and
-     --latency-ms as given), and one pod's compute for the run's layout (the layout probe);
+  1. the pods: started here (--pods of --hosts-per-pod hosts sharing --devices, in network
+     namespaces with --netns and a shaped rate with --netns-rate-gbps, as `multipod local` starts
+     them) or the user's (--workers, as `multipod train` takes them: pods of one host or several);
+  2. the link, measured on their data plane, every host of every pod at once (controller/tune/
+     dcn_probe.py; or --link-gbps and --latency-ms as given), and one pod's compute for the run's
+     layout (the layout probe; a pod of several hosts as one process with all of its devices);
   3. calibration runs, each trained --trial-steps steps on those pods, for what only a real run
      shows (compute while every pod computes, update, the per-step overhead of the control plane):
      the reference candidate (exact, fastest link variant) fused and overlapped, and (unless
-     --no-diloco) DiLoCo's inner steps alone (dcn_tuner.diloco_reference);
+     --no-diloco, or DiLoCo is not proposed for pods of several hosts: dcn_tuner.diloco_proposed)
+     DiLoCo's inner steps alone (dcn_tuner.diloco_reference);
   4. every candidate predicted with the cost model so calibrated (controller/tune/dcn_tuner.py);
   5. the best --run-exact exact and --run-lossy lossy candidates trained --trial-steps steps each
      on those pods (controller/tune/dcn_trials.py), predicted against measured, ranked by measured,
@@ -45,8 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cross-pod settings (--dcn)")
     group.add_argument("--dcn", action="store_true",
                        help="choose the cross-pod [dcn]/[sync] settings for the measured link instead of the layout")
-    group.add_argument("--workers", help="--dcn against running workers (as `multipod train` takes them) instead of "
-                                         "pods started here")
+    group.add_argument("--workers", help="--dcn against running workers (as `multipod train` takes them: ';' between "
+                                         "pods, ',' between a pod's hosts) instead of pods started here; --devices "
+                                         "is then each pod's device count")
+    group.add_argument("--hosts-per-pod", type=int, metavar="K",
+                       help="--dcn: worker processes per pod started here, one jax.distributed cluster per pod (as "
+                            "`multipod local --hosts-per-pod`); --devices stays the pod's devices, all its hosts "
+                            "together, split evenly over them (as `multipod local --devices-per-pod`). With "
+                            "--workers: the hosts it lists per pod (default 1, or --workers')")
     group.add_argument("--netns", action="store_true", help="--dcn: start the pods in network namespaces (as "
                                                             "`multipod local --netns`)")
     group.add_argument("--netns-rate-gbps", type=float, metavar="R",
@@ -88,6 +97,8 @@ def check_args(args: argparse.Namespace) -> None:
     from multipod.pod_worker.schema import Compression
     if args.workers and args.netns:
         raise ConfigError("--netns", "starts the pods itself: it does not go with --workers")
+    if args.hosts_per_pod is not None and args.hosts_per_pod < 1:
+        raise ConfigError("--hosts-per-pod", f"must be >= 1, got {args.hosts_per_pod}")
     if not args.netns:
         for flag, value in (("--netns-rate-gbps", args.netns_rate_gbps), ("--netns-subnet", args.netns_subnet)):
             if value is not None:
@@ -124,20 +135,48 @@ def check_args(args: argparse.Namespace) -> None:
                 from None
 
 
-@contextlib.contextmanager
-def pods_for(args: argparse.Namespace, pods: int, devices: int, run_dir: pathlib.Path):
-    """The pods' [pod][host] addresses: the user's (--workers) or started here, stopped after."""
+def cluster_shape(args: argparse.Namespace) -> tuple[list[list[str]] | None, int, int]:
+    """(the --workers addresses [pod][host] or None, pods, hosts per pod), from --workers or
+    --pods and --hosts-per-pod; ConfigError naming the flag that contradicts."""
     from multipod.controller.cluster.pod_client import parse_workers
     from multipod.controller.core.run_config import ConfigError
+    if not args.workers:
+        return None, 2 if args.pods is None else args.pods, args.hosts_per_pod or 1
+    addresses = parse_workers(args.workers)
+    hosts = len(addresses[0])
+    if args.pods is not None and args.pods != len(addresses):
+        raise ConfigError("--pods", f"{args.pods}, but --workers lists {len(addresses)} pod(s)")
+    if args.hosts_per_pod is not None and args.hosts_per_pod != hosts:
+        raise ConfigError("--hosts-per-pod", f"{args.hosts_per_pod}, but --workers lists {hosts} host(s) per pod")
+    return addresses, len(addresses), hosts
+
+
+def check_layout(config, pods: int, hosts: int, devices: int) -> None:
+    """ConfigError naming what does not split over a pod's hosts (as the run would refuse it)."""
+    from multipod.controller.core.run_config import ConfigError
+    if devices < 1 or devices % hosts:
+        raise ConfigError("--devices", f"{devices} devices per pod do not split evenly over {hosts} host(s) per pod "
+                                       f"(--devices is the pod's, all its hosts together)")
+    per_pod = config.data.global_batch // pods
+    if per_pod % hosts:
+        raise ConfigError("data.global_batch", f"a pod's {per_pod} sequences do not split over its {hosts} hosts")
+    model = config.mesh.model
+    if hosts > 1 and devices % model == 0 and (devices // model) % hosts:
+        raise ConfigError("mesh.model", f"the mesh's data axis ({devices} devices / model {model}) must split evenly "
+                                        f"over the pod's {hosts} hosts")
+
+
+@contextlib.contextmanager
+def pods_for(args: argparse.Namespace, workers: list[list[str]] | None, pods: int, hosts: int, devices: int,
+             run_dir: pathlib.Path):
+    """The pods' [pod][host] addresses: the user's (`workers`, from --workers) or `pods` of `hosts`
+    hosts sharing `devices` started here, stopped after."""
     from multipod.protos.channels import default_security, set_default_security
     from multipod.protos.cli_flags import security_from_args
     security = security_from_args(args)
-    if args.workers:
+    if workers is not None:
         set_default_security(security)
-        addresses = parse_workers(args.workers)
-        if any(len(hosts) != 1 for hosts in addresses):
-            raise ConfigError("--workers", "tune --dcn measures pods of one host each for now")
-        yield addresses
+        yield workers
         return
     if not security.token:
         security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
@@ -149,9 +188,10 @@ def pods_for(args: argparse.Namespace, pods: int, devices: int, run_dir: pathlib
         from multipod.controller.launch.netns import check_available
         check_available(shape=bool(args.netns_rate_gbps))
         launched = NetnsPods(pods, devices, run_dir, subnet=args.netns_subnet, rate_gbps=args.netns_rate_gbps or 0.0,
-                             encrypt=not args.insecure, insecure=args.insecure, security=security)
+                             encrypt=not args.insecure, insecure=args.insecure, security=security,
+                             hosts_per_pod=hosts)
     else:
-        launched = LocalPods(pods, devices, run_dir, security=security)
+        launched = LocalPods(pods, devices, run_dir, security=security, hosts_per_pod=hosts)
     with launched:
         if isinstance(launched, NetnsPods):
             set_default_security(launched.controller_security)
@@ -162,31 +202,37 @@ def pods_for(args: argparse.Namespace, pods: int, devices: int, run_dir: pathlib
 
 
 def _measure_link(args, addresses: list, grad_bytes: int, timeout_s: float, say):
+    """The link between the pods (dcn_probe.measure_link), every host of every pod at once, each
+    host with a buffer of its block of the gradient; or --link-gbps as given."""
     from multipod.controller.cluster.client import WorkerClient
     from multipod.controller.core.run_config import ConfigError
     from multipod.controller.tune.dcn_probe import LinkProber, given_link, measure_link
     if args.link_gbps is not None:
         return given_link(args.link_gbps, args.latency_ms, args.streams, args.chunk_bytes)
-    clients = [WorkerClient(p, hosts[0]) for p, hosts in enumerate(addresses)]
+    hosts = len(addresses[0])
+    clients = [[WorkerClient(p, address, h if hosts > 1 else None) for h, address in enumerate(pod)]
+               for p, pod in enumerate(addresses)]
     try:
-        dcn = []
-        for client in clients:
-            try:
-                client.wait_serving(timeout_s=60)
-                dcn.append(client.status(timeout_s=10).dcn_address)
-            except Exception as exc:    # noqa: BLE001 -- WorkerError or a channel error: named below
-                raise ConfigError("--workers", f"pod {client.pod_index} at {client.address} is not reachable: "
-                                               f"{exc}") from None
-        if not all(dcn):
-            raise ConfigError("link", f"a pod reports no data-plane address: {dcn}")
-        size = min(max(grad_bytes, PROBE_BYTES_MIN), PROBE_BYTES_MAX)
-        say(f"measuring the link between {len(clients)} pods on their data plane ({args.probe_rounds} timed rounds "
-            f"each):")
+        dcn: list[list[str]] = []
+        for pod in clients:
+            dcn.append([])
+            for client in pod:
+                try:
+                    client.wait_serving(timeout_s=60)
+                    dcn[-1].append(client.status(timeout_s=10).dcn_address)
+                except Exception as exc:    # noqa: BLE001 -- WorkerError or a channel error: named below
+                    raise ConfigError("--workers", f"{client.name} is not reachable: {exc}") from None
+        if not all(a for pod in dcn for a in pod):
+            raise ConfigError("link", f"a pod's host reports no data-plane address: {dcn}")
+        size = min(max(grad_bytes // hosts, PROBE_BYTES_MIN), PROBE_BYTES_MAX)
+        say(f"measuring the link between {len(clients)} pods on their data plane"
+            + (f", all {hosts} hosts of each pod at once" if hosts > 1 else "") + f" ({args.probe_rounds} timed "
+            f"rounds each):")
         lossy = [c for c in args.compressions if c != "none"]
         return measure_link(LinkProber(clients, dcn, args.probe_rounds, timeout_s), size, args.streams,
                             args.chunk_bytes, lossy, say)
     finally:
-        for client in clients:
+        for client in (c for pod in clients for c in pod):
             client.close()
 
 
@@ -201,6 +247,7 @@ def main(args: argparse.Namespace) -> int:
     from multipod.controller.tune.dcn_tuner import (
         calibrations,
         choose,
+        diloco_proposed,
         diloco_reference,
         pick_trials,
         predict,
@@ -214,8 +261,7 @@ def main(args: argparse.Namespace) -> int:
     from multipod.controller.tune.table import write_config
     from multipod.pod_worker.schema import Compression, resolve_overlap
     check_args(args)
-    pods = args.pods if args.pods is not None else (len(args.workers.split(";" if ";" in args.workers else ","))
-                                                    if args.workers else 2)
+    workers, pods, hosts = cluster_shape(args)
     if pods < 2:
         raise ConfigError("--pods", f"tuning the cross-pod sync needs at least 2 pods, got {pods}")
     given: set = set()
@@ -223,22 +269,28 @@ def main(args: argparse.Namespace) -> int:
     if base.data.global_batch % pods:
         raise ConfigError("data.global_batch", f"{base.data.global_batch} does not split over {pods} pods")
     config = prepare(base, vocab_given="model.vocab_size" in given, progress=False).config
+    check_layout(config, pods, hosts, args.devices)
     per_pod = config.data.global_batch // pods
     work = pathlib.Path(args.out).with_suffix("")
     work = work.parent / f"{work.name}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
     work.mkdir(parents=True, exist_ok=True)
-    out(f"tune --dcn: {pods} pods of {args.devices} device(s), {per_pod} sequences x {config.data.seq_len} tokens "
-        f"per pod; runs in {work}")
+    what = f"{hosts} host(s) sharing {args.devices} device(s)" if hosts > 1 else f"{args.devices} device(s)"
+    out(f"tune --dcn: {pods} pods of {what}, {per_pod} sequences x {config.data.seq_len} tokens per pod; runs in "
+        f"{work}")
     grad_bytes = config.model.param_count() * (2 if config.model.param_dtype == "bfloat16" else 4)
-    with pods_for(args, pods, args.devices, work) as addresses:
+    diloco = not args.no_diloco and diloco_proposed(hosts)
+    if not args.no_diloco and not diloco:
+        out(f"no DiLoCo candidates: multipod runs DiLoCo on pods of one host only for now (these have {hosts})")
+    with pods_for(args, workers, pods, hosts, args.devices, work) as addresses:
         link = _measure_link(args, addresses, grad_bytes, args.candidate_timeout, out)
         out(f"measuring one pod's compute with the layout probe (fused and overlapped step, forward alone; "
-            f"{COMPUTE_REPEATS} probes one after another, medians)")
+            f"{COMPUTE_REPEATS} probes one after another, medians)"
+            + (f"; its {hosts} hosts as one process with all {args.devices} devices" if hosts > 1 else ""))
         compute = measure_compute(config, args.devices, per_pod, args.steps, args.candidate_timeout,
                                   repeats=COMPUTE_REPEATS)
         runs = []
         references = [reference(link, False), reference(link, True)]
-        if not args.no_diloco:
+        if diloco:
             references.append(diloco_reference(link, args.trial_steps))
         for choice in references:
             kind = step_kind(choice)
@@ -254,9 +306,9 @@ def main(args: argparse.Namespace) -> int:
             runs.append(run)
         compressions = tuple(Compression(c) for c in args.compressions)
         diloco_overlap = resolve_overlap(config.worker_config(), per_pod)[0]
-        ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=not args.no_diloco,
-                         runs=tuple(runs), diloco_overlap=diloco_overlap)
-        calibrated = calibrations(config, compute, link, pods, args.devices, tuple(runs), diloco_overlap)
+        ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=diloco, runs=tuple(runs),
+                         diloco_overlap=diloco_overlap, hosts_per_pod=hosts)
+        calibrated = calibrations(config, compute, link, pods, args.devices, tuple(runs), diloco_overlap, hosts)
         for kind, (_, _, _, calibration) in calibrated.items():
             out(f"  {kind.value} step overhead beyond compute, update and exchange: "
                 f"{calibration.step_overhead_s * 1e3:.1f} ms (its calibration run's step minus the model's)")
@@ -291,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
         from multipod.controller.tune.dcn_plan_file import plan_document, write_plan_file
         _, _, chip, calibration = calibrated[step_kind(chosen.projection.choice)]
         write_plan_file(args.plan_out, plan_document(config, link, pods, args.devices, chip, calibration,
-                                                     args.netns_rate_gbps if args.netns else None),
+                                                     args.netns_rate_gbps if args.netns else None, hosts),
                         [f"written by `multipod tune --dcn` ({time.strftime('%Y-%m-%d %H:%M')}): this machine's "
                          f"cluster as measured, the cost model's terms calibrated on the run of "
                          f"{step_kind(chosen.projection.choice).value} steps (the chosen candidate's kind)",
@@ -301,6 +353,7 @@ def main(args: argparse.Namespace) -> int:
         out(f"the measured cluster and calibration written to {args.plan_out} (for `multipod plan --from`)")
     flags = f"--netns --netns-rate-gbps {args.netns_rate_gbps} " if args.netns and args.netns_rate_gbps else \
         "--netns " if args.netns else ""
+    layout = f"--hosts-per-pod {hosts} " if hosts > 1 else ""
     out(f"chosen: {dcn_report.describe(chosen.projection)} -> {args.out} (train with `multipod local --pods {pods} "
-        f"--devices-per-pod {args.devices} {flags}--config {args.out}`)")
+        f"{layout}--devices-per-pod {args.devices} {flags}--config {args.out}`)")
     return 0
