@@ -21,7 +21,9 @@ def link_line(link: LinkMeasurement) -> str:
     best = max(link.variants, key=lambda v: v.gbps)
     how = "measured" if link.measured else "given"
     crypto = "" if link.encrypted is None else ", CURVE-encrypted" if link.encrypted else ", unencrypted"
-    return f"link {how}: {best.gbps:.3f} Gb/s each way at best, {link.latency_ms:.2f} ms per exchange round{crypto}"
+    pod = f" per pod (its {link.hosts_per_pod} hosts at once)" if link.hosts_per_pod > 1 else ""
+    return (f"link {how}: {best.gbps:.3f} Gb/s each way{pod} at best, {link.latency_ms:.2f} ms per exchange "
+            f"round{crypto}")
 
 
 def trial_line(trial: Trial) -> str:

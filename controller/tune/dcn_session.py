@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --netns: shape each pod's link to R Gb/s")
     group.add_argument("--netns-subnet", metavar="CIDR", help="with --netns: the run's private IPv4 range")
     group.add_argument("--insecure", action="store_true", help="with --netns: no TLS and no CURVE")
-    group.add_argument("--link-gbps", type=float, help="take the link's rate as given (Gb/s each way per pod) and "
-                                                       "measure no link")
+    group.add_argument("--link-gbps", type=float, help="take the link's rate as given (Gb/s each way per pod, all its "
+                                                       "hosts together) and measure no link")
     group.add_argument("--latency-ms", type=float, help="with --link-gbps: the latency of one exchange round (ms)")
     group.add_argument("--streams", type=parse_int_list, default=[1, 4],
                        help="data-plane streams per peer to measure and try (default 1,4)")
@@ -245,6 +245,7 @@ def main(args: argparse.Namespace) -> int:
     from multipod.controller.tune.dcn_probe import measure_compute
     from multipod.controller.tune.dcn_trials import run_calibration, run_trial
     from multipod.controller.tune.dcn_tuner import (
+        StepKind,
         calibrations,
         choose,
         diloco_proposed,
@@ -309,6 +310,8 @@ def main(args: argparse.Namespace) -> int:
         ranked = predict(config, compute, link, pods, args.devices, compressions, diloco=diloco, runs=tuple(runs),
                          diloco_overlap=diloco_overlap, hosts_per_pod=hosts)
         calibrated = calibrations(config, compute, link, pods, args.devices, tuple(runs), diloco_overlap, hosts)
+        if not diloco:      # no DiLoCo candidate carries it: not reported
+            calibrated.pop(StepKind.DILOCO_INNER)
         for kind, (_, _, _, calibration) in calibrated.items():
             out(f"  {kind.value} step overhead beyond compute, update and exchange: "
                 f"{calibration.step_overhead_s * 1e3:.1f} ms (its calibration run's step minus the model's)")

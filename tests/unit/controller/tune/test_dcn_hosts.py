@@ -135,6 +135,8 @@ def test_tune_dcn_runs_on_workers_of_two_hosts_per_pod(monkeypatch, tmp_path, ca
     assert all(addresses == [["w0a:1", "w0b:1"], ["w1a:1", "w1b:1"]] for _, addresses in calibrated)
     assert [c.sync.diloco for c, _ in calibrated] == [False, False] + ([True] if several else [])
     assert ("no DiLoCo candidates" in printed) is not several
+    assert ("calibrated, DiLoCo inner step" in printed) is several
+    assert "0.100 Gb/s each way per pod (its 2 hosts at once) at best" in printed
     assert "--hosts-per-pod 2 --devices-per-pod 2" in printed
     written = plan.read_text()
     assert "hosts_per_pod = 2" in written and "chips_per_pod = 2" in written
