@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from multipod.pod_worker.diloco_replicas import OuterReplicas, Replica
 from multipod.pod_worker.optimizer import opt_shardings
 from multipod.pod_worker.schema import OuterOptimizer, SyncConfig
 
@@ -72,20 +73,6 @@ class OuterReport:
 
 
 @dataclasses.dataclass
-class Replica:
-    """sync.on_pod_failure = "replay": a failed pod's own inner state (its parameters, AdamW state,
-    step and update count), rebuilt and then trained on by the survivor hosting its slot, which
-    contributes its pseudo-gradients in the slot's place. `deltas`: its pseudo-gradients of outer
-    syncs not yet applied, by sync number (full leaf lists)."""
-    slot: int
-    params: object
-    opt_state: object
-    step: int
-    count: int | None = None
-    deltas: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
 class _Pending:
     sync: int
     fragment: int
@@ -98,7 +85,7 @@ class _Pending:
     extra: dict = dataclasses.field(default_factory=dict)   # hosted replicas' pseudo-gradients, by slot
 
 
-class OuterSync:
+class OuterSync(OuterReplicas):
     """The agreed parameters and the outer optimizer's state of one pod, and its outer steps.
 
     `params` and `shardings`: the trainer's (the agreed copy starts equal to the pods' identical
@@ -266,8 +253,7 @@ class OuterSync:
         for replica in self.replicas.values():
             self._merge(replica, pending.fragment, program["copy"](agreed))
             replica.deltas.pop(pending.sync, None)
-        if self.history_from is not None:
-            self.history.append((pending.sync, pending.apply_at, pending.fragment, [np.asarray(v) for v in agreed]))
+        self._remember(pending.sync, pending.apply_at, pending.fragment, agreed)
         self.applied = pending.sync
         self.version += 1
         seconds = time.perf_counter() - pending.started
@@ -278,58 +264,6 @@ class OuterSync:
         log.debug("outer sync %d (fragment %d) applied: %.3f s, %.3f s exposed, pods %s", pending.sync,
                   pending.fragment, seconds, exposed, pods)
         return leaves, report
-
-    # -- replicas of failed pods (sync.on_pod_failure = "replay") ----------------------------------
-    def _merge(self, replica: Replica, fragment: int, values: list) -> None:
-        """The replica's fragment takes the given agreed values (as the pod's own does)."""
-        leaves = jax.tree.leaves(replica.params)
-        for i, value in zip(self.fragments[fragment], values):
-            leaves[i] = value
-        replica.params = jax.tree.unflatten(self._treedef, leaves)
-
-    def replay_merges(self, replica: Replica) -> None:
-        """After the replica's inner step (its count = replica.step): its pseudo-gradient of a sync
-        starting now that this pod has not applied yet, then the merge of an outer step this pod
-        applied at that count (from the history)."""
-        count = replica.step
-        sync = self.sync_at(count)
-        if sync is not None and sync > self.applied:
-            replica.deltas[sync] = self.replica_delta(replica, sync)
-        for _sync, apply_at, fragment, values in self.history:
-            if apply_at == count:
-                self._merge(replica, fragment, [jax.device_put(v, self._shardings[i])
-                                                for v, i in zip(values, self.fragments[fragment])])
-
-    def check_history(self, since: int) -> None:
-        """ValueError unless the outer steps since `since` inner steps are all in the history."""
-        if self.history_from is None:
-            raise ValueError(f"this pod has saved no checkpoint, so it keeps no outer steps; a replay from step "
-                             f"{since} needs them")
-        if since < self.history_from:
-            raise ValueError(f"this pod keeps the outer steps since step {self.history_from} only, a replay from "
-                             f"step {since} needs them all")
-
-    def trim_history(self, keep_from: int) -> None:
-        """Forget the outer steps applied at or before `keep_from` inner steps (no replay starts before
-        it); the first call (at this pod's first save) starts the history."""
-        if self.history_from is None or keep_from > self.history_from:
-            self.history = [entry for entry in self.history if entry[1] > keep_from]
-            self.history_from = keep_from
-
-    def adopt(self, replica: Replica) -> None:
-        """Host `replica` from now on: its pseudo-gradient joins the pending sync's if that one has
-        not been exchanged yet (its exchange failed: it is exchanged again with it)."""
-        self.replicas[replica.slot] = replica
-        pending = self.pending
-        if pending is not None and pending.sync in replica.deltas:
-            pending.extra = {**pending.extra, replica.slot: replica.deltas[pending.sync]}
-
-    def release(self, slots) -> None:
-        """Stop hosting the replicas of `slots` (their pods are back)."""
-        for slot in list(slots):
-            self.replicas.pop(slot, None)
-            if self.pending is not None:
-                self.pending.extra.pop(slot, None)
 
     # -- the agreed state ------------------------------------------------------------------------
     def agreed_params(self):
