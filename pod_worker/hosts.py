@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 
@@ -142,6 +143,15 @@ class HostBlock:
     def __init__(self, leaf, start: int, stop: int):
         self.leaf, self.start, self.stop = leaf, start, stop
 
+    @property
+    def shape(self) -> tuple[int]:
+        """The block's shape as the exchange sends it (flat), without reading it."""
+        return (self.stop - self.start,)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.leaf.dtype)
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         values = host_value(self.leaf).reshape(-1)[self.start:self.stop]
         return values if dtype is None else values.astype(dtype)
@@ -151,13 +161,17 @@ class Assembler:
     """Puts the summed blocks of every host back together as the pod's gradient: one compiled
     program whose input is one flat array per leaf, sharded over the mesh's data axis so that
     host h's devices hold block h, and whose output has the parameters' shardings (XLA inserts
-    the all-gather over the hosts)."""
+    the all-gather over the hosts).
 
-    def __init__(self, mesh, leaf_shapes: list[tuple[int, ...]], leaf_shardings: list, layout: HostLayout):
+    `align`: every block starts at a multiple of it (the wire codec's scale blocks with int8 and
+    int4: a host's block then quantises in the very blocks one host's whole leaf does)."""
+
+    def __init__(self, mesh, leaf_shapes: list[tuple[int, ...]], leaf_shardings: list, layout: HostLayout,
+                 align: int = 1):
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
-        self.layout = layout
+        self.mesh, self.leaf_shardings, self.layout, self.align = mesh, list(leaf_shardings), layout, align
         self.shapes = [tuple(s) for s in leaf_shapes]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         data = mesh.shape["data"]
@@ -165,14 +179,20 @@ class Assembler:
             raise ValueError(f"the data axis ({data}) must split evenly over the pod's {layout.hosts_per_pod} hosts")
         # Host h holds data rows [h * D/K, (h + 1) * D/K): its block is split over those rows.
         self.rows_per_host = data // layout.hosts_per_pod
+        unit = math.lcm(self.rows_per_host, align)
         self.padded = [-(-size // layout.hosts_per_pod) for size in self.sizes]   # block length
-        self.padded = [-(-p // self.rows_per_host) * self.rows_per_host for p in self.padded]
+        self.padded = [-(-p // unit) * unit for p in self.padded]
         self.flat_sharding = NamedSharding(mesh, P("data"))
         shapes, sizes = self.shapes, self.sizes
 
         def assemble(flats, flags):
             return [f[:n].reshape(s) for f, n, s in zip(flats, sizes, shapes)], jnp.min(flags)
         self._program = jax.jit(assemble, out_shardings=(list(leaf_shardings), NamedSharding(mesh, P())))
+
+    def subset(self, indices: list[int]) -> Assembler:
+        """An Assembler of leaves `indices` only, cut in the same blocks (a DiLoCo fragment's)."""
+        return Assembler(self.mesh, [self.shapes[i] for i in indices], [self.leaf_shardings[i] for i in indices],
+                         self.layout, self.align)
 
     def block(self, index: int) -> tuple[int, int]:
         """The range of leaf `index` this host exchanges (the unpadded part of its block)."""

@@ -25,14 +25,14 @@ import numpy as np
 from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
 from multipod.pod_worker import split
-from multipod.pod_worker.dcn import ExchangeError, LeafSpec
+from multipod.pod_worker.dcn import BLOCK, ExchangeError, LeafSpec
 from multipod.pod_worker.diloco import OuterSync
 from multipod.pod_worker.diloco_trainer import DilocoTrainer
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
 from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
 from multipod.pod_worker.outcome import StepOutcome, StepResult
-from multipod.pod_worker.schema import WorkerConfig
+from multipod.pod_worker.schema import Compression, WorkerConfig
 from multipod.pod_worker.split import Piece, Relay
 from multipod.pod_worker.trainer_programs import TrainerPrograms
 from multipod.pod_worker.trainer_state import TrainerState, fingerprint
@@ -71,8 +71,11 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(self.params)]
         self._treedef = jax.tree.structure(self.params)
         # Several hosts: each exchanges one block of every leaf with its peers on the other pods.
-        self.assembler = (Assembler(self.mesh, [s.shape for s in self.leaf_specs],
-                                    jax.tree.leaves(self.param_sharding), layout) if layout.multi else None)
+        # int8/int4 scale each block of BLOCK values, restarting at every host's block: blocks
+        # that start on that grid decode to the values one host's whole leaves do.
+        blocked = config.exchange_dcn().compression in (Compression.INT8, Compression.INT4)
+        self.assembler = (Assembler(self.mesh, [s.shape for s in self.leaf_specs], jax.tree.leaves(self.param_sharding),
+                                    layout, align=BLOCK if blocked else 1) if layout.multi else None)
         self.outer: OuterSync | None = None     # DiLoCo (sync.mode): the agreed state, set by start_outer
         self._compile()
 
