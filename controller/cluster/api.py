@@ -137,7 +137,10 @@ class PodApi(Protocol):
         ...
 
     def adopt_slot(self, request: pb.AdoptSlotRequest, timeout_s: float) -> pb.AdoptSlotReply:
-        """DiLoCo "replay": host a failed pod's replica (pods of one host only)."""
+        """DiLoCo "replay": host a failed pod's replica."""
+        ...
+
+    def adopt_slot_async(self, request: pb.AdoptSlotRequest, timeout_s: float) -> Pending[pb.AdoptSlotReply]:
         ...
 
     def shutdown(self, timeout_s: float) -> pb.ShutdownReply:

@@ -209,6 +209,9 @@ class WorkerClient(PodApi):
     def adopt_slot(self, request: pb.AdoptSlotRequest, timeout_s: float) -> pb.AdoptSlotReply:
         return self._unary(self.stub.AdoptSlot, "AdoptSlot", request, timeout_s)
 
+    def adopt_slot_async(self, request: pb.AdoptSlotRequest, timeout_s: float) -> PendingCall[pb.AdoptSlotReply]:
+        return self._start(self.stub.AdoptSlot, "AdoptSlot", request, timeout_s)
+
     def shutdown(self, timeout_s: float) -> pb.ShutdownReply:
         return self._unary(self.stub.Shutdown, "Shutdown", pb.ShutdownRequest(), timeout_s)
 

@@ -368,8 +368,12 @@ class PodClient(PodApi):
         return self._start("SendState", self.send_state_requests(request),
                            lambda host, r: host.send_state_async(r, timeout_s))
 
+    def adopt_slot_async(self, request: pb.AdoptSlotRequest, timeout_s: float) -> PodCall[pb.AdoptSlotReply]:
+        # Every host retakes the inner steps together (each puts its row block of the shards).
+        return self._start("AdoptSlot", self._same(request), lambda host, r: host.adopt_slot_async(r, timeout_s))
+
     def adopt_slot(self, request: pb.AdoptSlotRequest, timeout_s: float) -> pb.AdoptSlotReply:
-        raise RunError(f"{self.name}: a pod of several hosts does not run DiLoCo (sync.mode), so it hosts no replica")
+        return self._finish(self.adopt_slot_async(request, timeout_s), timeout_s)
 
     def send_state(self, request: pb.SendStateRequest, timeout_s: float) -> pb.TransferReply:
         return self._finish(self.send_state_async(request, timeout_s), timeout_s)
