@@ -12,6 +12,7 @@ import time
 from multipod.pod_worker import checkpoint
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.errors import Busy, CorruptCheckpoint, InvalidRequest, SaveNotFound, SavePending
+from multipod.pod_worker.hosts import meet
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb
 
@@ -59,6 +60,14 @@ class CheckpointPod:
             # The device arrays themselves: orbax copies what this host owns before submit returns.
             state = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
             if trainer.outer is not None:   # DiLoCo: this pod's own inner state, and the outer state
+                if self.layout.multi and trainer.outer.pending is not None:
+                    # The pending sync's sum is gathered over the pod's hosts for the checkpoint (a
+                    # collective, OuterSync.checkpoint): every host takes this save, or none gathers.
+                    wait = min(setup.config.dcn.timeout_s, deadline - time.monotonic())
+                    try:
+                        meet(f"{setup.run_id}/{setup.epoch}/{step}/save", max(0.1, wait), "save")
+                    except TimeoutError as exc:
+                        raise Busy(f"{self.layout.name(self.pod_index)}: {exc}") from None
                 state["outer"], metadata["outer"] = trainer.outer.checkpoint(setup.config.dcn.timeout_s)
             fp = _state_fingerprint(state)
             path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)

@@ -8,7 +8,9 @@ starts after inner step n * H/F and syncs fragment (n - 1) mod F. A sync:
   1. pseudo-gradient: delta_f = agreed_f - local_f (the fragment's last agreed values minus this
      pod's), on the devices;
   2. the data plane sums every pod's delta_f in pod order, each encoded in sync.outer_dtype and
-     decoded alike on every pod (Exchange.all_reduce on the fragment's leaves, keyed by n);
+     decoded alike on every pod (Exchange.all_reduce on the fragment's leaves, keyed by n; on a
+     pod of several hosts, host h of every pod sums block h of each leaf and the pod's hosts
+     gather the blocks when the step is applied: diloco_hosts.py);
   3. after tau more inner steps (sync.overlap_steps; the exchange runs on a thread meanwhile), the
      outer optimizer (optax SGD, Nesterov or not) steps agreed_f with the mean, and the pod's
      fragment takes the new agreed values.
@@ -34,7 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from multipod.pod_worker.diloco_hosts import HostFragments
 from multipod.pod_worker.diloco_replicas import OuterReplicas, Replica
+from multipod.pod_worker.hosts import host_value, start_host_copy
 from multipod.pod_worker.optimizer import opt_shardings
 from multipod.pod_worker.schema import OuterOptimizer, SyncConfig
 
@@ -83,15 +87,18 @@ class _Pending:
     full: list | None = None                        # the pseudo-gradient, by leaf index (None: restored)
     link: object = None                             # the all_reduce it was exchanged on
     extra: dict = dataclasses.field(default_factory=dict)   # hosted replicas' pseudo-gradients, by slot
+    whole: bool = True      # result holds whole leaves; False: this host's blocks, to gather (several hosts)
 
 
 class OuterSync(OuterReplicas):
     """The agreed parameters and the outer optimizer's state of one pod, and its outer steps.
 
     `params` and `shardings`: the trainer's (the agreed copy starts equal to the pods' identical
-    initial parameters); `scalar_sharding`: where a scalar of the outer state lives."""
+    initial parameters); `scalar_sharding`: where a scalar of the outer state lives; `assembler`:
+    a pod of several hosts' (hosts.Assembler): each host exchanges its blocks (diloco_hosts.py)."""
 
-    def __init__(self, sync: SyncConfig, params, shardings, scalar_sharding, num_layers: int, num_pods: int):
+    def __init__(self, sync: SyncConfig, params, shardings, scalar_sharding, num_layers: int, num_pods: int,
+                 assembler=None):
         self.sync, self.num_pods = sync, num_pods
         self._scalar_sharding = scalar_sharding
         self.fragments = fragment_leaves(params, num_layers, sync.fragments)
@@ -113,6 +120,8 @@ class OuterSync(OuterReplicas):
         # None): a run without checkpoints would otherwise hold a copy of the model every H steps.
         self.history: list[tuple[int, int, int, list[np.ndarray]]] = []
         self.history_from: int | None = None
+        self.hosts = None if assembler is None else HostFragments(assembler, self.fragments,
+                                                                  [leaf.dtype for leaf in self.agreed])
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
 
     def _compile(self, leaves: list[int]) -> dict:
@@ -188,11 +197,16 @@ class OuterSync(OuterReplicas):
         indices = self.fragments[fragment]
         delta = self._programs[fragment]["delta"]([self.agreed[i] for i in indices], [leaves[i] for i in indices])
         for value in delta:
-            value.copy_to_host_async()
+            start_host_copy(value)
         full = self._full(delta, indices, len(leaves))
         extra = {slot: self.replica_delta(replica, sync) for slot, replica in sorted(self.replicas.items())}
         self.pending = _Pending(sync, fragment, count, count + self.sync.overlap_steps, time.perf_counter(),
-                                self._submit(all_reduce, sync, full, indices, extra), full, all_reduce, extra)
+                                self._submit(all_reduce, sync, full, indices, extra), full, all_reduce, extra,
+                                self._whole(all_reduce))
+
+    def _whole(self, all_reduce: Callable | None) -> bool:
+        """Whether an exchange on `all_reduce` gives whole leaves (or this host's blocks, to gather)."""
+        return self.hosts is None or all_reduce is None
 
     @staticmethod
     def _full(values: list, indices: list[int], size: int) -> list:
@@ -214,6 +228,8 @@ class OuterSync(OuterReplicas):
                 ) -> concurrent.futures.Future:
         if all_reduce is None:
             return _done(([full[i] for i in indices], None, (0,)))
+        if self.hosts is not None:
+            full, extra = self.hosts.blocks(full), {slot: self.hosts.blocks(d) for slot, d in extra.items()}
         return self._thread.submit(self._exchange, all_reduce, sync, full, indices, extra)
 
     @staticmethod
@@ -234,14 +250,17 @@ class OuterSync(OuterReplicas):
             concurrent.futures.wait([pending.result])
             pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment],
                                           pending.extra)
-            pending.link = all_reduce
+            pending.link, pending.whole = all_reduce, self._whole(all_reduce)
         wait_start = time.perf_counter()
-        summed, stats, pods = pending.result.result()    # the exchange has its own deadline (dcn.timeout_s)
-        self.pending = None
+        summed, stats, pods = self._result(pending, None)    # the exchange has its own deadline (dcn.timeout_s)
         exposed = time.perf_counter() - wait_start
         indices = self.fragments[pending.fragment]
         program = self._programs[pending.fragment]
-        summed = [jax.device_put(value, self._shardings[i]) for value, i in zip(summed, indices)]
+        if pending.whole:
+            summed = [jax.device_put(value, self._shardings[i]) for value, i in zip(summed, indices)]
+        elif self.hosts is not None:    # raises on every host if one host's exchange failed: pending stays
+            summed = self.hosts.gather(pending.fragment, summed)
+        self.pending = None
         agreed, self.states[pending.fragment] = program["update"]([self.agreed[i] for i in indices],
                                                                   self.states[pending.fragment], summed,
                                                                   np.float32(len(pods)))
@@ -284,7 +303,9 @@ class OuterSync(OuterReplicas):
         meta: dict = {"pending": None}
         pending = self.pending
         if pending is not None:
-            summed, stats, pods = pending.result.result(timeout=timeout_s)
+            summed, stats, pods = self._result(pending, timeout_s)
+            if not pending.whole and self.hosts is not None:   # whole leaves, gathered now (every host saves)
+                summed, pending.whole = [host_value(v) for v in self.hosts.gather(pending.fragment, summed)], True
             pending.result = _done((summed, stats, pods))
             arrays["pending"] = [np.asarray(value) for value in summed]
             meta["pending"] = {"sync": pending.sync, "fragment": pending.fragment,
@@ -305,7 +326,8 @@ class OuterSync(OuterReplicas):
         """Replace the outer state with a checkpoint's (restore_target's shape), taken after
         `count` inner steps; the replicas and the history start afresh."""
         self.agreed = [jax.device_put(value, sharding) for value, sharding in zip(arrays["agreed"], self._shardings)]
-        self.states = jax.tree.unflatten(jax.tree.structure(self.states), list(arrays["states"]))
+        self.states = jax.tree.unflatten(jax.tree.structure(self.states), [  # laid out as the pod's (several hosts)
+            jax.device_put(new, old.sharding) for new, old in zip(arrays["states"], jax.tree.leaves(self.states))])
         self.pending = None
         pending = (meta or {}).get("pending")
         if pending:
@@ -316,6 +338,16 @@ class OuterSync(OuterReplicas):
         self.applied = self.pending.sync - 1 if self.pending is not None else count // self.sync.period
         self.replicas, self.history, self.history_from = {}, [], count
         self.version += 1
+
+    def _result(self, pending: _Pending, timeout_s: float | None) -> tuple:
+        """The pending sync's exchange result; if it failed, this host still takes part in the
+        gather of a pod of several hosts (the others wait for it there) before raising."""
+        try:
+            return pending.result.result(timeout=timeout_s)
+        except BaseException:
+            if not pending.whole and self.hosts is not None:
+                self.hosts.take_part(pending.fragment)
+            raise
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

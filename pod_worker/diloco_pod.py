@@ -15,7 +15,8 @@ import time
 import numpy as np
 
 from multipod.pod_worker.dcn import Exchange, ExchangeStats
-from multipod.pod_worker.errors import InvalidRequest
+from multipod.pod_worker.errors import Busy, InvalidRequest
+from multipod.pod_worker.hosts import meet
 from multipod.pod_worker.outcome import StepOutcome
 from multipod.pod_worker.schema import OuterFailure
 from multipod.pod_worker.trainer import fingerprint
@@ -80,8 +81,17 @@ class DilocoPod:
             raise InvalidRequest(f"pod {self.pod_index} does not host slot {slot} (hosts "
                                  f"{list(setup.hosts) if setup.hosts else 'all healthy'})")
         with self.seq.hold("a replay of a failed pod's inner steps", deadline):
-            trainer = self.setup().trainer
+            setup = self.setup()
+            trainer = setup.trainer
             state, _ = self._read_checkpoint(trainer, path)
+            if self.layout.multi:
+                # The inner steps' programs sum over the pod's hosts: every host takes this replay
+                # (its part of the checkpoint read), or none starts it.
+                wait = min(setup.config.dcn.timeout_s, deadline - time.monotonic())
+                try:
+                    meet(f"{setup.run_id}/{setup.epoch}/{trainer.step}/adopt/{slot}", max(0.1, wait), "replay")
+                except TimeoutError as exc:
+                    raise Busy(f"{self.layout.name(self.pod_index)}: {exc}") from None
             try:
                 replica = trainer.replay(slot, state["params"], state["opt_state"], int(state["step"]), batches)
             except ValueError as exc:

@@ -23,13 +23,10 @@ class DilocoTrainer:
 
     def start_outer(self, num_pods: int) -> None:
         """DiLoCo mode (sync.mode = "diloco") for a run of num_pods pods: from now on the steps are
-        inner steps and the outer syncs of pod_worker/diloco.py follow them (outer_step)."""
-        if self.layout.multi:
-            from multipod.model.config import ConfigError
-            raise ConfigError("sync.mode", "DiLoCo runs on pods of one host each for now (this pod has "
-                                           f"{self.layout.hosts_per_pod} hosts)")
+        inner steps and the outer syncs of pod_worker/diloco.py follow them (outer_step). On a pod
+        of several hosts each host exchanges its blocks of a fragment (pod_worker/diloco_hosts.py)."""
         self.outer = OuterSync(self.config.sync, self.params, self.param_sharding, self.scalar_sharding,
-                               self.config.model.n_layers, num_pods)
+                               self.config.model.n_layers, num_pods, self.assembler)
         self._outer_checksum = jax.jit(programs.state_checksum, out_shardings=self.scalar_sharding)
 
     def outer_step(self, all_reduce) -> OuterReport | None:
@@ -80,8 +77,12 @@ class DilocoTrainer:
                              f"{step + len(batches)}, this pod is at step {self.step}")
         replica = Replica(slot, jax.device_put(params, self.param_sharding),
                           jax.device_put(opt_state, self.opt_sharding), int(step))
+        # The batches are the slot's whole shards; a host of a pod of several puts its row block
+        # on its devices, as the controller cuts a step's shards.
+        k, h = self.layout.hosts_per_pod, self.layout.host_index
         for tokens in batches:
-            self.inner_step_on(replica, self.put_batch(tokens))
+            rows = len(tokens) // k
+            self.inner_step_on(replica, self.put_batch(tokens[h * rows:(h + 1) * rows]))
             self.outer.replay_merges(replica)
         self.outer.adopt(replica)
         return replica

@@ -252,15 +252,16 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
                pieces: list[Piece] | None = None) -> StepOutcome:
         trainer, exchange = setup.trainer, self.exchange
         faults.hang_if_asked(self.pod_index, step)     # test hook (pod_worker/faults.py)
-        if trainer.outer is not None:
-            return self._train_inner(setup, step, on_device, take_fingerprint, extra, pieces)
         if self.layout.multi:
-            # Every host of the pod starts this very step, or none runs it (see hosts.meet).
+            # Every host of the pod starts this very step, or none runs it (see hosts.meet). A
+            # DiLoCo inner step too: its gradient program sums over the hosts.
             wait = min(setup.config.dcn.timeout_s, (deadline or time.monotonic() + 60) - time.monotonic())
             try:
                 meet(f"{setup.run_id}/{setup.epoch}/{step}", max(0.1, wait))
             except TimeoutError as exc:
                 raise StepAborted(f"{self.layout.name(self.pod_index)}: step {step}: {exc}") from None
+        if trainer.outer is not None:
+            return self._train_inner(setup, step, on_device, take_fingerprint, extra, pieces)
         exchange.inbox.set_next_step(step)
         all_reduce = None
         if setup.num_pods > 1:
