@@ -52,9 +52,9 @@ DILOCO_INNER_STEPS = (10, 20, 50, 100)
 DILOCO_FRAGMENTS = (1, 2, 4)
 DILOCO_OUTER_DTYPES = (OuterDtype.FLOAT32, OuterDtype.INT8, OuterDtype.INT4)
 _LOSSINESS = {"none": 0, "float32": 0, "bf16": 1, "int8": 2, "int4": 3}
-# pod_worker/diloco_trainer.py (start_outer) refuses sync.mode = "diloco" on pods of several hosts for now: the plan
-# proposes DiLoCo only for pods of one host until this is True.
-DILOCO_ON_SEVERAL_HOSTS = False
+# sync.mode = "diloco" runs on pods of several hosts too (each host exchanges its block of a fragment:
+# pod_worker/diloco_hosts.py), so the plan proposes DiLoCo whatever the pod's host count.
+DILOCO_ON_SEVERAL_HOSTS = True
 
 
 def check_number(name: str, value, low: float = 0.0, strict: bool = True) -> None:
