@@ -2,15 +2,18 @@
 stopped with an outer sync pending and resumed, against the uninterrupted run: every pod's own
 final checkpoint (its inner state and the outer state) is bitwise the uninterrupted run's, and
 metrics.jsonl records the outer steps at their places in the schedule with the data plane's bytes
-at those steps only."""
+at those steps only. DiLoCo on 2 pods of 2 hosts is bitwise DiLoCo on 2 pods of one host with 2
+devices; a dead pod is dropped from the outer steps or replayed bitwise."""
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import pathlib
 
 from multipod.pod_worker import checkpoint
 from tests.e2e.pod_failure import kill_and_finish
 from tests.e2e.test_recovery import _current_pid, _events, _Live
-from tests.helpers import TINY, read_metrics, run_cli
+from tests.helpers import TINY, read_evals, read_metrics, run_cli
 
 # H = 4, two fragments: an outer sync starts every 2 inner steps; tau = 1, so each applies one
 # step later. Checkpoints every 3 steps: step 6's holds a pending sync (started after 6 steps).
@@ -50,6 +53,40 @@ def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path):
     assert all(r["dcn_bytes_sent"] == 0 for s, r in records.items() if s not in outer)
     resumed = {r["step"]: r for r in read_metrics(part)}
     assert {s: r["loss"] for s, r in resumed.items()} == {s: r["loss"] for s, r in records.items()}
+
+
+def test_diloco_on_pods_of_two_hosts_trains_bitwise_like_one_host_with_both_devices(tmp_path):
+    """2 pods of 2 hosts (each host exchanges its half of a fragment with the same host of the other
+    pod; the pod's hosts gather the halves) against 2 pods of one host with 2 devices, int4 outer
+    gradients: every step's loss and agreed-state checksum, the outer steps, the evaluation, the
+    closing sample and every pod's own final checkpoint (which holds a sync pending: sync 4 starts
+    after the last step) are bitwise alike."""
+    sets = [arg for setting in [*SYNC[:5], "dcn.timeout_s=30", "run.step_timeout_s=90"] for arg in ("--set", setting)]
+    layouts = {"hosts": ("--hosts-per-pod", "2", "--devices-per-host", "1"), "single": ("--devices-per-pod", "2")}
+
+    def train(name: str):
+        return run_cli("local", "--pods", "2", *layouts[name], "--config", TINY, "--steps", "8", *sets,
+                       "--run-dir", str(tmp_path / name), timeout=600)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = dict(zip(layouts, pool.map(train, layouts)))
+    for name, result in done.items():
+        assert result.returncode == 0, f"{name}: " + result.stderr[-3000:]
+    hosts, single = (read_metrics(tmp_path / name) for name in layouts)
+    fields = ("step", "loss", "checksums", "outer_sync", "outer_fragment", "outer_pods")
+    assert [[r.get(f) for f in fields] for r in hosts] == [[r.get(f) for f in fields] for r in single]
+    assert {r["step"]: r["outer_sync"] for r in hosts if r.get("outer_sync")} == {2: 1, 4: 2, 6: 3}
+    assert len({r["checksums"][0] for r in hosts}) == 4 and all(len(set(r["checksums"])) == 1 for r in hosts)
+    for a, b in zip(hosts, single):     # each host sends its block: about half of the pod's bytes
+        assert (a["dcn_bytes_sent"] > 0) == (b["dcn_bytes_sent"] > 0), a["step"]
+        assert a["dcn_bytes_sent"] < 0.6 * b["dcn_bytes_sent"] or b["dcn_bytes_sent"] == 0, a["step"]
+    evals = [[(e["trained_steps"], e["eval_loss"], e["eval_tokens"]) for e in read_evals(tmp_path / name)]
+             for name in layouts]
+    assert evals[0] == evals[1] and [e[0] for e in evals[0]] == [8]
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in layouts]
+    assert summaries[0]["sample"] and summaries[0]["sample"] == summaries[1]["sample"]
+    assert summaries[0]["checksum"] == summaries[1]["checksum"]
+    assert checkpoint.read_metadata(str(tmp_path / "hosts" / "checkpoints" / "pod-0" / "8"))["outer"]["pending"]
+    assert _final_fingerprints(tmp_path / "hosts", 8) == _final_fingerprints(tmp_path / "single", 8)
 
 
 def _failure_args(policy: str, steps: int, *extra: str) -> tuple[str, ...]:
