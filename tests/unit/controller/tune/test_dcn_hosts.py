@@ -4,7 +4,8 @@ is asked for its data-plane address and probes with the same host of the other p
 model counts the pod's hosts (the streams' window cap, no DiLoCo unless
 cost.DILOCO_ON_SEVERAL_HOSTS, and then no DiLoCo calibration run either), and --plan-out writes
 the real hosts per pod. The training runs are faked too: the tests of what they measure are
-test_dcn_tuner.py's."""
+test_dcn_tuner.py's. The workers' side: real worker servers of pods of two hosts, in this process,
+probed by the tuner's own code."""
 from __future__ import annotations
 
 import pytest
@@ -140,3 +141,40 @@ def test_tune_dcn_runs_on_workers_of_two_hosts_per_pod(monkeypatch, tmp_path, ca
     assert "--hosts-per-pod 2 --devices-per-pod 2" in printed
     written = plan.read_text()
     assert "hosts_per_pod = 2" in written and "chips_per_pod = 2" in written
+
+
+@pytest.fixture(scope="module")
+def two_host_pods():
+    """2 pods of 2 hosts as real worker servers in this process: each host with its HostLayout and
+    data-plane listener, without the pod's jax.distributed cluster (ProbeLink does not use it)."""
+    from multipod.pod_worker.hosts import HostLayout
+    from multipod.pod_worker.server import start_server
+    from multipod.protos.channels import Security, default_security, set_default_security
+    before = default_security()
+    set_default_security(Security())
+    started = [[start_server(pod, "127.0.0.1:0", Security(),
+                             layout=HostLayout(host_index=h, hosts_per_pod=2, coordinator=f"127.0.0.1:{pod + 1}"))
+                for h in range(2)] for pod in range(2)]
+    yield started
+    for server, service, _, _ in (s for pod in started for s in pod):
+        server.stop(0)
+        service.pod.close()
+    set_default_security(before)
+
+
+def test_the_workers_of_pods_of_two_hosts_probe_host_to_host_over_their_data_planes(two_host_pods, capsys):
+    addresses = [[f"127.0.0.1:{port}" for _, _, _, port in pod] for pod in two_host_pods]
+    args = _args("--streams", "1", "--chunk-bytes", "1MiB", "--compressions", "none", "--probe-rounds", "2")
+    dcn_session.check_args(args)
+    link = dcn_session._measure_link(args, addresses, 2 * (1 << 20), timeout_s=30, say=print)
+    printed = capsys.readouterr().out
+    assert link.measured and link.hosts_per_pod == 2 and link.encrypted is False
+    assert link.probe_bytes == 4 << 20          # each host's block, at least the probe's minimum
+    assert len(link.host_gbps) == 2 and all(g > 0 for g in link.host_gbps)
+    (variant,) = link.variants
+    assert variant.gbps == pytest.approx(2 * min(link.host_gbps), rel=1e-6)
+    enc = link.encryption
+    assert enc is not None and [(h.pod, h.host_index) for h in enc.hosts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert "all 2 hosts of each pod at once" in printed
+    # No host keeps a prepared probe holding its listener: every probe that was prepared also ran.
+    assert all(service.pod._probe is None for pod in two_host_pods for _, service, _, _ in pod)
