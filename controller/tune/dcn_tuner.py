@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 # The gather of a pod's summed blocks over its hosts (cost.assembly_time) is not measured apart: with
 # an ICI this fast the model counts it as nothing, and what it costs is inside the calibration runs'
 # step overhead (each every-step candidate gathers the same float32 sum, whatever its compression).
+# DiLoCo's gather of a fragment, once per outer sync, is left out with it (amortised over H/F steps).
 ICI_GBPS = 1e6
 
 
