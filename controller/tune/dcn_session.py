@@ -78,10 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trial-steps", type=int, default=12, help="steps of each trial run (default 12)")
     group.add_argument("--warmup-steps", type=int, default=2, help="first steps of a trial not timed (default 2)")
     group.add_argument("--max-trial-steps", type=int, default=60,
-                       help="a DiLoCo trial trains the warm-up, its first outer sync untimed (it compiles the "
-                            "outer programs: one period and the overlap steps after it) and two or more timed "
-                            "periods (at least --trial-steps in all); candidates that would need more are not "
-                            "run (default 60)")
+                       help="a DiLoCo trial trains the warm-up, each fragment's first outer sync untimed (it "
+                            "compiles the fragment's outer programs: H steps and the overlap steps after them) "
+                            "and two or more timed periods (at least --trial-steps in all); candidates that "
+                            "would need more are not run (default 60)")
     group.add_argument("--allow-lossy", action="store_true",
                        help="may choose a candidate that changes the math (compression, DiLoCo)")
     group.add_argument("--plan-out", metavar="FILE",
@@ -318,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
         trials = pick_trials(ranked, args.run_exact, args.run_lossy, max_steps=args.max_trial_steps,
                              steps=args.trial_steps, warmup=args.warmup_steps)
         out(f"{len(ranked)} candidates predicted; running {len(trials)} for {args.trial_steps} steps each "
-            f"(a DiLoCo one longer: its first period of outer syncs untimed, then two or more timed)")
+            f"(a DiLoCo one longer: each fragment's first outer sync untimed, then two or more periods timed)")
         ran = []
         for i, projection in enumerate(trials):
             steps = trial_steps(projection.choice, args.trial_steps, args.warmup_steps)

@@ -218,10 +218,12 @@ def describe(p: cost.Projection) -> str:
 
 def trial_warmup(choice: cost.SyncChoice, warmup: int) -> int:
     """The first steps of a candidate's trial that are not timed: `warmup`, and for DiLoCo also
-    its first outer sync, which compiles the outer programs (measured: 0.3 and 0.8 s on the tiny
-    model's first sync, 20-36 ms on the next; 1.5 s on the bench model): the first period, and
-    the overlap_steps after it, at whose end that sync is applied."""
-    return warmup + (choice.sync.period + choice.sync.overlap_steps if choice.sync.diloco else 0)
+    the first outer sync of every fragment, each of which compiles its fragment's outer programs
+    (measured: 0.3 and 0.8 s on the tiny model's first sync, 20-36 ms on the next; 1.5 s on the
+    bench model; on 2 pods of 2 hosts, H=10 F=2, fragment 1's first sync cost 0.7 s where it
+    started and 1.9 s where it was applied, its next ones nothing visible): the first F periods
+    (H inner steps), and the overlap_steps after them, at whose end the last of them is applied."""
+    return warmup + (choice.sync.inner_steps + choice.sync.overlap_steps if choice.sync.diloco else 0)
 
 
 def trial_steps(choice: cost.SyncChoice, steps: int, warmup: int) -> int:

@@ -99,7 +99,7 @@ def test_the_lossy_tier_is_chosen_only_when_allowed_and_faster_and_carries_its_l
     assert trials[0].prediction_error == pytest.approx((trials[0].projection.step_s - 0.040) / 0.040)
 
 
-def test_a_diloco_trial_times_whole_periods_of_its_outer_syncs_after_its_first():
+def test_a_diloco_trial_times_whole_periods_of_its_outer_syncs_after_each_fragment_s_first():
     ranked = predict(config(), COMPUTE, link(0.01), 2, 2)
     every_step = next(p.choice for p in ranked if not p.choice.sync.diloco)
     assert (trial_steps(every_step, 12, 2), trial_warmup(every_step, 2)) == (12, 2)
@@ -108,14 +108,17 @@ def test_a_diloco_trial_times_whole_periods_of_its_outer_syncs_after_its_first()
         if p.choice.sync.diloco:
             by_period.setdefault(p.choice.sync.period, p.choice)
     assert {5, 10, 25} <= set(by_period)
-    # The warm-up and the first outer sync untimed (it compiles the outer programs; it is applied
-    # tau steps after its period ends), then two or more whole periods timed.
-    five = dataclasses.replace(by_period[5], sync=dataclasses.replace(by_period[5].sync, overlap_steps=2))
-    assert trial_warmup(five, 2) == 2 + 5 + 2
-    assert trial_steps(five, 12, 2) == 9 + 2 * 5
-    assert trial_steps(five, 30, 2) == 9 + 5 * 5         # 21 steps left after 9: 5 periods
+    # The warm-up and every fragment's first outer sync untimed (each compiles its fragment's outer
+    # programs; the last is applied tau steps after the F-th period ends), then two or more whole
+    # periods timed.
+    ten_two = next(p.choice for p in ranked if p.choice.sync.diloco and p.choice.sync.inner_steps == 10
+                   and p.choice.sync.fragments == 2)
+    five = dataclasses.replace(ten_two, sync=dataclasses.replace(ten_two.sync, overlap_steps=2))
+    assert five.sync.period == 5 and trial_warmup(five, 2) == 2 + 10 + 2
+    assert trial_steps(five, 12, 2) == 14 + 2 * 5
+    assert trial_steps(five, 30, 2) == 14 + 4 * 5         # 16 steps left after 14: 4 periods
     twenty_five = dataclasses.replace(by_period[25], sync=dataclasses.replace(by_period[25].sync, overlap_steps=0))
-    assert trial_steps(twenty_five, 12, 2) == 27 + 2 * 25
+    assert trial_steps(twenty_five, 12, 2) == 2 + twenty_five.sync.inner_steps + 2 * 25
     # --max-trial-steps bounds the trial as it will run.
     picked = pick_trials(ranked, 0, len(ranked), max_steps=60, steps=12, warmup=2)
     assert picked and all(trial_steps(p.choice, 12, 2) <= 60 for p in picked)
