@@ -48,13 +48,13 @@ def _shards(replies) -> list:
 
 
 def step_record(step: int, replies, step_time_s: float, accounting: Accounting, *, hosts: list[int] | None = None,
-                data_index: int, epoch: float, skipped_steps: int, restarts: int,
+                data_index: int, epoch: float, skipped_steps: int, restarts: int, hot_swaps: int = 0,
                 partial_loss: bool = False) -> StepRecord:
     """The record of one step from every live pod's StepReply: the loss over all shards' tokens
     (summed in slot order, so a degraded step reports the very loss a healthy one would), the
     slowest pod's phase timings, throughput, MFU/HFU (None without a peak), which pod computed
     which shard (`hosts`, by slot; None: each pod its own), and where the step stands in the run
-    (data_index, epoch, skipped_steps, restarts, partial_loss: see StepRecord)."""
+    (data_index, epoch, skipped_steps, restarts, hot_swaps, partial_loss: see StepRecord)."""
     shards = _shards(replies)
     tokens = sum(r.tokens for r in shards)
     tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
@@ -84,7 +84,7 @@ def step_record(step: int, replies, step_time_s: float, accounting: Accounting, 
         mfu=mfu(tokens_per_s, flops_per_token, peak, devices), hardware_flops_per_token=hw_per_token,
         hfu=mfu(tokens_per_s, hw_per_token, peak, devices) if hw_per_token else None, time=time.time(),
         data_index=data_index, epoch=epoch, skipped_steps=skipped_steps, restarts=restarts,
-        partial_loss=partial_loss, **_outer_fields(replies))
+        hot_swaps=hot_swaps, partial_loss=partial_loss, **_outer_fields(replies))
 
 
 def _outer_fields(replies) -> dict:
@@ -242,11 +242,13 @@ class ProgressLine:
     def update(self, record: StepRecord) -> None:
         live, slots = record.live_pods, len(record.hosts)
         degraded = f"  degraded {live}/{slots} pods" if live < slots else ""
+        swapped = f"  hot-swapped {record.hot_swaps}" if record.hot_swaps else ""
         stats = (f"loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
                  f"MFU {_fmt(record.mfu, '.1%')}  HFU {_fmt(record.hfu, '.1%')}  "
-                 f"step {record.step_time_s:.2f}s  epoch {record.epoch:.2f}{degraded}")
-        changed = live != getattr(self, "_live", live)     # a pod failed or rejoined: say so at once
-        self._live = live
+                 f"step {record.step_time_s:.2f}s  epoch {record.epoch:.2f}{degraded}{swapped}")
+        # A pod failed, rejoined or was replaced by a spare: say so at once.
+        changed = (live, record.hot_swaps) != getattr(self, "_membership", (live, record.hot_swaps))
+        self._membership = (live, record.hot_swaps)
         if self._progress is not None:
             self._progress.update(self._task, completed=record.step + 1, stats=stats)
         elif time.monotonic() - self._last_print > 5 or record.step + 1 == self.total or changed:

@@ -78,6 +78,7 @@ class StepRecord:
     epoch: float                # epochs of the training split done after this step
     skipped_steps: int          # steps of the run skipped so far, this one included
     restarts: int               # pod failures the run had recovered from when the step ran
+    hot_swaps: int = 0          # failed slots taken by a spare at another address before the step ran
     # A step the survivors finished while a pod failed: loss and tokens count only the shards
     # whose results came back; its state is checked as any step's.
     partial_loss: bool = False

@@ -199,7 +199,8 @@ class StepLoop:
         return step_record(step, replies, step_time_s, self.accounting, hosts=hosts, data_index=index,
                            epoch=self.batches.epoch(index),
                            skipped_steps=self.recorder.note_skipped(step, replies[0].skipped),
-                           restarts=self._restarts, partial_loss=partial_loss)
+                           restarts=self._restarts, partial_loss=partial_loss,
+                           hot_swaps=self.failover.hot_swaps if self.failover is not None else 0)
 
     def _complete(self, step: int, who: tuple, calls: list) -> None:
         """Wait for one step's replies (watching the pods meanwhile), check and record it."""

@@ -261,6 +261,10 @@ def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_pa
     assert swap["slot"] == 1 and swap["new_address"] == spare_at != swap["old_address"]
     assert swap["bytes"] > 0 and 10 < swap["step"] <= REJOIN_BY
     assert f"hot-swap: slot 1 trains again at {spare_at}" in out
+    # The progress line shows it from the swap on, and so do the step records.
+    assert re.search(r"^step \d+/\d+ .*hot-swapped 1$", out, re.MULTILINE), out
+    swaps = [r["hot_swaps"] for r in records]
+    assert swaps == sorted(swaps) and swaps[0] == 0 and swaps[-1] == 1
     # The killed worker was not started again: slot 1 is the spare's from then on.
     assert len(re.findall(r"serving on", (run_dir / "worker-1.log").read_text())) == 1
     assert "pod 1: a spare takes this slot" in (run_dir / "spare-0.log").read_text()

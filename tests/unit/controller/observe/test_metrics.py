@@ -80,3 +80,26 @@ def test_metrics_jsonl_holds_one_line_per_step_and_per_evaluation(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and StepRecord.from_json(lines[0]) == record
     assert json.loads(lines[1]) == {"step": 0, "trained_steps": 1, "eval_loss": 2.7}
+
+
+def test_the_progress_line_shows_a_hot_swap_at_once_and_keeps_showing_it(capsys):
+    # Off a terminal the line prints every 5 s, but at once when the membership changes: a pod
+    # lost (degraded), back, or its slot taken by a spare (hot_swaps, counted in the record).
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from multipod.controller.observe.metrics import ProgressLine
+    progress = ProgressLine(10, console=Console(file=io.StringIO(), force_terminal=False))
+    healthy = step_record(0, _replies(), 2.0, Accounting(model_flops_per_token=6.0), **POSITION)
+    assert healthy.hot_swaps == 0
+    progress.update(healthy)                                     # the first line
+    progress.update(dataclasses.replace(healthy, step=1))        # within 5 s: not printed
+    progress.update(dataclasses.replace(healthy, step=2, hot_swaps=1))
+    progress.update(dataclasses.replace(healthy, step=3, hot_swaps=1))   # unchanged: not printed
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["1/10", "3/10"]
+    assert "hot-swapped" not in lines[0] and lines[1].endswith("hot-swapped 1")
+    swapped = step_record(4, _replies(), 2.0, Accounting(model_flops_per_token=6.0), **POSITION, hot_swaps=2)
+    assert swapped.hot_swaps == 2 and StepRecord.from_json(swapped.to_json()).hot_swaps == 2
