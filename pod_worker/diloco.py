@@ -38,6 +38,7 @@ import optax
 
 from multipod.pod_worker.diloco_hosts import HostFragments
 from multipod.pod_worker.diloco_replicas import OuterReplicas, Replica
+from multipod.pod_worker.diloco_warmup import OuterWarmUp
 from multipod.pod_worker.hosts import host_value, start_host_copy
 from multipod.pod_worker.optimizer import opt_shardings
 from multipod.pod_worker.schema import OuterOptimizer, SyncConfig
@@ -90,7 +91,7 @@ class _Pending:
     whole: bool = True      # result holds whole leaves; False: this host's blocks, to gather (several hosts)
 
 
-class OuterSync(OuterReplicas):
+class OuterSync(OuterReplicas, OuterWarmUp):
     """The agreed parameters and the outer optimizer's state of one pod, and its outer steps.
 
     `params` and `shardings`: the trainer's (the agreed copy starts equal to the pods' identical

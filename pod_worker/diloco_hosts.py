@@ -24,7 +24,7 @@ class HostFragments:
     `dtypes`: every leaf's dtype."""
 
     def __init__(self, assembler: Assembler, fragments: list[list[int]], dtypes: list[np.dtype]):
-        self.assembler = assembler
+        self.assembler, self.fragments = assembler, fragments
         self._gathers = [assembler.subset(leaves) for leaves in fragments]
         self._dtypes = [[np.dtype(dtypes[i]) for i in leaves] for leaves in fragments]
 
@@ -45,6 +45,12 @@ class HostFragments:
                                 f"{'this host' if summed is None else 'another host of this pod'}: the outer step "
                                 f"is not applied on any host")
         return leaves
+
+    def zeros(self, fragment: int) -> list[np.ndarray]:
+        """This host's blocks of `fragment`'s leaves as zeros, shaped as its exchange's sum (the
+        configure-time warm-up gathers them: diloco_warmup.py)."""
+        return [np.zeros(b - a, dtype) for (a, b), dtype in
+                zip((self.assembler.block(i) for i in self.fragments[fragment]), self._dtypes[fragment])]
 
     def take_part(self, fragment: int) -> None:
         """The gather of a host whose exchange failed: it takes part, so that no other host of the

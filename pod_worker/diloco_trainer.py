@@ -1,8 +1,9 @@
 """A PodTrainer's DiLoCo part (sync.mode = "diloco"), a mixin of PodTrainer (trainer.py): the outer
-sync it starts and steps after the inner steps (pod_worker/diloco.py OuterSync), the snapshot that
-undoes a step whose outer exchange failed, the replay of a failed pod's inner steps on a Replica
-(sync.on_pod_failure = "replay"), and what the other parts read of the agreed state (the exchange
-key, the agreed parameters, the outer arrays a checkpoint or a rejoining peer takes)."""
+sync it starts and steps after the inner steps (pod_worker/diloco.py OuterSync) and its programs
+run once at configure (pod_worker/diloco_warmup.py), the snapshot that undoes a step whose outer
+exchange failed, the replay of a failed pod's inner steps on a Replica (sync.on_pod_failure =
+"replay"), and what the other parts read of the agreed state (the exchange key, the agreed
+parameters, the outer arrays a checkpoint or a rejoining peer takes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +29,14 @@ class DilocoTrainer:
         self.outer = OuterSync(self.config.sync, self.params, self.param_sharding, self.scalar_sharding,
                                self.config.model.n_layers, num_pods, self.assembler)
         self._outer_checksum = jax.jit(programs.state_checksum, out_shardings=self.scalar_sharding)
+
+    def warm_up_outer(self) -> None:
+        """DiLoCo, after start_outer: run every fragment's outer programs once, on throwaway inputs
+        (pod_worker/diloco_warmup.py), and the snapshot a step that waits for an outer exchange
+        takes, so that they compile at configure (as PodTrainer.warm_up's programs do) rather than
+        at each fragment's first outer sync, on every pod at once. No state changes."""
+        self.outer.warm_up(self.params, self._outer_checksum)
+        jax.block_until_ready(self.snapshot()[:2])
 
     def outer_step(self, all_reduce) -> OuterReport | None:
         """DiLoCo: after an inner step, the outer step due now (if any) and the start of the outer

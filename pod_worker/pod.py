@@ -147,6 +147,7 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         trainer.warm_up(shard)
         if config.sync.diloco:
             trainer.start_outer(num_pods)
+            trainer.warm_up_outer()
         return trainer
 
     def _take_slot(self, pod_index: int | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -164,3 +165,32 @@ def test_a_sync_that_fails_on_any_host_is_applied_on_none_and_exchanged_again_on
     params, report = outer.after_step(3, params, lambda *args: echo(*args))     # a new link: every host ends well
     assert report is not None and (report.sync, report.fragment) == (1, 0) and outer.pending is None
     assert outer.version == 1 and fingerprint(*outer.agreed_state()) != agreed
+
+
+def _whole_zeros(leaves: list, fragments: list[list[int]], fragment: int) -> list[np.ndarray]:
+    """The stand-in's zeros: whole leaves (its blocks are whole leaves)."""
+    return [np.zeros(leaves[i].shape, leaves[i].dtype) for i in fragments[fragment]]
+
+
+def test_the_warm_up_gathers_every_fragment_in_order_and_zeros_are_shaped_as_the_exchange_s_blocks():
+    """At configure (OuterSync.warm_up) each host of a pod gathers every fragment once, in fragment
+    order, as its hosts' collective needs, on zeros shaped as the exchange's sums of its blocks;
+    with one pod there is nothing to gather (its sum is its own pseudo-gradient)."""
+    base = tiny_worker_config()
+    config = dataclasses.replace(base, sync=SyncConfig(mode="diloco", inner_steps=4, fragments=2)).validate()
+    trainer = PodTrainer(config, devices=jax.devices()[:1])
+    for pods, want in ((2, [("gather", 0, True), ("gather", 1, True)]), (1, [])):
+        outer = OuterSync(config.sync, trainer.params, trainer.param_sharding, trainer.scalar_sharding,
+                          config.model.n_layers, pods)
+        # Replicated: valid whatever a fragment's leaves' ranks (the stand-in zips them in order).
+        stand_in = outer.hosts = _Gather([trainer.scalar_sharding] * len(jax.tree.leaves(trainer.params)))
+        stand_in.fail = False
+        stand_in.zeros = functools.partial(_whole_zeros, jax.tree.leaves(trainer.params), outer.fragments)
+        agreed = fingerprint(*outer.agreed_state())
+        outer.warm_up(trainer.params, lambda *state: None)
+        assert stand_in.calls == want
+        assert fingerprint(*outer.agreed_state()) == agreed and outer.version == 0
+    for host in _hosts(BLOCK):
+        full = host.blocks(_fragment(_pseudo_gradients(1)[0]))
+        assert [z.shape for z in host.zeros(FRAGMENT)] == [full[i].shape for i in FRAGMENTS[FRAGMENT]]
+        assert all(z.dtype == np.float32 and not z.any() for z in host.zeros(FRAGMENT))
