@@ -237,9 +237,6 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
             if len(microbatch_hosts) != count:
                 raise InvalidRequest(f"step {step}: slot {slot}: {len(microbatch_hosts)} microbatch hosts, the model "
                                      f"has {count} microbatches")
-            if self.layout.multi and set(microbatch_hosts) != {self.pod_index}:
-                raise InvalidRequest(f"step {step}: slot {slot}: a pod of several hosts computes a failed slot's "
-                                     f"shard whole, not split")
             try:
                 run = my_run(microbatch_hosts, self.pod_index, slot, setup.hosts)
             except ValueError as exc:

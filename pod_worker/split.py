@@ -12,6 +12,12 @@ same order, so the pod ending the chain reports the slot's loss (ShardResult), b
 pod's; the others report none for it. The partial sums travel raw over the data plane
 (Exchange.send_partial / receive_partial).
 
+On pods of several hosts every host holds the whole partial sum (replicated: the pod runs one SPMD
+program), and host h of a pod is linked to host h of the others. Host h sends only its block of
+every leaf (hosts.Assembler.block, the blocks of the every-step exchange, whose plan is in blocks
+there) to host h of the next pod, which gathers the blocks over its hosts (the Assembler): K times
+fewer bytes per host than each host sending the whole sum, and the exchange needs nothing new.
+
 Every pod adds in the same order whatever the split, so any split is bitwise right; the
 controller's (controller/components/failover.py `split_microbatches`) balances the work.
 """
@@ -22,6 +28,10 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+
+from multipod.pod_worker.dcn import ExchangeError
+from multipod.pod_worker.dcn.plan import PARTIAL_DTYPE
+from multipod.pod_worker.hosts import HostBlock, host_value, start_host_copy
 
 
 @dataclass(frozen=True)
@@ -89,18 +99,19 @@ def launch_pieces(trainer, pieces: list[Piece], norm: jax.Array) -> list[tuple]:
     return launched
 
 
-def relay_pieces(trainer, launched: list[tuple], relay: Relay | None) -> tuple[dict, list]:
+def relay_pieces(trainer, launched: list[tuple], relay: Relay | None) -> tuple[dict, list, Exception | None]:
     """A PodTrainer's step, after launch_pieces: each piece's place in its slot's chain, slot by
     slot (every pod goes through the slots in the same order, so no two pods wait for each
     other): add its gradients and loss sums to the partial sums its source sends, then send them
     to its target, or keep them: the slot's gradient and losses, bitwise the failed pod's.
-    ({slot: gradient leaves} of the slots this pod ends, [(slot, loss, z_loss, targets)] of them)."""
-    assembled, shards = {}, []
+    ({slot: gradient leaves} of the slots this pod ends, [(slot, loss, z_loss, targets)] of them,
+    a failed send on a pod of several hosts: the step must fail, but only after this host has
+    met its pod's other hosts in every gather they go through, so the caller raises it there)."""
+    assembled, shards, failure = {}, [], None
     for piece, sums, grads in launched:
         if sums is None:
             assert relay is not None
-            leaves, losses = relay.receive(piece.slot, piece.source)
-            total = trainer.put_partial(leaves)
+            total, losses = _receive(trainer, relay, piece)
             loss_sums = tuple(jax.device_put(np.float32(v), trainer.scalar_sharding) for v in losses)
             for m, (g, ce, z) in zip(range(piece.start, piece.stop), grads):
                 total = trainer.summer.fold(total, g, m)
@@ -110,10 +121,46 @@ def relay_pieces(trainer, launched: list[tuple], relay: Relay | None) -> tuple[d
         leaves = jax.tree.leaves(total)
         if piece.target is not None:
             assert relay is not None
-            relay.send(piece.slot, piece.target, leaves, np.array([ce, z], np.float32))
+            losses = np.array([host_value(ce), host_value(z)], np.float32)
+            if trainer.assembler is None:
+                relay.send(piece.slot, piece.target, leaves, losses)
+                continue
+            try:    # this host's block of every leaf, read as it is sent
+                relay.send(piece.slot, piece.target, partial_blocks(trainer.assembler, leaves), losses)
+            except Exception as exc:   # noqa: BLE001 - returned, raised after the pod's gathers
+                failure = failure or exc
             continue
         for leaf in leaves:
-            leaf.copy_to_host_async()
+            start_host_copy(leaf)
         assembled[piece.slot] = leaves
-        shards.append((piece.slot, float(ce) + float(z), float(z), trainer.target_count(piece.tokens)))
-    return assembled, shards
+        shards.append((piece.slot, float(host_value(ce)) + float(host_value(z)), float(host_value(z)),
+                       trainer.target_count(piece.tokens)))
+    return assembled, shards, failure
+
+
+def partial_blocks(assembler, leaves: list) -> list[HostBlock]:
+    """This host's block of every leaf of a partial sum (flat; hosts.Assembler.block), as host h
+    sends it to host h of the next pod."""
+    return [HostBlock(leaf, *assembler.block(index)) for index, leaf in enumerate(leaves)]
+
+
+def _receive(trainer, relay: Relay, piece: Piece) -> tuple[dict, np.ndarray]:
+    """The partial sum `piece`'s source sends, as a tree on this pod's devices laid out as the
+    gradient, and its loss sums. On a pod of several hosts each host receives its block and the
+    pod gathers them: every host takes part in the gather, received or not, so that none waits in
+    it alone (gloo's collectives have no deadline); then every host fails alike if any did."""
+    if trainer.assembler is None:
+        leaves, losses = relay.receive(piece.slot, piece.source)
+        return trainer.put_partial(leaves), losses
+    failure, blocks, losses = None, None, np.zeros(2, PARTIAL_DTYPE)
+    try:
+        blocks, losses = relay.receive(piece.slot, piece.source)
+    except Exception as exc:   # noqa: BLE001 - re-raised below, after the pod's hosts agree
+        failure = exc
+    gathered, every_host = trainer.assembler(blocks, [PARTIAL_DTYPE] * len(trainer.leaf_specs))
+    if failure is not None:
+        raise failure
+    if not every_host:
+        raise ExchangeError(f"slot {piece.slot}: another host of this pod did not receive its block of the partial "
+                            f"sum from pod {piece.source}; the step is undone on every host")
+    return jax.tree.unflatten(jax.tree.structure(trainer.params), gathered), losses

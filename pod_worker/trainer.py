@@ -217,13 +217,14 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         pod_worker/split.py): this pod's runs of microbatches, computed first (other pods wait
         for them); each continues the partial sum relay.receive brings and passes its own on
         with relay.send, or, ending the slot, reaches all_reduce as that slot's extra leaves (and
-        its loss, carried along the chain, is reported as that slot's shard)."""
+        its loss, carried along the chain, is reported as that slot's shard). On a pod of several
+        hosts each host relays its block of every partial sum (split.py)."""
         extra = dict(sorted((extra or {}).items()))
         pieces = sorted(pieces or [], key=lambda piece: piece.slot)
         if (extra or pieces) and all_reduce is None:
             raise ValueError("extra shards need an exchange to sum them in their slots")
-        if pieces and (relay is None or self.assembler is not None):
-            raise ValueError("split shards need a relay for their partial sums, on a pod of one host")
+        if pieces and relay is None:
+            raise ValueError("split shards need a relay for their partial sums")
         if self._overlapped is not None:
             outcome = self._train_step_overlapped(batch, global_tokens, all_reduce, extra, pieces, relay)
         else:
@@ -248,7 +249,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         launched = split.launch_pieces(self, pieces, norm)
         # A single pod's gradient never leaves the device.
         grads, ce_d, z_d = self._dispatch_gradients(batch, norm, to_host=all_reduce is not None)
-        assembled, piece_shards = split.relay_pieces(self, launched, relay)
+        assembled, piece_shards, failed = split.relay_pieces(self, launched, relay)
         ce, z = float(ce_d), float(z_d)     # the pod's own gradient program is done
         shards, extra_grads = [(None, ce + z, z, self.target_count(batch))], {}
         for slot, shard in extra.items():
@@ -257,7 +258,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         extra_grads = dict(sorted({**extra_grads, **assembled}.items()))
         shards += piece_shards
         t1 = time.perf_counter()
-        summed, link = self._exchange(all_reduce, grads, extra_grads)
+        summed, link = self._exchange(all_reduce, grads, extra_grads, failed=failed)
         t2 = time.perf_counter()
         jax.block_until_ready([leaf for leaf in summed if isinstance(leaf, jax.Array)])
         t_ready = time.perf_counter()
@@ -281,10 +282,10 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         launched = self._overlapped.launch(self.params, batch, norm, to_host=all_reduce is not None)
         # Failed pods' shards: the same per-layer programs, dispatched now, summed in their slots.
         others = {slot: self._overlapped.launch(self.params, shard, norm) for slot, shard in extra.items()}
-        assembled, piece_shards = split.relay_pieces(self, piece_sums, relay)
+        assembled, piece_shards, failed = split.relay_pieces(self, piece_sums, relay)
         t1 = time.perf_counter()
         extra_leaves = dict(sorted({**{slot: o.leaves for slot, o in others.items()}, **assembled}.items()))
-        summed, link = self._exchange(all_reduce, launched.leaves, extra_leaves, order=launched.order)
+        summed, link = self._exchange(all_reduce, launched.leaves, extra_leaves, order=launched.order, failed=failed)
         jax.block_until_ready(summed)
         t2 = time.perf_counter()
         backward_end = max(o.backward_end(timeout=self.config.dcn.timeout_s) for o in (launched, *others.values()))
@@ -297,10 +298,15 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         return self._finish(shards, result, t3, link, compute_s=backward_end - t0, exchange_s=t2 - t1,
                             update_s=t3 - t2, exposed_exchange_s=max(0.0, t2 - backward_end))
 
-    def _exchange(self, all_reduce, leaves: list, extra: dict, order: list[int] | None = None) -> tuple[list, object]:
+    def _exchange(self, all_reduce, leaves: list, extra: dict, order: list[int] | None = None,
+                  failed: Exception | None = None) -> tuple[list, object]:
         """The pods' pod-order sum of the gradient leaves (and of the extra slots' leaves, summed
         in their slots), and the exchange's stats; (leaves, None) without an exchange (a single
-        pod). `order`: the leaf order the exchange takes (the overlapped step's readiness order)."""
+        pod). `order`: the leaf order the exchange takes (the overlapped step's readiness order).
+        `failed`: this host already failed the step (a partial sum it could not send); with
+        several hosts it still takes part in the gather, then raises it."""
+        if failed is not None and self.assembler is None:
+            raise failed
         if all_reduce is None:
             return leaves, None
         kwargs: dict = {} if order is None else {"order": order}
@@ -310,11 +316,12 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         # other pods; the summed blocks are gathered over the pod's hosts on its devices.
         blocks = self._blocks(leaves)
         extra_blocks = {slot: self._blocks(g) for slot, g in extra.items()}
-        failure, summed_blocks, link = None, None, None
+        failure, summed_blocks, link = failed, None, None
         try:
-            summed_blocks, link = (all_reduce(blocks, extra=extra_blocks, **kwargs) if extra_blocks
-                                   else all_reduce(blocks, **kwargs))
-            summed_blocks = [np.asarray(b) for b in summed_blocks]
+            if failure is None:
+                summed_blocks, link = (all_reduce(blocks, extra=extra_blocks, **kwargs) if extra_blocks
+                                       else all_reduce(blocks, **kwargs))
+                summed_blocks = [np.asarray(b) for b in summed_blocks]
         except Exception as exc:   # noqa: BLE001 - re-raised below, after the pod's hosts agree
             failure = exc
         # Every host takes part in the gather, failed or not, so that none waits in it alone.

@@ -156,11 +156,10 @@ class StepLoop:
         self._pending.append((step, (clients, hosts), calls))
 
     def _splits(self, hosts: list[int]) -> dict[int, list[int]]:
-        """{failed slot: microbatch_hosts} of the shards split over the live pods (failover.split_microbatches);
-        a pod of several hosts computes a failed slot's shard whole, and so does the slot's host when
-        the shard has one microbatch."""
-        if hosts == list(range(len(hosts))) or len(getattr(self.cluster.clients[0], "hosts", [None])) > 1 \
-                or self.cluster.config.sync.diloco:
+        """{failed slot: microbatch_hosts} of the shards split over the live pods (failover.split_microbatches),
+        on pods of one host or several alike (host h relays its block of a partial sum to host h);
+        the slot's host computes the shard whole when it has one microbatch, and DiLoCo splits nothing."""
+        if hosts == list(range(len(hosts))) or self.cluster.config.sync.diloco:
             return {}
         splits = split_microbatches(hosts, self.cluster.config.model.microbatches)
         return {slot: run for slot, run in splits.items() if len(set(run)) > 1}
