@@ -32,11 +32,12 @@ class DilocoTrainer:
 
     def warm_up_outer(self) -> None:
         """DiLoCo, after start_outer: run every fragment's outer programs once, on throwaway inputs
-        (pod_worker/diloco_warmup.py), and the snapshot a step that waits for an outer exchange
-        takes, so that they compile at configure (as PodTrainer.warm_up's programs do) rather than
-        at each fragment's first outer sync, on every pod at once. No state changes."""
+        (pod_worker/diloco_warmup.py), so that they compile at configure (as PodTrainer.warm_up's
+        programs do) rather than at each fragment's first outer sync, on every pod at once. No
+        state changes. The snapshot's eager copies are left to their first use (milliseconds):
+        taken here by pods configured at once in one process (the in-process tests' pods share the
+        devices) they deadlocked in XLA CPU's execution of the copies."""
         self.outer.warm_up(self.params, self._outer_checksum)
-        jax.block_until_ready(self.snapshot()[:2])
 
     def outer_step(self, all_reduce) -> OuterReport | None:
         """DiLoCo: after an inner step, the outer step due now (if any) and the start of the outer
