@@ -29,15 +29,21 @@ class DilocoTrainer:
         self.outer = OuterSync(self.config.sync, self.params, self.param_sharding, self.scalar_sharding,
                                self.config.model.n_layers, num_pods, self.assembler)
         self._outer_checksum = jax.jit(programs.state_checksum, out_shardings=self.scalar_sharding)
+        # The snapshot's copy, one program warmed up with the outer ones: eager copies compiled at
+        # their first use (the optimizer's step count's at the first outer sync), and warmed up
+        # eagerly by two in-process pods at once they deadlocked in XLA CPU (c24798d).
+        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+        self._state_copy = jax.jit(lambda params, opt_state: (copy(params), copy(opt_state)),
+                                   out_shardings=(self.param_sharding, self.opt_sharding))
 
     def warm_up_outer(self) -> None:
         """DiLoCo, after start_outer: run every fragment's outer programs once, on throwaway inputs
         (pod_worker/diloco_warmup.py), so that they compile at configure (as PodTrainer.warm_up's
-        programs do) rather than at each fragment's first outer sync, on every pod at once. No
-        state changes. The snapshot's eager copies are left to their first use (milliseconds):
-        taken here by pods configured at once in one process (the in-process tests' pods share the
-        devices) they deadlocked in XLA CPU's execution of the copies."""
+        programs do) rather than at each fragment's first outer sync, on every pod at once, and
+        the snapshot's copy program, which the first step that waits for an outer exchange would
+        compile. No state changes."""
         self.outer.warm_up(self.params, self._outer_checksum)
+        jax.block_until_ready(self._state_copy(self.params, self.opt_state))
 
     def outer_step(self, all_reduce) -> OuterReport | None:
         """DiLoCo: after an inner step, the outer step due now (if any) and the start of the outer
@@ -48,12 +54,13 @@ class DilocoTrainer:
     def snapshot(self) -> tuple:
         """A copy of the trainer's state (on the devices; with the DiLoCo replicas it hosts) that
         restore_snapshot puts back: what a DiLoCo step that waits for an outer exchange keeps, so
-        that it can be undone."""
-        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-        replicas = {} if self.outer is None else {
-            slot: dataclasses.replace(r, params=copy(r.params), opt_state=copy(r.opt_state), deltas=dict(r.deltas))
-            for slot, r in self.outer.replicas.items()}
-        return copy(self.params), copy(self.opt_state), self.step, getattr(self, "_count", None), replicas
+        that it can be undone (DiLoCo mode: after start_outer)."""
+        replicas = {}
+        for slot, r in self.outer.replicas.items():
+            params, opt_state = self._state_copy(r.params, r.opt_state)
+            replicas[slot] = dataclasses.replace(r, params=params, opt_state=opt_state, deltas=dict(r.deltas))
+        params, opt_state = self._state_copy(self.params, self.opt_state)
+        return params, opt_state, self.step, getattr(self, "_count", None), replicas
 
     def restore_snapshot(self, snapshot: tuple) -> None:
         self.params, self.opt_state, self.step, self._count, replicas = snapshot

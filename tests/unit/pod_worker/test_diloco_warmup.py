@@ -32,11 +32,11 @@ def _compiles():
 
 
 def _cache_sizes(pod) -> list[int]:
-    """The compiled variants of each of the pod's outer programs (every fragment's, and the agreed
-    state's checksum)."""
+    """The compiled variants of each of the pod's outer programs (every fragment's, the agreed
+    state's checksum, and the copy of the state a step waiting for an outer exchange keeps)."""
     trainer = pod.trainer
     sizes = [program._cache_size() for programs in trainer.outer._programs for program in programs.values()]
-    return sizes + [trainer._outer_checksum._cache_size()]
+    return sizes + [trainer._outer_checksum._cache_size(), trainer._state_copy._cache_size()]
 
 
 def _state(pod) -> tuple:
