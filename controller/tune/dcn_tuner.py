@@ -218,11 +218,12 @@ def describe(p: cost.Projection) -> str:
 
 def trial_warmup(choice: cost.SyncChoice, warmup: int) -> int:
     """The first steps of a candidate's trial that are not timed: `warmup`, and for DiLoCo also
-    the first outer sync of every fragment, each of which compiles its fragment's outer programs
-    (measured: 0.3 and 0.8 s on the tiny model's first sync, 20-36 ms on the next; 1.5 s on the
-    bench model; on 2 pods of 2 hosts, H=10 F=2, fragment 1's first sync cost 0.7 s where it
-    started and 1.9 s where it was applied, its next ones nothing visible): the first F periods
-    (H inner steps), and the overlap_steps after them, at whose end the last of them is applied."""
+    the first outer sync of every fragment: the first F periods (H inner steps), and the
+    overlap_steps after them, at whose end the last of them is applied. Those syncs compiled the
+    outer programs until they ran at configure (PodTrainer.warm_up_outer: 1.5 s on the bench
+    model, 0.7 + 1.9 s on 2 pods of 2 hosts, before). The run's first outer exchange still costs
+    more than later ones (55-155 ms against 20-45 on the tiny model); whether fragments 1..F-1
+    may be timed now is not yet measured on the bench model, so the window stays."""
     return warmup + (choice.sync.inner_steps + choice.sync.overlap_steps if choice.sync.diloco else 0)
 
 
