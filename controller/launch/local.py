@@ -19,6 +19,7 @@ serve the slot from then on.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -249,7 +250,8 @@ class LocalPods(Launched):
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         hosts = range(self.hosts_per_pod)
-        self.coordinators = [f"{self.listen_host(pod, 0)}:{free_port()}" if self.multi_host else ""
+        ports = free_ports(self.total if self.multi_host else 0)
+        self.coordinators = [f"{self.listen_host(pod, 0)}:{ports[pod]}" if self.multi_host else ""
                              for pod in range(self.total)]
         self.dcn_listen = [[f"{self.listen_host(pod, host)}:0" for host in hosts] for pod in range(self.total)]
         for pod in range(self.total):
@@ -349,11 +351,15 @@ class LocalPods(Launched):
         self._logs.clear()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` different TCP ports on 127.0.0.1 that nothing listens on right now. The sockets are
+    held until all are bound: one bound and closed at a time, the kernel may hand out the same port
+    twice (two pods' coordinators once collided so)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
