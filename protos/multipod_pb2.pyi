@@ -269,18 +269,20 @@ class TransferReply(_message.Message):
     def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("step", "directory", "metadata_json", "background", "keep")
+    __slots__ = ("step", "directory", "metadata_json", "background", "keep", "slot")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     step: int
     directory: str
     metadata_json: str
     background: bool
     keep: int
-    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ..., metadata_json: _Optional[str] = ..., background: _Optional[bool] = ..., keep: _Optional[int] = ...) -> None: ...
+    slot: int
+    def __init__(self, step: _Optional[int] = ..., directory: _Optional[str] = ..., metadata_json: _Optional[str] = ..., background: _Optional[bool] = ..., keep: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class WaitSaveRequest(_message.Message):
     __slots__ = ("step", "directory")
