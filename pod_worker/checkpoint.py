@@ -251,6 +251,18 @@ def _flatten(prefix: str, value) -> dict:
     return {prefix: value}
 
 
+def _reread_if_changed(manager: ocp.CheckpointManager, root: pathlib.Path) -> None:
+    """Have `manager` read the checkpoints under `root` again if they are not the ones it knows:
+    in DiLoCo mode a survivor writes a failed pod's part into that pod's directory, and the pod
+    (back again) writes there after it, each with its own manager; one that kept a stale list
+    would try to delete folders the other already deleted and keep more than `keep` (measured:
+    three of keep 2, orbax warning "Unable to find the step"). No save is in flight under `root`
+    here (Writer.submit settled it)."""
+    on_disk = {int(p.name) for p in root.iterdir() if p.name.isdigit()} if root.is_dir() else set()
+    if on_disk != set(manager.all_steps()):
+        manager.reload()
+
+
 @dataclasses.dataclass
 class _Outcome:
     """One save: pending until settled, then done (error None) or failed."""
@@ -365,6 +377,7 @@ class Writer:
                 # The previous save first: its outcome is recorded here, in this thread, so orbax's
                 # own wait for it inside save() does not raise its error again.
                 self._settle(root, block=True)
+                _reread_if_changed(manager, pathlib.Path(root))
                 manager.save(step, args=_save_args(state, fingerprint, metadata_json), force=True)
             except Exception as exc:   # noqa: BLE001 - reported through wait()
                 outcome.error, outcome.settled = _short(exc), True

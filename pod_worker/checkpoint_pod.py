@@ -1,7 +1,12 @@
 """A pod's checkpoints, a mixin of Pod (pod.py): start an orbax save of the state (the pod steps
 on while it is written), wait for it, and restore one (the newest under a directory, or a path),
 checked against its fingerprint before anything uses it. A failed or refused restore leaves the
-state, and the DCN link, as they were; a restore starts a new timeline at its step."""
+state, and the DCN link, as they were; a restore starts a new timeline at its step.
+
+In DiLoCo mode a checkpoint is one part per pod, each pod's own state. While a pod is out
+(degraded mode) a survivor writes the failed slot's part on its behalf (`slot`): with
+sync.on_pod_failure = "replay" the replica of it that this pod hosts, with "drop" a copy of this
+pod's own state, which is what that pod takes when it rejoins from a live peer."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +18,7 @@ from multipod.pod_worker import checkpoint
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.errors import Busy, CorruptCheckpoint, InvalidRequest, SaveNotFound, SavePending
 from multipod.pod_worker.hosts import meet
+from multipod.pod_worker.schema import OuterFailure
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb
 
@@ -40,11 +46,14 @@ def _state_fingerprint(state: dict) -> str:
 class CheckpointPod:
     """The checkpoint part of Pod: it works on Pod's state (setup, writer, exchange, sequencer)."""
 
-    def start_save(self, step: int, directory: str, metadata: dict, keep: int, deadline: float) -> SaveStarted:
+    def start_save(self, step: int, directory: str, metadata: dict, keep: int, deadline: float,
+                   slot: int | None = None) -> SaveStarted:
         """Start writing the state after `step` steps with orbax's asynchronous checkpointing,
         waiting until `deadline` for a running step or for the previous save under `directory`
         to finish writing (Busy): the pod may step on as soon as this returns (orbax has its host
-        copy of this host's shards). Every host of a pod gets the same request and takes part."""
+        copy of this host's shards). Every host of a pod gets the same request and takes part.
+        `slot` (DiLoCo, a pod out): write failed slot `slot`'s part instead of this pod's own
+        (`_part`); InvalidRequest, naming why, if this pod cannot."""
         self.setup()
         try:
             self._writer.wait_idle(directory, deadline - time.monotonic())
@@ -58,24 +67,64 @@ class CheckpointPod:
             metadata = dict(metadata, worker_config=setup.config.to_dict(), state_key=setup.config.state_key(),
                             **trainer.save_metadata())
             # The device arrays themselves: orbax copies what this host owns before submit returns.
-            state = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+            params, opt_state, part = self._part(setup, slot)
+            state = {"params": params, "opt_state": opt_state, "step": trainer.step}
+            if part is not None:
+                metadata["part"] = part
             if trainer.outer is not None:   # DiLoCo: this pod's own inner state, and the outer state
                 if self.layout.multi and trainer.outer.pending is not None:
                     # The pending sync's sum is gathered over the pod's hosts for the checkpoint (a
                     # collective, OuterSync.checkpoint): every host takes this save, or none gathers.
+                    # A slot's part is another save at the same step: a key of its own.
                     wait = min(setup.config.dcn.timeout_s, deadline - time.monotonic())
+                    key = f"{setup.run_id}/{setup.epoch}/{step}/save" + ("" if part is None else f"/{slot}")
                     try:
-                        meet(f"{setup.run_id}/{setup.epoch}/{step}/save", max(0.1, wait), "save")
+                        meet(key, max(0.1, wait), "save")
                     except TimeoutError as exc:
                         raise Busy(f"{self.layout.name(self.pod_index)}: {exc}") from None
+                # The same outer state in every part of the checkpoint: a pending sync is waited for
+                # once and its sum saved in each (OuterSync.checkpoint keeps it).
                 state["outer"], metadata["outer"] = trainer.outer.checkpoint(setup.config.dcn.timeout_s)
             fp = _state_fingerprint(state)
             path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
-            if trainer.outer is not None:
-                # A replay starts from the last good checkpoint: this one, or the one before if it fails.
-                trainer.outer.trim_history(getattr(self, "_saved_before", step))
-                self._saved_before = step
+            if trainer.outer is not None and getattr(self, "_saved_at", None) != step:
+                # A replay starts from the last good checkpoint: this one, or the one before if it
+                # fails. Once per step: the parts a pod writes for failed slots are the same checkpoint.
+                trainer.outer.trim_history(getattr(self, "_saved_at", step))
+                self._saved_at = step
         return SaveStarted(path, fp, step)
+
+    def _part(self, setup, slot: int | None) -> tuple[object, object, dict | None]:
+        """(parameters, optimizer state, the part's record for the metadata or None) of the inner
+        state a save writes: this pod's own, or (DiLoCo, a pod out) failed slot `slot`'s, which
+        a survivor writes on its behalf so that the checkpoint is whole: the replica of it this pod
+        hosts ("replay": that pod's state at this step, as the uninterrupted run has it), or with
+        "drop" a copy of this pod's own state, which is what that pod takes when it rejoins from a
+        live peer (membership.send_state: host_state). Between steps (a sequencer hold)."""
+        trainer = setup.trainer
+        if slot is None or slot == self.pod_index:
+            return trainer.params, trainer.opt_state, None
+        if trainer.outer is None:
+            raise InvalidRequest(f"pod {self.pod_index} was asked to save slot {slot}'s part: only a DiLoCo pod "
+                                 f"(sync.mode = \"diloco\") writes a part for another slot")
+        if not 0 <= slot < setup.num_pods:
+            raise InvalidRequest(f"slot {slot} is not a slot of this run of {setup.num_pods} pods")
+        if setup.hosts is None or setup.hosts[slot] == slot:
+            raise InvalidRequest(f"pod {self.pod_index} was asked to save slot {slot}'s part, but pod {slot} is live "
+                                 f"(hosts {list(setup.hosts) if setup.hosts else 'all healthy'}): it writes its own")
+        if setup.config.sync.on_pod_failure == OuterFailure.DROP:
+            return trainer.params, trainer.opt_state, {"slot": slot, "written_by": self.pod_index,
+                                                       "source": "copy of a live pod (drop)"}
+        replica = trainer.outer.replicas.get(slot)
+        if replica is None:
+            raise InvalidRequest(f"pod {self.pod_index} does not host slot {slot}'s replica (it hosts "
+                                 f"{sorted(trainer.outer.replicas) or 'none'}; slot {slot} is on pod "
+                                 f"{setup.hosts[slot]}): with sync.on_pod_failure = \"replay\" a failed slot's "
+                                 f"part is its replica's state, written by the pod hosting it")
+        if replica.step != trainer.step:    # they step together; anything else would be a torn checkpoint
+            raise InvalidRequest(f"slot {slot}'s replica is at step {replica.step}, pod {self.pod_index} at step "
+                                 f"{trainer.step}: its part would not be of this checkpoint")
+        return replica.params, replica.opt_state, {"slot": slot, "written_by": self.pod_index, "source": "replica"}
 
     def wait_save(self, directory: str, step: int, timeout_s: float) -> pathlib.Path:
         """The path of the finished save of `step`: SavePending if still being written after

@@ -16,8 +16,9 @@ class StateRpcs:
 
     @handler
     def Save(self, request: pb.SaveRequest, context) -> pb.SaveReply:
-        """Start a checkpoint of the state after `step` steps; with background=false, also wait
-        for it to be written (within the RPC's deadline)."""
+        """Start a checkpoint of the state after `step` steps (with `slot`, DiLoCo: a failed slot's
+        part, written on its behalf); with background=false, also wait for it to be written
+        (within the RPC's deadline)."""
         self.pod.setup()
         if not request.directory:
             raise invalid("directory is empty")
@@ -27,8 +28,9 @@ class StateRpcs:
             raise invalid("metadata_json is not valid JSON") from None
         if not isinstance(metadata, dict):
             raise invalid("metadata_json must be a JSON object")
+        slot = int(request.slot) if request.HasField("slot") else None
         started = self.pod.start_save(request.step, request.directory, metadata, int(request.keep),
-                                      deadline(context))
+                                      deadline(context), slot=slot)
         if request.background:
             return pb.SaveReply(path=str(started.path), fingerprint=started.fingerprint, pending=True)
         self.pod.wait_save(request.directory, started.step, wait_budget(context, default_s=600.0))

@@ -180,10 +180,38 @@ def test_a_save_after_a_failed_one_works_whichever_thread_asks(tmp_path, monkeyp
     writer.close()
 
 
+def test_two_writers_taking_turns_in_one_directory_keep_the_newest_k(tmp_path):
+    """DiLoCo: a survivor writes a failed pod's parts into that pod's directory, then the pod (back,
+    its own writer still open) writes there again, then the survivor once more: each writer reads
+    what the other wrote, so the directory keeps exactly the newest `keep`."""
+    pod, survivor = checkpoint.Writer(), checkpoint.Writer()
+
+    def save(writer, step):
+        writer.submit(str(tmp_path), {"x": np.arange(3.0) * step, "step": step}, f"fp{step}", "{}", 2)
+        writer.wait(str(tmp_path), step, 60)
+    try:
+        for writer, step in [(pod, 0), (pod, 8), (survivor, 16), (survivor, 24), (pod, 32), (survivor, 40)]:
+            save(writer, step)
+            assert checkpoint.steps(str(tmp_path)) == sorted({0, 8, 16, 24, 32, 40} & set(range(step - 15, step + 1)))
+    finally:
+        pod.close()
+        survivor.close()
+
+
 def test_save_of_the_wrong_step_is_refused(worker, tmp_path):
     with pytest.raises(grpc.RpcError) as info:
         worker.stub.Save(pb.SaveRequest(step=worker.step + 5, directory=str(tmp_path)), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "save requested for step" in info.value.details()
+
+
+def test_a_save_of_another_slot_s_part_is_refused_outside_diloco_naming_why(worker, tmp_path):
+    """SaveRequest.slot (a failed slot's part, written on its behalf) means something in DiLoCo mode
+    only: an every-step pod refuses it over the wire, and writes nothing."""
+    with pytest.raises(grpc.RpcError) as info:
+        worker.stub.Save(pb.SaveRequest(step=worker.step, directory=str(tmp_path), slot=1), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "only a DiLoCo pod" in info.value.details() and "slot 1" in info.value.details()
+    assert checkpoint.steps(str(tmp_path)) == []
 
 
 def _trained(config, devices) -> PodTrainer:
