@@ -7,7 +7,11 @@ A failed save is reported at once and never replaces the last good checkpoint.
 
 In DiLoCo mode (sync.mode) the pods differ between outer steps, so every pod writes its own
 state, under `<checkpoint dir>/pod-<k>/<step>` (pod_directory); a checkpoint is good once every
-pod's part is written, and each pod restores its own part."""
+pod's part is written, and each pod restores its own part. While a pod is out (degraded mode), the
+pod holding its slot's state (`slot_source`) writes that slot's part on its behalf (SaveRequest.slot):
+with sync.on_pod_failure = "replay" the survivor hosting its replica, with "drop" the live pod a
+rejoin would copy. So a checkpoint taken in degraded mode is whole, and a run resumed from it with
+every pod back continues as the run that took it would have."""
 from __future__ import annotations
 
 import json
@@ -51,6 +55,18 @@ class PendingSave:
 def pod_directory(directory: str, pod: int) -> str:
     """DiLoCo mode: where pod `pod` writes its own checkpoints under the run's checkpoint directory."""
     return str(pathlib.Path(directory) / f"pod-{pod}")
+
+
+def slot_source(cluster: Cluster, slot: int) -> int:
+    """The pod holding slot `slot`'s state: its own pod while it is live; for a failed slot, in
+    DiLoCo mode with sync.on_pod_failure = "replay" the survivor hosting its replica, else the
+    first live pod (every-step mode: every pod's state is the same; "drop": a rejoining pod takes
+    a live peer's). A rejoining pod takes its state from this pod, and in DiLoCo mode this pod
+    writes the slot's part of a checkpoint while the slot's pod is out."""
+    if cluster.hosts[slot] == slot:
+        return slot
+    sync = cluster.config.sync
+    return cluster.hosts[slot] if sync.diloco and sync.on_pod_failure == "replay" else cluster.live[0]
 
 
 class Checkpointer:
@@ -99,34 +115,51 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         """Start a background checkpoint of the state after `step` steps on the first live pod
-        (pod 0 unless it failed). A pod that does not answer is a PodFailure; a refused save is
-        reported and the run goes on."""
+        (pod 0 unless it failed); in DiLoCo mode one part per slot, each written by the pod
+        holding that slot's state (`slot_source`). A pod that does not answer is a PodFailure; a
+        refused save is reported and the run goes on."""
         run = self.cluster.config.run
         meta = {"data_offset": self.data_offset, "data_position": step + self.data_offset,
                 "data_path": self.cluster.config.data.path, "seed": run.seed, "run_id": self.cluster.base_run_id,
                 "num_pods": self.cluster.size, "saved_at": time.time()}
-        if self.per_pod and self.cluster.degraded:
-            missing = sorted(set(range(self.cluster.size)) - set(self.cluster.live))
-            self._failed(step, f"pod(s) {missing} are out, and a DiLoCo checkpoint needs every pod's own state")
-            return
-        writers = self.cluster.live_clients if self.per_pod else self.cluster.live_clients[:1]
-        directories = [self._directory(writer.pod_index) for writer in writers]
+        parts = self._parts()
+        by_writer: dict[int, list[tuple[int, str]]] = {}
+        for writer, slot, directory in parts:
+            by_writer.setdefault(writer, []).append((slot, directory))
 
-        def start(writer, directory):
-            request = pb.SaveRequest(step=step, directory=directory, metadata_json=json.dumps(meta),
-                                     background=True, keep=self.config.keep)
-            return writer.save(request, run.step_timeout_s)
+        def start(writer: int) -> dict[int, pb.SaveReply]:
+            # One writer's parts one after another, its own first: every host of a pod of several
+            # takes them in the same order (a save with a sync pending meets the pod's hosts).
+            replies = {}
+            for slot, directory in sorted(by_writer[writer], key=lambda part: part[0] != writer):
+                request = pb.SaveRequest(step=step, directory=directory, metadata_json=json.dumps(meta),
+                                         background=True, keep=self.config.keep)
+                if slot != writer:
+                    request.slot = slot
+                replies[slot] = self.cluster.clients[writer].save(request, run.step_timeout_s)
+            return replies
         try:
-            replies = parallel(lambda pair: start(*pair), list(zip(writers, directories)))
+            started = {slot: reply for replies in parallel(start, list(by_writer)) for slot, reply in replies.items()}
         except WorkerError as exc:
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise self.cluster.diagnose(f"checkpoint of step {step}: {exc}") from None
             self._failed(step, str(exc))
             return
-        waits = tuple(writer.wait_save_async(pb.WaitSaveRequest(step=step, directory=directory), CHECKPOINT_TIMEOUT_S)
-                      for writer, directory in zip(writers, directories))
-        self.pending.append(PendingSave(step, replies[0].path, waits))
-        self.events.write(EventKind.CHECKPOINT_STARTED, step=step, path=replies[0].path)
+        path = started[parts[0][1]].path
+        waits = tuple(self.cluster.clients[writer].wait_save_async(pb.WaitSaveRequest(step=step, directory=directory),
+                                                                   CHECKPOINT_TIMEOUT_S)
+                      for writer, _slot, directory in parts)
+        self.pending.append(PendingSave(step, path, waits))
+        self.events.write(EventKind.CHECKPOINT_STARTED, step=step, path=path)
+
+    def _parts(self) -> list[tuple[int, int, str]]:
+        """(writer pod, slot, directory) of each part of a checkpoint, slot 0's first: pod 0 alone
+        (or the first live pod) in every-step mode; in DiLoCo mode every slot, a failed one
+        written by the pod holding its state."""
+        if not self.per_pod:
+            writer = self.cluster.live[0]
+            return [(writer, writer, self.directory)]
+        return [(slot_source(self.cluster, slot), slot, self._directory(slot)) for slot in range(self.cluster.size)]
 
     @property
     def per_pod(self) -> bool:

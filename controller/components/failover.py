@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.cluster.spares import SparePool
+from multipod.controller.components.checkpointer import slot_source
 from multipod.controller.core import fault_hooks
 from multipod.controller.core.errors import Divergence, PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
@@ -295,9 +296,9 @@ class Failover:
         for pod in ready:
             watcher = self._rejoining[pod]
             try:
-                # DiLoCo "replay": the slot's own state is its replica, on the slot's host.
-                sync = cluster.config.sync
-                donor = cluster.hosts[pod] if sync.diloco and sync.on_pod_failure == "replay" else cluster.live[0]
+                # DiLoCo "replay": the slot's own state is its replica, on the slot's host. The same
+                # pod wrote the slot's part of the checkpoints taken while it was out.
+                donor = slot_source(cluster, pod)
                 sent, seconds = self._transfer(donor, pod, why="hot-swapped" if watcher.swapped else "rejoining")
                 joined.append(pod)
                 del self._rejoining[pod]

@@ -141,3 +141,77 @@ def test_resume_refuses_a_checkpoint_trained_on_other_data_and_takes_its_data_of
     assert checkpointer.data_offset == 4 and checkpointer.last_good == Saved(7, "ckpt/7")
     # Pod 0 found the newest checkpoint in the directory; the other pod restored that one.
     assert pods[0].calls[-1][1].directory == "ckpt" and pods[1].calls[-1][1].path == "ckpt/7"
+
+
+# -- DiLoCo: one part per slot, a failed slot's written on its behalf -----------------------------
+class PartsPod(WriterPod):
+    """A DiLoCo pod as a checkpoint writer: its WaitSave calls are kept by (directory, step)."""
+
+    def wait_save_async(self, request, timeout_s):
+        self.waits[(request.directory, request.step)] = FakeCall(pending=True)
+        return self.waits[(request.directory, request.step)]
+
+
+def _diloco_checkpointer(tmp_path, hosts: list[int], on_pod_failure: str = "replay"):
+    pods = [PartsPod(i) for i in range(len(hosts))]
+    config = make_config(run={"steps": 10}, checkpoint={"every": 2},
+                         sync={"mode": "diloco", "inner_steps": 4, "on_pod_failure": on_pod_failure})
+    cluster = Cluster(pods, config)
+    cluster.hosts = list(hosts)
+    return Checkpointer(config.checkpoint, cluster, "ckpt", EventLog(tmp_path / "events.jsonl")), pods
+
+
+def _saves(pod) -> list[tuple[str, int | None]]:
+    """(directory, slot or None) of each Save the pod got, in order."""
+    return [(r.directory, r.slot if r.HasField("slot") else None) for m, r in pod.calls if m == "Save"]
+
+
+@pytest.mark.parametrize("on_pod_failure, writer", [("replay", 2), ("drop", 1)])
+def test_a_diloco_checkpoint_while_a_pod_is_out_has_every_slot_s_part_and_is_good_only_when_all_are_written(
+        tmp_path, on_pod_failure, writer):
+    """Pod 0 is out, its slot hosted by pod 2: its part is written by the pod holding its state, the
+    replica's host with "replay", the first live pod (which a rejoin copies) with "drop"; the
+    checkpoint is good only once every part is written, and a failed part never makes it good."""
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [2, 1, 2], on_pod_failure)
+    checkpointer.save(4)
+    others = {1: [("ckpt/pod-1", None)], 2: [("ckpt/pod-2", None)]}
+    others[writer] = others[writer] + [("ckpt/pod-0", 0)]     # its own part first, then the slot's
+    assert {i: _saves(pods[i]) for i in (0, 1, 2)} == {0: [], **others}
+    assert checkpointer.pending[0].path == "ckpt/pod-0/4"   # the checkpoint is named by slot 0's part
+    waits = {(pod.pod_index, directory): call for pod in pods for (directory, _step), call in pod.waits.items()}
+    assert sorted(waits) == sorted([(writer, "ckpt/pod-0"), (1, "ckpt/pod-1"), (2, "ckpt/pod-2")])
+    for key in [(1, "ckpt/pod-1"), (2, "ckpt/pod-2")]:
+        waits[key].finish(pb.SaveReply(path=f"{key[1]}/4"))
+    checkpointer.collect(block=False)
+    assert checkpointer.last_good is None, "good before the failed slot's part was written"
+    waits[(writer, "ckpt/pod-0")].finish(pb.SaveReply(path="ckpt/pod-0/4"))
+    checkpointer.collect(block=False)
+    assert checkpointer.last_good == Saved(4, "ckpt/pod-0/4") and checkpointer.failed == 0
+    assert checkpointer.part_path(0, checkpointer.last_good) == "ckpt/pod-0/4"
+
+    checkpointer.save(6)
+    waits = {(pod.pod_index, directory): call for pod in pods for (directory, step), call in pod.waits.items()
+             if step == 6}
+    waits[(writer, "ckpt/pod-0")].finish(error=WorkerError(f"pod {writer}: WaitSave failed: INTERNAL: disk full",
+                                                           grpc.StatusCode.INTERNAL))
+    for key in [(1, "ckpt/pod-1"), (2, "ckpt/pod-2")]:
+        waits[key].finish(pb.SaveReply(path=f"{key[1]}/6"))
+    checkpointer.collect(block=True)
+    assert checkpointer.last_good == Saved(4, "ckpt/pod-0/4") and checkpointer.failed == 1
+
+
+def test_a_diloco_part_the_writer_refuses_fails_the_checkpoint_naming_why(tmp_path, capsys):
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 0])
+    refused = WorkerError("pod 0: Save failed: INVALID_ARGUMENT: pod 0 does not host slot 1's replica",
+                          grpc.StatusCode.INVALID_ARGUMENT)
+    pods[0].save = lambda request, timeout_s: (_ for _ in ()).throw(refused) if request.HasField("slot") else \
+        pb.SaveReply(path=f"{request.directory}/{request.step}", pending=True)
+    checkpointer.save(2)
+    assert checkpointer.pending == [] and checkpointer.failed == 1 and checkpointer.last_good is None
+    assert "does not host slot 1's replica" in capsys.readouterr().out
+
+
+def test_a_healthy_diloco_checkpoint_is_every_pod_s_own(tmp_path):
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1])
+    checkpointer.save(2)
+    assert [_saves(pod) for pod in pods] == [[("ckpt/pod-0", None)], [("ckpt/pod-1", None)]]
