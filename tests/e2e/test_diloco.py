@@ -3,12 +3,14 @@ stopped with an outer sync pending and resumed, against the uninterrupted run: e
 final checkpoint (its inner state and the outer state) is bitwise the uninterrupted run's, and
 metrics.jsonl records the outer steps at their places in the schedule with the data plane's bytes
 at those steps only. DiLoCo on 2 pods of 2 hosts is bitwise DiLoCo on 2 pods of one host with 2
-devices; a dead pod is dropped from the outer steps or replayed bitwise."""
+devices; a dead pod is dropped from the outer steps or replayed bitwise, and the checkpoints
+taken while it is out resume bitwise."""
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import pathlib
+import shutil
 
 from multipod.pod_worker import checkpoint
 from tests.e2e.pod_failure import kill_and_finish
@@ -132,9 +134,12 @@ def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_pa
     """sync.on_pod_failure = "replay" (the default): 3 pods, pod 1 killed with SIGKILL after a
     checkpoint; the survivor hosting its slot rebuilds its state from its checkpoint part, trains it
     beside its own, and hands it back when the restarted pod rejoins. Every step's agreed state and
-    loss, and every pod's own final checkpoint, are bitwise the uninterrupted run's."""
+    loss, and every pod's own final checkpoint, are bitwise the uninterrupted run's. The
+    checkpoints taken while pod 1 was out are whole (its part written by its replica's host,
+    bitwise the uninterrupted run's part), and a run resumed from the last of them with every pod
+    back ends bitwise as the uninterrupted run."""
     steps = 40
-    args = _failure_args("replay", steps, "checkpoint.every=8")
+    args = _failure_args("replay", steps, "checkpoint.every=8", "checkpoint.keep=8")
     reference = tmp_path / "reference"
     done = run_cli(*args, "--run-dir", str(reference))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -150,6 +155,25 @@ def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_pa
             assert r["loss"] == want[r["step"]]["loss"], r["step"]
     assert [_part(tmp_path / "killed", pod, steps) for pod in range(3)] == \
         [_part(reference, pod, steps) for pod in range(3)]
+
+    out_from = next(e["step"] for e in events if e["event"] == "degraded")
+    back_at = next(e["step"] for e in events if e["event"] == "rejoin")
+    degraded = [e["step"] for e in events if e["event"] == "checkpoint_saved" and out_from < e["step"] <= back_at]
+    assert degraded, f"no checkpoint was saved while pod 1 was out (steps {out_from}-{back_at})"
+    assert not [e for e in events if e["event"] == "checkpoint_failed" and e["step"] > out_from]
+    for step in degraded:
+        assert [_part(tmp_path / "killed", pod, step) for pod in range(3)] == \
+            [_part(reference, pod, step) for pod in range(3)], step
+    resumed = tmp_path / "resumed"
+    for pod in range(3):
+        shutil.copytree(tmp_path / "killed" / "checkpoints" / f"pod-{pod}" / str(degraded[-1]),
+                        resumed / "checkpoints" / f"pod-{pod}" / str(degraded[-1]))
+    done = run_cli(*args, "--run-dir", str(resumed), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(resumed)] == list(range(degraded[-1], steps))
+    assert [r["checksums"] for r in read_metrics(resumed)] == \
+        [want[s]["checksums"] for s in range(degraded[-1], steps)]
+    assert [_part(resumed, pod, steps) for pod in range(3)] == [_part(reference, pod, steps) for pod in range(3)]
 
 
 def _part(run_dir: pathlib.Path, pod: int, step: int) -> str:
