@@ -13,10 +13,15 @@ from tests.e2e import ptune_task
 from tests.helpers import TINY, read_evals, read_metrics, run_cli, same_losses
 
 STEPS = 60
-# 2 pods against 1 over the first PARITY_STEPS steps: the sum of two half-batch gradients differs
-# from the whole batch's in its last bits, and Adam on a small prompt magnifies that step by step
-# (about 1e-5 relative by step 20 here, 6e-5 by step 60).
+# 2 pods against 1 over PARITY_STEPS steps, at a tenth of ptune's learning rate. The sum of two
+# half-batch gradients differs from the whole batch's in its last bits. At ptune's 3e-2 (reached at
+# the end of the warmup, step 10) the tiny prompt encoder's training is chaotic: each step multiplies
+# such a difference about tenfold (gradient norms 1e-6 apart at step 3 and 15% apart at step 11 on
+# one machine, 0.06% at step 11 on another), so two correct runs part ways at a step that depends
+# on the CPU's rounding. At 3e-3 the same two runs stay within 3e-7 (loss) and 2e-6 (gradient norm)
+# for all 15 steps.
 PARITY_STEPS = 15
+PARITY_LR = "optimizer.learning_rate=3e-3"
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +54,31 @@ def two_pods(files):
     return _ptune(files, "two", 2)
 
 
-def test_the_task_loss_falls_and_two_pods_train_as_one(files, two_pods):
-    two, result = two_pods
-    one, _ = _ptune(files, "one", 1, steps=PARITY_STEPS)
+def test_two_pods_train_as_one(files):
+    runs = [("one", 1), ("two-parity", 2)]
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        (one, _), (two, _) = pool.map(lambda run: _ptune(files, *run, PARITY_STEPS, "mlp", "--set", PARITY_LR), runs)
     steps_two, steps_one = read_metrics(two), read_metrics(one)
-    assert len(steps_two) == STEPS and len(steps_one) == PARITY_STEPS
+    assert len(steps_two) == len(steps_one) == PARITY_STEPS
     same_losses(steps_two, steps_one)
     for a, b in zip(steps_two, steps_one):
         if not a.get("partial_loss"):
             assert a["tokens"] == b["tokens"]    # the output tokens of the batch, the same on any pods
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
     evals_two, evals_one = read_evals(two), read_evals(one)
-    assert evals_two[0]["trained_steps"] == evals_one[-1]["trained_steps"] == PARITY_STEPS
-    assert evals_two[0]["eval_loss"] == pytest.approx(evals_one[-1]["eval_loss"], rel=1e-5)
+    assert evals_two[-1]["trained_steps"] == evals_one[-1]["trained_steps"] == PARITY_STEPS
+    assert evals_two[-1]["eval_loss"] == pytest.approx(evals_one[-1]["eval_loss"], rel=1e-5)
+
+
+def test_the_task_loss_falls(two_pods):
+    two, result = two_pods
+    steps = read_metrics(two)
+    assert len(steps) == STEPS
     # Clearly lower: the learned prompt picks the mode the task's outputs are in.
-    assert evals_two[-1]["eval_loss"] < steps_two[0]["loss"] - 0.3
+    assert read_evals(two)[-1]["eval_loss"] < steps[0]["loss"] - 0.3
+    assert "frozen base" in result.stdout
+    # dcn.overlap's default cannot overlap prompt tuning's step: it says so, once.
+    assert result.stdout.count("dcn.overlap = auto: the pods run the fused step (prompt tuning") == 1
     assert "frozen base" in result.stdout
     # dcn.overlap's default cannot overlap prompt tuning's step: it says so, once.
     assert result.stdout.count("dcn.overlap = auto: the pods run the fused step (prompt tuning") == 1
