@@ -16,6 +16,7 @@ import time
 
 from multipod.pod_worker import checkpoint
 from multipod.pod_worker.checkpoint import CheckpointError
+from multipod.pod_worker.diloco_pod import OuterLink
 from multipod.pod_worker.errors import Busy, CorruptCheckpoint, InvalidRequest, SaveNotFound, SavePending
 from multipod.pod_worker.hosts import meet
 from multipod.pod_worker.schema import OuterFailure
@@ -83,8 +84,11 @@ class CheckpointPod:
                     except TimeoutError as exc:
                         raise Busy(f"{self.layout.name(self.pod_index)}: {exc}") from None
                 # The same outer state in every part of the checkpoint: a pending sync is waited for
-                # once and its sum saved in each (OuterSync.checkpoint keeps it).
-                state["outer"], metadata["outer"] = trainer.outer.checkpoint(setup.config.dcn.timeout_s)
+                # once and its sum saved in each (OuterSync.checkpoint keeps it). One whose exchange
+                # a pod's death broke is exchanged again on the current link, as its step would:
+                # every live pod gets this save at the same step boundary.
+                link = OuterLink(self.exchange, setup, self.pod_index) if setup.num_pods > 1 else None
+                state["outer"], metadata["outer"] = trainer.outer.checkpoint(setup.config.dcn.timeout_s, link)
             fp = _state_fingerprint(state)
             path = self._writer.submit(directory, state, fp, json.dumps(metadata), keep or None)
             if trainer.outer is not None and getattr(self, "_saved_at", None) != step:

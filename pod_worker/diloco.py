@@ -242,16 +242,7 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         pending = self.pending
         if pending is None:
             raise RuntimeError("no outer sync is pending")
-        if not _same_link(pending.link, all_reduce) and pending.full is not None:
-            # The membership changed since this sync's exchange started: every pod that started it
-            # on the old link exchanges it again on the new one, whatever the old exchange did
-            # there. It may have ended well on one pod (its peer's bytes had arrived) and failed on
-            # another; keeping that result would leave the other waiting alone on the new link.
-            # The aborted old exchange ends first (its own deadline, dcn.timeout_s, bounds it).
-            concurrent.futures.wait([pending.result])
-            pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment],
-                                          pending.extra)
-            pending.link, pending.whole = all_reduce, self._whole(all_reduce)
+        self._exchange_again_if_moved(pending, all_reduce)
         wait_start = time.perf_counter()
         summed, stats, pods = self._result(pending, None)    # the exchange has its own deadline (dcn.timeout_s)
         exposed = time.perf_counter() - wait_start
@@ -285,6 +276,20 @@ class OuterSync(OuterReplicas, OuterWarmUp):
                   pending.fragment, seconds, exposed, pods)
         return leaves, report
 
+    def _exchange_again_if_moved(self, pending: _Pending, all_reduce: Callable | None) -> None:
+        """If the membership changed since `pending`'s exchange started (it ran on another link than
+        `all_reduce`), start it again on `all_reduce`."""
+        if _same_link(pending.link, all_reduce) or pending.full is None:
+            return
+        # Every pod that started it on the old link exchanges it again on the new one, whatever the
+        # old exchange did there. It may have ended well on one pod (its peer's bytes had arrived)
+        # and failed on another; keeping that result would leave the other waiting alone on the
+        # new link. The aborted old exchange ends first (its own deadline, dcn.timeout_s, bounds it).
+        concurrent.futures.wait([pending.result])
+        pending.result = self._submit(all_reduce, pending.sync, pending.full, self.fragments[pending.fragment],
+                                      pending.extra)
+        pending.link, pending.whole = all_reduce, self._whole(all_reduce)
+
     # -- the agreed state ------------------------------------------------------------------------
     def agreed_params(self):
         """The agreed parameters (every fragment as of its last outer step), as a tree."""
@@ -295,15 +300,19 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         return self.agreed_params(), self.states
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self, timeout_s: float) -> tuple[dict, dict]:
+    def checkpoint(self, timeout_s: float, all_reduce: Callable | None = None) -> tuple[dict, dict]:
         """(arrays, metadata) of the outer state for a checkpoint, between steps: the agreed
         parameters, the outer optimizer states' leaves, and a sync still pending (its exchange
         waited for, within timeout_s: its pod-order sum is saved, so a resumed run applies the
-        very same outer step without exchanging again)."""
+        very same outer step without exchanging again). `all_reduce`: the pod's current link; a
+        pending sync whose exchange ran on an older one (the membership changed since, a pod
+        died) is exchanged again on it first, as the step that applies it would."""
         arrays = {"agreed": list(self.agreed), "states": jax.tree.leaves(self.states)}
         meta: dict = {"pending": None}
         pending = self.pending
         if pending is not None:
+            if all_reduce is not None:
+                self._exchange_again_if_moved(pending, all_reduce)
             summed, stats, pods = self._result(pending, timeout_s)
             if not pending.whole and self.hosts is not None:   # whole leaves, gathered now (every host saves)
                 summed, pending.whole = [host_value(v) for v in self.hosts.gather(pending.fragment, summed)], True

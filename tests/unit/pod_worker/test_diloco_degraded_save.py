@@ -45,21 +45,24 @@ def _resume(config, parts: list, step: int) -> Pods:
 
 
 def test_a_replayed_slot_s_part_is_the_failed_pod_s_own_and_a_resume_from_it_is_bitwise(tmp_path):
-    """Pod 1 dies after 7 steps (sync 4 pending on pod 0), pod 0 replays its slot from its part of
-    step 4 and trains it beside its own. After 10 steps (sync 5 pending) pod 0 writes both parts.
-    Each is bitwise the uninterrupted pair's part of step 10 (inner state, outer state, the pending
-    sync's sum); the degraded run goes on bitwise; a fresh pair restored from the parts ends
-    bitwise where the uninterrupted pair ends (agreed state at every step, both inner states)."""
+    """Pod 1 dies after 7 steps (sync 4 pending on pod 0, its exchange broken), pod 0 replays its
+    slot from its part of step 4 and saves both parts after 8 steps (the save exchanges sync 4 again
+    on the new link, with the replica's pseudo-gradient), then trains the replica beside its own
+    and saves again after 10 steps (sync 5 pending). Each part is bitwise the uninterrupted pair's
+    part of that step (inner state, outer state, the pending sync's sum); the degraded run goes on
+    bitwise; a fresh pair restored from the parts of step 8 ends bitwise where the uninterrupted
+    pair ends (agreed state at every step, both inner states)."""
     config = _config(2, inner_steps=4, fragments=2, overlap_steps=1)
     reference = Pods(config, 2)
+    parts = {}
     try:
         want = []
         for step in range(STEPS):
+            if step in (8, 10):
+                parts[step] = [_save(pod, step, tmp_path / "reference" / f"pod-{pod.pod_index}")
+                               for pod in reference.pods]
             want.append(reference.step(step)[0].checksum)
-            if step == 9:
-                parts = [_save(pod, 10, tmp_path / "reference" / f"pod-{pod.pod_index}") for pod in reference.pods]
-        want_parts = [meta["fingerprint"] for meta in parts]
-        assert parts[0]["outer"]["pending"]["sync"] == 5, "the checkpoint should hold a sync pending"
+        assert [parts[s][0]["outer"]["pending"]["sync"] for s in (8, 10)] == [4, 5], "each should hold a sync pending"
         want_local = [_local(pod) for pod in reference.pods]
     finally:
         reference.close()
@@ -89,10 +92,10 @@ def test_a_replayed_slot_s_part_is_the_failed_pod_s_own_and_a_resume_from_it_is_
         first.adopt_slot(1, str(degraded / "pod-1" / "4"), [tokens(s, 1) for s in range(4, 8)], _deadline())
 
         for step in range(8, STEPS):
-            if step == 10:
-                got = [_save(first, 10, degraded / "pod-0"), _save(first, 10, degraded / "pod-1", slot=1)]
-                assert [meta["fingerprint"] for meta in got] == want_parts
-                assert [meta["outer"] for meta in got] == [parts[0]["outer"]] * 2
+            if step in (8, 10):
+                got = [_save(first, step, degraded / "pod-0"), _save(first, step, degraded / "pod-1", slot=1)]
+                assert [meta["fingerprint"] for meta in got] == [meta["fingerprint"] for meta in parts[step]]
+                assert [meta["outer"] for meta in got] == [parts[step][0]["outer"]] * 2
                 assert got[1]["part"] == {"slot": 1, "written_by": 0, "source": "replica"} and "part" not in got[0]
             outcome, _ = first.step(first.setup(), step, tokens(step, 0), 0, _deadline(), lambda: True,
                                     extra={1: tokens(step, 1)})
@@ -100,9 +103,9 @@ def test_a_replayed_slot_s_part_is_the_failed_pod_s_own_and_a_resume_from_it_is_
     finally:
         first.close()
 
-    resumed = _resume(config, [degraded / "pod-0", degraded / "pod-1"], 10)
+    resumed = _resume(config, [degraded / "pod-0", degraded / "pod-1"], 8)
     try:
-        for step in range(10, STEPS):
+        for step in range(8, STEPS):
             assert [o.checksum for o in resumed.step(step)] == [want[step]] * 2, f"resumed step {step}"
         assert [_local(pod) for pod in resumed.pods] == want_local
     finally:
