@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PartState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PART_STATE_UNSPECIFIED: _ClassVar[PartState]
+    PART_STATE_MISSING: _ClassVar[PartState]
+    PART_STATE_UNFINISHED: _ClassVar[PartState]
+    PART_STATE_UNREADABLE: _ClassVar[PartState]
+    PART_STATE_CORRUPT: _ClassVar[PartState]
+
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
@@ -16,6 +24,11 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_STEPPING: _ClassVar[WorkerState]
     WORKER_STATE_RESTORING: _ClassVar[WorkerState]
     WORKER_STATE_FAILED: _ClassVar[WorkerState]
+PART_STATE_UNSPECIFIED: PartState
+PART_STATE_MISSING: PartState
+PART_STATE_UNFINISHED: PartState
+PART_STATE_UNREADABLE: PartState
+PART_STATE_CORRUPT: PartState
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_IDLE: WorkerState
 WORKER_STATE_CONFIGURING: WorkerState
@@ -303,26 +316,50 @@ class SaveReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path", "directory", "run_id")
+    __slots__ = ("path", "directory", "run_id", "parts", "before_step")
     PATH_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_STEP_FIELD_NUMBER: _ClassVar[int]
     path: str
     directory: str
     run_id: str
-    def __init__(self, path: _Optional[str] = ..., directory: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedScalarFieldContainer[str]
+    before_step: int
+    def __init__(self, path: _Optional[str] = ..., directory: _Optional[str] = ..., run_id: _Optional[str] = ..., parts: _Optional[_Iterable[str]] = ..., before_step: _Optional[int] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
-    __slots__ = ("step", "fingerprint", "metadata_json", "path")
+    __slots__ = ("step", "fingerprint", "metadata_json", "path", "skipped")
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     step: int
     fingerprint: str
     metadata_json: str
     path: str
-    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedCheckpoint]
+    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ..., path: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class SkippedCheckpoint(_message.Message):
+    __slots__ = ("step", "problems")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    problems: _containers.RepeatedCompositeFieldContainer[PartProblem]
+    def __init__(self, step: _Optional[int] = ..., problems: _Optional[_Iterable[_Union[PartProblem, _Mapping]]] = ...) -> None: ...
+
+class PartProblem(_message.Message):
+    __slots__ = ("directory", "state", "detail")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    state: PartState
+    detail: str
+    def __init__(self, directory: _Optional[str] = ..., state: _Optional[_Union[PartState, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("tokens", "loss_mask")
