@@ -40,6 +40,11 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt or does not fit this run; the message says which."""
 
 
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint whose arrays or metadata cannot be read back (corrupt), as opposed to one that
+    is missing or does not fit."""
+
+
 def _handlers() -> dict:
     return {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
 
@@ -199,10 +204,10 @@ def restore(path: str, template: dict) -> tuple[dict, dict]:
     return restored["state"], restored["meta"]
 
 
-def _corrupt(target: pathlib.Path, exc: BaseException) -> CheckpointError:
+def _corrupt(target: pathlib.Path, exc: BaseException) -> UnreadableCheckpoint:
     others = [s for s in steps(str(target.parent)) if s != int(target.name)]
     hint = f"; other checkpoints in {target.parent}: {', '.join(map(str, others))}" if others else ""
-    return CheckpointError(f"checkpoint {target} is corrupt or unreadable: {_short(exc)}{hint}")
+    return UnreadableCheckpoint(f"checkpoint {target} is corrupt or unreadable: {_short(exc)}{hint}")
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:
@@ -218,7 +223,7 @@ def read_metadata(path: str) -> dict:
     try:
         restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {target}: metadata is corrupt or unreadable: {_short(exc)}") from None
+        raise UnreadableCheckpoint(f"checkpoint {target}: metadata is corrupt or unreadable: {_short(exc)}") from None
     finally:
         manager.close()
     meta = restored["meta"]

@@ -14,7 +14,7 @@ import json
 import pathlib
 import time
 
-from multipod.pod_worker import checkpoint
+from multipod.pod_worker import checkpoint, checkpoint_parts
 from multipod.pod_worker.checkpoint import CheckpointError
 from multipod.pod_worker.diloco_pod import OuterLink
 from multipod.pod_worker.errors import Busy, CorruptCheckpoint, InvalidRequest, SaveNotFound, SavePending
@@ -37,6 +37,7 @@ class Restored:
     step: int
     fingerprint: str
     metadata: dict
+    skipped: tuple[checkpoint_parts.Skipped, ...] = ()   # from a directory: newer checkpoints not whole
 
 
 def _state_fingerprint(state: dict) -> str:
@@ -141,13 +142,31 @@ class CheckpointPod:
         except TimeoutError as exc:
             raise SavePending(str(exc)) from None
 
-    def restore(self, path: str | None, directory: str | None, run_id: str, deadline: float) -> Restored:
-        """Load checkpoint `path`, or the newest one under `directory`, waiting until `deadline`
-        for a running step (Busy). A new timeline starts at its step: steps that arrived before
-        are refused; with `run_id`, the DCN exchange starts afresh under it. A checkpoint that
-        does not fit, cannot be read, or is corrupt changes nothing."""
+    def restore(self, path: str | None, directory: str | None, run_id: str, deadline: float,
+                parts: tuple[str, ...] = (), before: int = 0) -> Restored:
+        """Load checkpoint `path`, or the newest one under `directory` that every folder of `parts`
+        (the checkpoint's other parts) also holds whole, older than `before` if not 0
+        (checkpoint_parts.newest_whole; the newer ones passed over are in Restored.skipped),
+        waiting until `deadline` for a running step (Busy). A new timeline starts at its step:
+        steps that arrived before are refused; with `run_id`, the DCN exchange starts afresh under
+        it. A checkpoint that does not fit, cannot be read, or is corrupt changes nothing."""
+        if path:
+            return self._restore_path(path, run_id, deadline)
+        skipped: tuple[checkpoint_parts.Skipped, ...] = ()
+        while True:     # each pass looks strictly further back: it ends with a checkpoint or CheckpointError
+            choice = checkpoint_parts.newest_whole(str(directory), list(parts), before)
+            try:
+                restored = self._restore_path(str(choice.path), run_id, deadline)
+            except CorruptCheckpoint as exc:    # this pod's own part of it cannot be read back: an older one
+                problem = checkpoint_parts.Problem(str(directory), pb.PART_STATE_CORRUPT, str(exc))
+                skipped += choice.skipped + (checkpoint_parts.Skipped(choice.step, (problem,)),)
+                before = choice.step
+                continue
+            return dataclasses.replace(restored, skipped=skipped + choice.skipped)
+
+    def _restore_path(self, path: str, run_id: str, deadline: float) -> Restored:
+        """restore() of checkpoint `path`."""
         setup = self.setup()
-        path = path or str(checkpoint.latest(directory))
         metadata = checkpoint.read_metadata(path)
         checkpoint.check_compatible(path, metadata, setup.config.state_key())
         setup.trainer.check_restorable(path, metadata)
@@ -177,7 +196,10 @@ class CheckpointPod:
             if not isinstance(saved, dict):
                 raise CheckpointError(f"checkpoint {path} holds no DiLoCo outer state (sync.mode = \"diloco\")")
             target["outer"] = trainer.outer.restore_target(saved)
-        state, metadata = checkpoint.restore(path, checkpoint.abstract(target))
+        try:
+            state, metadata = checkpoint.restore(path, checkpoint.abstract(target))
+        except checkpoint.UnreadableCheckpoint as exc:   # corrupt: a typed answer (DATA_LOSS), not a misfit
+            raise CorruptCheckpoint(str(exc)) from None
         if int(state["step"]) != int(metadata.get("step", -1)):
             raise CheckpointError(f"checkpoint {path}: state is at step {state['step']}, "
                                   f"metadata says {metadata.get('step')}")
@@ -196,6 +218,9 @@ class CheckpointPod:
             trainer.load_state(state["params"], state["opt_state"], state["step"])
             if trainer.outer is not None:
                 trainer.outer.load(state["outer"], metadata["outer"], trainer.step)
+                # The history starts afresh at the restored checkpoint, now the last good one: the
+                # next save trims from here, not from a save of the abandoned timeline.
+                self._saved_at = trainer.step
                 fp = trainer.fingerprint()      # what every pod restored alike: the agreed state's
             self._checksum = (trainer.step, trainer.checksum())
             if run_id:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from multipod.pod_worker import checkpoint_parts
 from multipod.pod_worker.request_tokens import decode_tokens
 from multipod.pod_worker.rpc_handler import deadline, handler, invalid, wait_budget
 from multipod.protos import multipod_pb2 as pb
@@ -48,13 +49,20 @@ class StateRpcs:
 
     @handler
     def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
+        """Load a checkpoint: `path`, or the newest one under `directory` that each of `parts` also
+        holds whole (older than before_step if set); the newer ones passed over are in `skipped`."""
         self.pod.setup()
         if bool(request.path) == bool(request.directory):
             raise invalid("give exactly one of path (a checkpoint) or directory (restore its newest checkpoint)")
+        if request.path and (request.parts or request.before_step):
+            raise invalid("parts and before_step go with directory, not with path")
+        if any(not part for part in request.parts):
+            raise invalid("parts holds an empty folder name")
         restored = self.pod.restore(request.path or None, request.directory or None, request.run_id,
-                                    deadline(context))
+                                    deadline(context), parts=tuple(request.parts), before=int(request.before_step))
         return pb.RestoreReply(step=restored.step, fingerprint=restored.fingerprint,
-                               metadata_json=json.dumps(restored.metadata), path=restored.path)
+                               metadata_json=json.dumps(restored.metadata), path=restored.path,
+                               skipped=checkpoint_parts.to_proto(restored.skipped))
 
     @handler
     def SetMembership(self, request: pb.MembershipRequest, context) -> pb.MembershipReply:
