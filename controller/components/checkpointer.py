@@ -211,28 +211,28 @@ class Checkpointer:
         return self._restore(path=self.last_good.path)
 
     def resume(self) -> int:
-        """Restore every pod to the newest checkpoint in the directory, refusing one trained on
-        other data; the data offset continues from it. Returns its step."""
+        """Restore every pod to the newest whole checkpoint in the directory (in DiLoCo mode, one
+        every pod's part of which is complete and readable; a newer one that is not is skipped,
+        saying why), refusing one trained on other data; the data offset continues from it.
+        Returns its step."""
         return self._restore(directory=self.directory)
 
     def _restore(self, path: str = "", directory: str = "") -> int:
         from multipod.controller.core.run_config import ConfigError  # here: importing config imports jax
-        clients = self.cluster.live_clients       # in degraded mode the failed pods rejoin later
-        run_id = self.cluster.next_generation()    # the pods' DCN links start afresh
-        timeout = self.cluster.config.run.step_timeout_s + self.cluster.config.dcn.timeout_s + 60.0
-        first = []
-        if directory:   # pod 0 finds the newest checkpoint; the others restore that one
-            first = [clients[0].restore(pb.RestoreRequest(directory=self._directory(clients[0].pod_index),
-                                                          run_id=run_id), timeout)]
-            path = first[0].path
-        step = int(first[0].step) if first else self.last_good.step if self.last_good else -1
-        rest = clients[len(first):]
-        replies = first + parallel(
-            lambda c: c.restore(pb.RestoreRequest(path=self._path(c.pod_index, step, path), run_id=run_id), timeout),
-            rest)
-        if len({r.fingerprint for r in replies}) > 1:
-            raise RunError(f"pods restored {path} to different states: " +
-                           ", ".join(f"{c.name}: {r.fingerprint}" for c, r in zip(clients, replies)))
+        before = 0
+        skipped: list[dict] = []    # (with directory) the newer checkpoints passed over, and why
+        while True:
+            try:
+                replies, path = self._restore_once(path, directory, before, skipped)
+                break
+            except _PartUnreadable as exc:
+                # Another pod could not read its part of the checkpoint the first pod chose (its
+                # arrays are not the ones written): take the newest whole one before it instead.
+                # Each retry looks strictly further back, and the first pod's choice fails once none is left.
+                before = exc.step
+                out(f"resume: skipping the checkpoint of step {exc.step}, it is not whole: pod {exc.pod}'s part is "
+                    f"corrupt ({exc.error})")
+                skipped.append({"step": exc.step, "parts": {str(exc.pod): "corrupt"}})
         meta = json.loads(replies[0].metadata_json)
         step = int(replies[0].step)
         if directory:
@@ -244,5 +244,68 @@ class Checkpointer:
             self.data_offset = int(meta.get("data_offset", 0))
         self.last_good = Saved(step, path)
         self.events.write(EventKind.RESTORED, step=step, path=path, data_offset=self.data_offset,
-                          fingerprint=replies[0].fingerprint)
+                          fingerprint=replies[0].fingerprint, **({"skipped": skipped} if skipped else {}))
         return step
+
+    def _restore_once(self, path: str, directory: str, before: int, skipped: list[dict]) -> tuple[list, str]:
+        """Every live pod restored to one checkpoint: `path`, or (with `directory`) the newest
+        whole one before step `before` (0: any), which the first live pod chooses; the newer ones
+        it passed over are reported and added to `skipped`. (replies, the first part's path).
+        _PartUnreadable if another pod's part of the chosen one is corrupt."""
+        clients = self.cluster.live_clients       # in degraded mode the failed pods rejoin later
+        run_id = self.cluster.next_generation()    # the pods' DCN links start afresh
+        timeout = self.cluster.config.run.step_timeout_s + self.cluster.config.dcn.timeout_s + 60.0
+        first = []
+        if directory:   # the first pod chooses the newest whole checkpoint; the others restore that one
+            own = clients[0].pod_index
+            parts = [self._directory(k) for k in range(self.cluster.size) if k != own] if self.per_pod else []
+            first = [clients[0].restore(pb.RestoreRequest(directory=self._directory(own), parts=parts,
+                                                          before_step=before, run_id=run_id), timeout)]
+            path = first[0].path
+            skipped.extend(self._report_skipped(first[0].skipped))
+        step = int(first[0].step) if first else self.last_good.step if self.last_good else -1
+        def restore(client):
+            try:
+                return client.restore(pb.RestoreRequest(path=self._path(client.pod_index, step, path),
+                                                        run_id=run_id), timeout)
+            except WorkerError as exc:
+                if directory and exc.code == grpc.StatusCode.DATA_LOSS:   # CorruptCheckpoint: its part's arrays
+                    return _PartUnreadable(step, client.pod_index, str(exc))
+                raise
+        replies = first + parallel(restore, clients[len(first):])
+        unreadable = [r for r in replies if isinstance(r, _PartUnreadable)]
+        if unreadable:
+            raise unreadable[0]
+        if len({r.fingerprint for r in replies}) > 1:
+            raise RunError(f"pods restored {path} to different states: " +
+                           ", ".join(f"{c.name}: {r.fingerprint}" for c, r in zip(clients, replies)))
+        return replies, path
+
+    def _report_skipped(self, skipped) -> list[dict]:
+        """Say which newer checkpoints a resume passed over, and why (RestoreReply.skipped, whose
+        problems name each part by the directory this controller sent); the same as records for
+        the `restored` event ({"step", "parts": {pod: why}})."""
+        pods = {self._directory(k): k for k in range(self.cluster.size)} if self.per_pod else \
+            {self.directory: self.cluster.live[0]}
+        records = []
+        for checkpoint in skipped:
+            parts = {str(pods.get(p.directory, p.directory)): _PART_STATES.get(p.state, "not whole")
+                     for p in checkpoint.problems}
+            whose = "pod {}'s part" if self.per_pod else "the checkpoint of pod {}"
+            out(f"resume: skipping the checkpoint of step {checkpoint.step}, it is not whole: " +
+                "; ".join(f"{whose.format(pod)} is {why}" for pod, why in parts.items()))
+            records.append({"step": int(checkpoint.step), "parts": parts})
+        return records
+
+
+# What RestoreReply.skipped's PartState means, in the words the controller reports it with.
+_PART_STATES = {pb.PART_STATE_MISSING: "missing", pb.PART_STATE_UNFINISHED: "unfinished",
+                pb.PART_STATE_UNREADABLE: "unreadable", pb.PART_STATE_CORRUPT: "corrupt"}
+
+
+class _PartUnreadable(Exception):
+    """Pod `pod` could not read its part of the checkpoint of `step` (DATA_LOSS)."""
+
+    def __init__(self, step: int, pod: int, error: str):
+        super().__init__(error)
+        self.step, self.pod, self.error = step, pod, error

@@ -1,0 +1,81 @@
+"""--resume of a DiLoCo run takes the newest whole checkpoint: the first pod chooses the newest step
+every pod's part holds complete (RestoreRequest.parts), the controller says which newer ones it
+skipped and why (RestoreReply.skipped), and a part another pod cannot read back (DATA_LOSS) sends
+the choice one checkpoint further back."""
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from multipod.controller.cluster.client import WorkerError
+from multipod.controller.components.checkpointer import Saved
+from multipod.protos import multipod_pb2 as pb
+from tests.unit.controller.components.test_checkpointer import _diloco_checkpointer
+
+
+def _chooser(pods, whole: list[int], skipped: dict[int, dict[int, int]]):
+    """Pod 0 answers a restore from its directory with the newest of `whole` below before_step,
+    reporting the newer steps of `skipped` ({step: {pod: PartState}}) as passed over."""
+    def restore(request, timeout_s):
+        pods[0].calls.append(("Restore", request))
+        if request.path:
+            return pb.RestoreReply(step=int(request.path.rsplit("/", 1)[1]), fingerprint="fp", path=request.path,
+                                   metadata_json=json.dumps(pods[0].metadata))
+        step = max(s for s in whole if not request.before_step or s < request.before_step)
+        passed = [pb.SkippedCheckpoint(step=s, problems=[pb.PartProblem(directory=f"ckpt/pod-{p}", state=state)
+                                                         for p, state in parts.items()])
+                  for s, parts in sorted(skipped.items(), reverse=True)
+                  if s > step and (not request.before_step or s < request.before_step)]
+        return pb.RestoreReply(step=step, fingerprint="fp", path=f"{request.directory}/{step}",
+                               metadata_json=json.dumps(pods[0].metadata), skipped=passed)
+    pods[0].restore = restore
+
+
+def _events(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+
+
+def test_resume_takes_the_newest_checkpoint_every_part_holds_and_says_which_it_skipped(tmp_path, capsys):
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1, 2])
+    _chooser(pods, whole=[4, 8], skipped={12: {1: pb.PART_STATE_MISSING}, 10: {2: pb.PART_STATE_UNFINISHED}})
+    assert checkpointer.resume() == 8
+    assert checkpointer.last_good == Saved(8, "ckpt/pod-0/8")
+    asked = pods[0].calls[-1][1]
+    assert asked.directory == "ckpt/pod-0" and list(asked.parts) == ["ckpt/pod-1", "ckpt/pod-2"]
+    assert asked.before_step == 0
+    assert [pod.calls[-1][1].path for pod in pods[1:]] == ["ckpt/pod-1/8", "ckpt/pod-2/8"]
+    printed = capsys.readouterr().out
+    assert "skipping the checkpoint of step 12, it is not whole: pod 1's part is missing" in printed
+    assert "skipping the checkpoint of step 10, it is not whole: pod 2's part is unfinished" in printed
+    restored = [e for e in _events(tmp_path) if e["event"] == "restored"][-1]
+    assert restored["step"] == 8 and restored["skipped"] == [{"step": 12, "parts": {"1": "missing"}},
+                                                             {"step": 10, "parts": {"2": "unfinished"}}]
+
+
+def test_a_part_another_pod_cannot_read_back_sends_the_resume_one_checkpoint_further_back(tmp_path, capsys):
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1])
+    _chooser(pods, whole=[4, 8], skipped={})
+    restore = pods[1].restore
+
+    def corrupt_at_8(request, timeout_s):
+        if request.path == "ckpt/pod-1/8":
+            pods[1].calls.append(("Restore", request))
+            raise WorkerError("pod 1: Restore failed: DATA_LOSS: checkpoint ckpt/pod-1/8 is corrupt",
+                              grpc.StatusCode.DATA_LOSS)
+        return restore(request, timeout_s)
+    pods[1].restore = corrupt_at_8
+    assert checkpointer.resume() == 4
+    assert [r.before_step for m, r in pods[0].calls if m == "Restore"] == [0, 8]
+    assert [r.path for m, r in pods[1].calls if m == "Restore"] == ["ckpt/pod-1/8", "ckpt/pod-1/4"]
+    assert "skipping the checkpoint of step 8, it is not whole: pod 1's part is corrupt" in capsys.readouterr().out
+    restored = [e for e in _events(tmp_path) if e["event"] == "restored"][-1]
+    assert restored["step"] == 4 and restored["skipped"] == [{"step": 8, "parts": {"1": "corrupt"}}]
+
+
+def test_a_restore_of_the_last_good_checkpoint_sends_no_parts(tmp_path):
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1])
+    checkpointer.last_good = Saved(6, "ckpt/pod-0/6")
+    assert checkpointer.restore() == 6
+    assert [pod.calls[-1][1].path for pod in pods] == ["ckpt/pod-0/6", "ckpt/pod-1/6"]
+    assert not pods[0].calls[-1][1].parts
