@@ -29,6 +29,19 @@ class Recovery:
         self.supervisor = supervisor
         self.restarts = 0
         self.rewinds = 0
+        # DiLoCo: rebuilds the failed slots' replicas after a restore in degraded mode
+        # (components/replay.py); set by the run.
+        self.replayer = None
+
+    def _restore(self) -> int:
+        """Every live pod back to the last good checkpoint; in a degraded DiLoCo "replay" run the
+        failed slots adopted again from their parts of it (the restore cleared the replicas that
+        their shards train on). Returns its step."""
+        step = self.checkpointer.restore()
+        if self.replayer is not None and self.cluster.degraded:
+            config = self.cluster.config
+            self.replayer.adopt_again(step, config.run.step_timeout_s + config.dcn.timeout_s)
+        return step
 
     def recover(self, failure: PodFailure) -> int:
         """Wait for every pod to serve, configure the restarted ones (refusing any that differ
@@ -59,7 +72,7 @@ class Recovery:
             self.checkpointer.collect(block=True)
             if self.checkpointer.last_good is None:
                 raise RunError(f"{failure}; no checkpoint to recover from")
-            step = self.checkpointer.restore()
+            step = self._restore()
         except (WorkerError, RunError) as exc:
             raise RunError(f"recovery from ({failure}) failed: {exc}; the last good checkpoint is {last}") from None
         out(f"recovered: every pod restored to step {step}; continuing")
@@ -80,7 +93,7 @@ class Recovery:
             raise RunError(f"{spike}; no checkpoint from before it to rewind to")
         self.rewinds += 1
         self.checkpointer.data_offset += skip
-        step = self.checkpointer.restore()
+        step = self._restore()
         offset = self.checkpointer.data_offset
         out(f"loss spike at {spike}: rewound to step {step}, skipping {skip} batch(es) "
             f"(step {step} now trains on batch {step + offset})")

@@ -52,3 +52,13 @@ class Replayer:
             f"{saved.step} in {seconds:.2f}s and trains it from step {step}")
         self.events.write(EventKind.REPLAY, slot=slot, host=host, from_step=saved.step, to_step=step,
                           seconds=seconds, fingerprint=reply.fingerprint)
+
+    def adopt_again(self, step: int, timeout_s: float) -> None:
+        """After a restore while pods are out (a loss-spike rewind or a recovery in a degraded
+        run): the restore left the survivors without their replicas, so each failed slot is adopted
+        again from its part of the checkpoint just restored (the last good one, at `step`: nothing
+        to retake), and the run goes on degraded as before. Nothing with "drop" or no pod out."""
+        if self.cluster.config.sync.on_pod_failure != "replay":
+            return
+        for slot in (s for s, host in enumerate(self.cluster.hosts) if host != s):
+            self.replay(slot, step, timeout_s)

@@ -163,7 +163,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
     pool = _spare_pool(cluster, run_dir, events, spares or []) if degrade else None
     failover = Failover(config.recovery, cluster, events, supervisor, pool)
     if config.sync.diloco:
-        failover.replayer = Replayer(cluster, checkpointer, data.dataset, events)
+        failover.replayer = recovery.replayer = Replayer(cluster, checkpointer, data.dataset, events)
     try:
         if reattached is not None:
             start = int(replies[0].step)

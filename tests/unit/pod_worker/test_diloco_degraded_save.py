@@ -22,6 +22,7 @@ from tests.unit.pod_worker.test_diloco import DEADLINE_S, Pods, _config, _local,
 from tests.unit.pod_worker.test_rejoin import Call
 
 STEPS = 14
+SKIP = 3        # the batches a loss-spike rewind skips (spike.skip_batches)
 
 
 def _deadline() -> float:
@@ -51,7 +52,9 @@ def test_a_replayed_slot_s_part_is_the_failed_pod_s_own_and_a_resume_from_it_is_
     and saves again after 10 steps (sync 5 pending). Each part is bitwise the uninterrupted pair's
     part of that step (inner state, outer state, the pending sync's sum); the degraded run goes on
     bitwise; a fresh pair restored from the parts of step 8 ends bitwise where the uninterrupted
-    pair ends (agreed state at every step, both inner states)."""
+    pair ends (agreed state at every step, both inner states). Then a loss-spike rewind of the
+    degraded run to step 10 (pod 0 restored, slot 1 adopted again from its part, SKIP batches
+    skipped) trains bitwise as the uninterrupted pair with the same rewind."""
     config = _config(2, inner_steps=4, fragments=2, overlap_steps=1)
     reference = Pods(config, 2)
     parts = {}
@@ -100,6 +103,19 @@ def test_a_replayed_slot_s_part_is_the_failed_pod_s_own_and_a_resume_from_it_is_
             outcome, _ = first.step(first.setup(), step, tokens(step, 0), 0, _deadline(), lambda: True,
                                     extra={1: tokens(step, 1)})
             assert outcome.checksum == want[step], f"degraded step {step}"
+
+        # A loss-spike rewind while pod 1 is out: pod 0 goes back to its part of step 10, which
+        # clears the replica; slot 1 is adopted again from its own part of step 10 with nothing to
+        # retake (Replayer.adopt_again), and the run goes on degraded on the batches after the skip.
+        first.restore(str(degraded / "pod-0" / "10"), None, f"rewound-{next(_runs)}", _deadline())
+        with pytest.raises(InvalidRequest, match="trains the replicas of slots"):
+            first.step(first.setup(), 10, tokens(10 + SKIP, 0), 0, _deadline(), lambda: True,
+                       extra={1: tokens(10 + SKIP, 1)})
+        first.adopt_slot(1, str(degraded / "pod-1" / "10"), [], _deadline())
+        rewound = [first.step(first.setup(), step, tokens(step + SKIP, 0), 0, _deadline(), lambda: True,
+                              extra={1: tokens(step + SKIP, 1)})[0].checksum for step in range(10, STEPS)]
+        rewound_local = _local(first)
+        assert rewound[-1] != want[STEPS - 1], "the skipped batches should change the outer step of sync 6"
     finally:
         first.close()
 
@@ -108,6 +124,17 @@ def test_a_replayed_slot_s_part_is_the_failed_pod_s_own_and_a_resume_from_it_is_
         for step in range(8, STEPS):
             assert [o.checksum for o in resumed.step(step)] == [want[step]] * 2, f"resumed step {step}"
         assert [_local(pod) for pod in resumed.pods] == want_local
+        # The uninterrupted pair with the same rewind: back to its own parts of step 10, the same skip.
+        run_id = f"rewound-{next(_runs)}"
+        calls = [Call(pod.restore, str(tmp_path / "reference" / f"pod-{pod.pod_index}" / "10"), None, run_id,
+                      _deadline()) for pod in resumed.pods]
+        assert {call.result().step for call in calls} == {10}
+        for step, checksum in zip(range(10, STEPS), rewound):
+            got = [call.result()[0].checksum for call in
+                   [Call(pod.step, pod.setup(), step, tokens(step + SKIP, pod.pod_index), 0, _deadline(), lambda: True)
+                    for pod in resumed.pods]]
+            assert got == [checksum] * 2, f"step {step} after the rewind"
+        assert _local(resumed.pods[0]) == rewound_local
     finally:
         resumed.close()
 
