@@ -383,6 +383,13 @@ class Writer:
                 # own wait for it inside save() does not raise its error again.
                 self._settle(root, block=True)
                 _reread_if_changed(manager, pathlib.Path(root))
+                if step in manager.all_steps():
+                    # A run saves a step once per timeline: one already here is of a timeline the run
+                    # left (a --resume that skipped a checkpoint not every part of which was written,
+                    # a rewind), and the newest save wins. Left there, orbax would refuse this save
+                    # (StepAlreadyExistsError) and a later --resume could take the abandoned state.
+                    log.warning("checkpoint of step %d in %s replaces the one of an earlier timeline", step, root)
+                    manager.delete(step)
                 manager.save(step, args=_save_args(state, fingerprint, metadata_json), force=True)
             except Exception as exc:   # noqa: BLE001 - reported through wait()
                 outcome.error, outcome.settled = _short(exc), True

@@ -137,7 +137,8 @@ def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_pa
     loss, and every pod's own final checkpoint, are bitwise the uninterrupted run's. The
     checkpoints taken while pod 1 was out are whole (its part written by its replica's host,
     bitwise the uninterrupted run's part), and a run resumed from the last of them with every pod
-    back ends bitwise as the uninterrupted run."""
+    back ends bitwise as the uninterrupted run, skipping a newer checkpoint pod 2's part of which is
+    missing."""
     steps = 40
     args = _failure_args("replay", steps, "checkpoint.every=8", "checkpoint.keep=8")
     reference = tmp_path / "reference"
@@ -168,8 +169,18 @@ def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_pa
     for pod in range(3):
         shutil.copytree(tmp_path / "killed" / "checkpoints" / f"pod-{pod}" / str(degraded[-1]),
                         resumed / "checkpoints" / f"pod-{pod}" / str(degraded[-1]))
+    # A newer checkpoint that is not whole (pod 2's part never written, as if its save failed):
+    # --resume skips it, saying why, and the resumed run writes that step again over pods 0 and 1's.
+    for pod in (0, 1):
+        shutil.copytree(tmp_path / "killed" / "checkpoints" / f"pod-{pod}" / str(steps),
+                        resumed / "checkpoints" / f"pod-{pod}" / str(steps))
     done = run_cli(*args, "--run-dir", str(resumed), "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"skipping the checkpoint of step {steps}, it is not whole: pod 2's part is missing" in done.stdout
+    resumed_events = _events(resumed)
+    restored = next(e for e in resumed_events if e["event"] == "restored")
+    assert restored["step"] == degraded[-1] and restored["skipped"] == [{"step": steps, "parts": {"2": "missing"}}]
+    assert not [e for e in resumed_events if e["event"] == "checkpoint_failed"], "step 40 was not written again"
     assert [r["step"] for r in read_metrics(resumed)] == list(range(degraded[-1], steps))
     assert [r["checksums"] for r in read_metrics(resumed)] == \
         [want[s]["checksums"] for s in range(degraded[-1], steps)]

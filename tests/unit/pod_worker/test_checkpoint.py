@@ -180,6 +180,18 @@ def test_a_save_after_a_failed_one_works_whichever_thread_asks(tmp_path, monkeyp
     writer.close()
 
 
+def test_a_step_saved_again_replaces_the_earlier_timeline_s(tmp_path):
+    """A run resumed from an older checkpoint (a newer one was not whole) saves that newer step
+    again: the new save replaces the folder left by the timeline the run abandoned."""
+    for fingerprint in ("abandoned", "resumed"):
+        writer = checkpoint.Writer()     # each run its own writer, as a restarted worker
+        writer.submit(str(tmp_path), {"x": np.arange(3.0), "step": 5}, fingerprint, "{}", 2)
+        assert writer.wait(str(tmp_path), 5, 60) == tmp_path / "5"
+        writer.close()
+    assert checkpoint.steps(str(tmp_path)) == [5]
+    assert checkpoint.read_metadata(str(tmp_path / "5"))["fingerprint"] == "resumed"
+
+
 def test_two_writers_taking_turns_in_one_directory_keep_the_newest_k(tmp_path):
     """DiLoCo: a survivor writes a failed pod's parts into that pod's directory, then the pod (back,
     its own writer still open) writes there again, then the survivor once more: each writer reads
