@@ -28,6 +28,7 @@ from tests.helpers import TINY, read_metrics
 STEPS = 60
 HANG_STEP = 40
 REJOIN_BY = STEPS - 3
+SWAP_KILL_AT = 2         # the hot-swap test kills pod 1 once this step is recorded
 # The 2-pod runs on the test's own workers (nobody restarts them): long enough that the controller is
 # killed mid-run (once step 40 is recorded).
 STEPS_2 = 120
@@ -242,7 +243,8 @@ def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_pa
         except BaseException:
             run.proc.kill()
             raise
-        code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods", step=2)
+        code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods",
+                               step=SWAP_KILL_AT)
     finally:
         for proc in (stranger, wide):
             proc.kill()
@@ -259,7 +261,8 @@ def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_pa
     (swap,) = [e for e in events if e["event"] == "hot_swap"]
     spare_at = next(e["spare"] for e in events if e["event"] == "spare_ready")
     assert swap["slot"] == 1 and swap["new_address"] == spare_at != swap["old_address"]
-    assert swap["bytes"] > 0 and 10 < swap["step"] <= REJOIN_BY
+    # After the kill, wherever the machine's speed puts it (step 8 on a fast VM, beyond 10 on a slow one).
+    assert swap["bytes"] > 0 and SWAP_KILL_AT < swap["step"] <= REJOIN_BY
     assert f"hot-swap: slot 1 trains again at {spare_at}" in out
     # The progress line shows it from the swap on, and so do the step records.
     assert re.search(r"^step \d+/\d+ .*hot-swapped 1$", out, re.MULTILINE), out
