@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import socket
 import sys
 import time
 
@@ -20,7 +21,7 @@ from multipod.controller.cluster.pod_client import PodClient, make_pod_client, p
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.commands.train import local_devices
 from multipod.controller.core.errors import RunError
-from multipod.controller.launch.local import LocalPods
+from multipod.controller.launch.local import LocalPods, free_ports
 from multipod.model.config import ConfigError
 from multipod.protos import codec, multipod_pb2 as pb
 from multipod.protos.channels import Security
@@ -348,6 +349,17 @@ def test_local_device_flags_that_contradict_are_refused(hosts, per_host, per_pod
     args = argparse.Namespace(hosts_per_pod=hosts, devices_per_host=per_host, devices_per_pod=per_pod)
     with pytest.raises(ConfigError, match=message):
         local_devices(args)
+
+
+def test_free_ports_are_all_different_and_free():
+    # Held together while chosen: one at a time, the kernel once gave two pods' coordinators the same port.
+    for _ in range(20):
+        ports = free_ports(8)
+        assert len(set(ports)) == 8
+        for port in ports:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))      # nothing holds it any more
+    assert free_ports(0) == []
 
 
 def test_local_pods_split_each_pods_devices_over_its_hosts(tmp_path):
