@@ -333,7 +333,8 @@ class _Exchange(_Contender):
         compression = name.split("_")[1] if "_" in name and not name.endswith("_curve") else "none"
         self.name, self.leaves = name, leaves
         self.exchange = Exchange(name, pod, addresses, specs, listener, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                                 streams=streams, compression=compression, secret=secret)
+                                 streams=streams, compression=compression, secret=secret,
+                                 lossless="off")    # the transport against raw TCP, byte for byte
 
     def run(self, step: int, deadline: float) -> float:
         from multipod.pod_worker.dcn import ExchangeError

@@ -52,7 +52,8 @@ class TrainingRpcs:
                                    idle_s=link.idle_s if link else 0.0,
                                    exposed_exchange_s=outcome.exposed_exchange_s),
             dcn_bytes_sent=link.bytes_sent if link else 0,
-            dcn_bytes_received=link.bytes_received if link else 0, shards=shards,
+            dcn_bytes_received=link.bytes_received if link else 0, dcn_packed=bool(link and link.packed),
+            shards=shards,
             outer=_outer_step(outcome.outer))
 
     @handler

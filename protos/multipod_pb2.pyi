@@ -158,7 +158,7 @@ class StepTimings(_message.Message):
     def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "checksum", "timings", "dcn_bytes_sent", "dcn_bytes_received", "fingerprint", "shards", "outer")
+    __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "checksum", "timings", "dcn_bytes_sent", "dcn_bytes_received", "fingerprint", "shards", "outer", "dcn_packed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class StepReply(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     OUTER_FIELD_NUMBER: _ClassVar[int]
+    DCN_PACKED_FIELD_NUMBER: _ClassVar[int]
     step: int
     pod_index: int
     loss_sum: float
@@ -189,7 +190,8 @@ class StepReply(_message.Message):
     fingerprint: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardResult]
     outer: OuterStep
-    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., checksum: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ..., outer: _Optional[_Union[OuterStep, _Mapping]] = ...) -> None: ...
+    dcn_packed: bool
+    def __init__(self, step: _Optional[int] = ..., pod_index: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., skipped: _Optional[bool] = ..., checksum: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dcn_bytes_sent: _Optional[int] = ..., dcn_bytes_received: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ..., outer: _Optional[_Union[OuterStep, _Mapping]] = ..., dcn_packed: _Optional[bool] = ...) -> None: ...
 
 class OuterStep(_message.Message):
     __slots__ = ("sync", "fragment", "started_step", "seconds", "exposed_s", "pods")

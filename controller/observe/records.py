@@ -36,7 +36,8 @@ class PodTimings:
     checksum_s: float           # the state checksum after the update (on the devices)
     fingerprint_s: float = 0.0  # the fingerprint (BLAKE2b of a host copy); 0 on steps without one
     idle_s: float               # the part of exchange_s spent waiting on peers' chunks
-    dcn_bytes_sent: int         # bytes this pod put on the data plane, after compression
+    dcn_bytes_sent: int         # bytes this pod put on the data plane, after compression, before packing
+    dcn_packed: bool = False    # its chunks went zstd-packed (dcn.lossless): fewer bytes crossed the link
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 
 One job per module, each read top to bottom:
   wire.py         the wire codec: none, bf16, int8 with one scale per block of <= 256 values
+  packing.py      lossless zstd packing of a chunk's bytes (dcn.lossless) and when to pack
   plan.py         who sends which slice of which leaf to whom, in which chunks
   transport.py    zmq sockets, the HMAC handshake that binds a connection to a pod, frames, CURVE
   inbox.py        validation of every chunk, preallocated receive buffers, waiting for leaves and

@@ -8,6 +8,7 @@ pass its partial sum on (send_partial, receive_partial). abort() ends a step stu
 hung pod at once."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,9 +18,12 @@ from multipod.model.config import ConfigError
 from multipod.pod_worker.dcn.collectives import ReduceScatterAllGather, SlotGather, WholeGradient
 from multipod.pod_worker.dcn.inbox import ExchangeError, Inbox, StateVoteError
 from multipod.pod_worker.dcn.outbox import Outbox, Pacer
+from multipod.pod_worker.dcn.packing import MIN_PACK_BYTES, LosslessPolicy
 from multipod.pod_worker.dcn.plan import PARTIAL_DTYPE, PHASE_VOTE, VOTE_DTYPE, LeafSpec, Plan, partial_phase
 from multipod.pod_worker.dcn.transport import Listener, parse_address
-from multipod.pod_worker.schema import Compression, DcnConfig
+from multipod.pod_worker.schema import Compression, DcnConfig, Lossless
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +32,7 @@ class ExchangeStats:
     bytes_sent: int = 0        # payload bytes this pod put on the wire this step (after encoding)
     bytes_received: int = 0
     idle_s: float = 0.0        # time the step thread sat waiting on peers' chunks
+    packed: bool = False       # this step's chunks were queued to go zstd-packed (dcn.lossless)
 
 
 _MALLOC_TUNED = False
@@ -69,10 +74,12 @@ class Exchange:
                  timeout_s: float = DcnConfig.timeout_s, streams: int = DcnConfig.streams,
                  compression: Compression | str = DcnConfig.compression, link_gbps: float = DcnConfig.link_gbps,
                  link_latency_ms: float = DcnConfig.link_latency_ms, encrypt: bool = DcnConfig.encrypt,
-                 secret: str | None = None, dcn: DcnConfig | None = None, hosts: list[int] | None = None):
+                 lossless: Lossless | str = DcnConfig.lossless, secret: str | None = None,
+                 dcn: DcnConfig | None = None, hosts: list[int] | None = None):
         if dcn is not None:
             chunk_bytes, timeout_s, streams, compression = dcn.chunk_bytes, dcn.timeout_s, dcn.streams, dcn.compression
             link_gbps, link_latency_ms, encrypt = dcn.link_gbps, dcn.link_latency_ms, dcn.encrypt
+            lossless = dcn.lossless
         if streams < 1:
             raise ValueError("streams must be >= 1")
         if secret is None and listener is not None:
@@ -94,6 +101,10 @@ class Exchange:
         self.outbox: Outbox | None = None
         self._closed = ""       # why, once closed or aborted
         self._partial_bytes: dict[int, int] = {}    # by step: partial sums sent (send_partial)
+        self.lossless = LosslessPolicy(lossless)
+        if self.lossless.packing and len(self.plan.live) > 1:
+            log.info("pod %d: chunks of %d bytes or more go zstd-packed (dcn.lossless = on)", pod_index,
+                     MIN_PACK_BYTES)
         live = self.plan.live
         if len(live) > 1 or (listener is not None and self.num_pods > 1):
             if listener is None:
@@ -172,14 +183,26 @@ class Exchange:
         stats = ExchangeStats()
         deadline = time.monotonic() + self.timeout_s
         state = self.inbox.state(step)
+        if self.outbox is not None:
+            self.outbox.packing = stats.packed = self.lossless.packing
         # Not waiting for the peers' acknowledgements: every byte they need is queued, and a peer
         # that does not get it fails its own step. The links drain while this pod updates.
         results = self.collective.run(step, leaves, order, on_leaf, deadline, stats, extra)
         stats.bytes_received = sum(s.bytes for s in state.slots.values())
         stats.bytes_sent += self._partial_bytes.pop(step, 0)
+        if self.outbox is not None and self.lossless.update(stats.bytes_sent, stats.idle_s):
+            self._log_packing(step, stats)
         for old in [s for s in self._partial_bytes if s < step]:     # steps that failed before their exchange
             del self._partial_bytes[old]
         return results, stats
+
+    def _log_packing(self, step: int, stats: ExchangeStats) -> None:
+        assert self.outbox is not None
+        raw, wire = self.outbox.packed_bytes
+        so_far = f"; packed so far: {wire / raw:.3f} of the bytes" if raw else ""
+        log.info("pod %d, exchange %d: waited %.3f s on peers' bytes for %d bytes sent: chunks go %s from the "
+                 "next exchange on (dcn.lossless = auto%s)", self.pod_index, step, stats.idle_s, stats.bytes_sent,
+                 "zstd-packed" if self.lossless.packing else "raw", so_far)
 
     # -- the state vote: every live pod starts a step from the same state -------------------------
     def send_vote(self, step: int, state: int) -> None:

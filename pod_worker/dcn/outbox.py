@@ -3,8 +3,10 @@
 Each peer gets `streams` links. A link is a thread that owns one Connection (a DEALER socket,
 transport.py): it connects and proves the secret the first time it has something to send, then
 sends the chunks queued for it, in order, each after the pacer lets it through. The step thread
-only queues (put): encoding, copying and summing overlap with sending. A link that fails reports
-the step and the peer (on_error), drops the rest of that step's chunks, and reconnects for the next.
+only queues (put): encoding, copying and summing overlap with sending. While `packing` is set
+(the exchange's LosslessPolicy), the links zstd-pack what the step queues before sending it
+(packing.py). A link that fails reports the step and the peer (on_error), drops the rest of that
+step's chunks, and reconnects for the next.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import numpy as np
 import zmq
 
 from multipod import protos
-from multipod.pod_worker.dcn.transport import HEADER, Connection
+from multipod.pod_worker.dcn.packing import Packer
+from multipod.pod_worker.dcn.transport import DATA, HEADER, PACKED, Connection
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class _Link(threading.Thread):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self._connection: Connection | None = None
         self._failed_step = -1
+        self._packer: Packer | None = None
 
     def run(self) -> None:
         out = self.outbox
@@ -71,7 +75,7 @@ class _Link(threading.Thread):
             item = self.queue.get()
             if item is None:
                 break
-            step, deadline, header, payload, queued_at = item
+            step, deadline, header, payload, itemsize, queued_at = item
             if step == self._failed_step or out.stopped.is_set():
                 continue
             try:
@@ -79,9 +83,16 @@ class _Link(threading.Thread):
                     self._connection = Connection(out.context, self.address, out.pod_index, self.peer, out.run_id,
                                                   out.secret, out.stopped)
                     self._connection.handshake(deadline)
+                kind, wire = DATA, payload
+                if itemsize:      # queued while packing
+                    self._packer = self._packer or Packer()
+                    packed = self._packer.pack(payload, itemsize)
+                    if packed is not None:
+                        kind, wire = PACKED, packed
+                        out.count_packed(payload.nbytes, len(packed))
                 if out.pacer.active:
-                    out.pacer.wait(len(payload), queued_at, out.stopped, deadline)
-                self._connection.send(header, payload, deadline)
+                    out.pacer.wait(len(wire), queued_at, out.stopped, deadline)
+                self._connection.send(header, wire, deadline, kind)
             except Exception as exc:    # LinkError, ZMQError, or a bug: the step fails, the link lives on
                 self._failed_step = step
                 self._drop_connection()
@@ -103,6 +114,9 @@ class Outbox:
         self.pod_index, self.run_id, self.secret, self.pacer, self.on_error = pod_index, run_id, secret, pacer, on_error
         self.context = zmq.Context(1)
         self.stopped = threading.Event()
+        self.packing = False        # set by the exchange's LosslessPolicy, read as each chunk is queued
+        self._count_lock = threading.Lock()
+        self.packed_bytes = (0, 0)  # (payload bytes, bytes on the wire) of every chunk sent packed so far
         self._links = {p: [_Link(self, p, a, k) for k in range(streams)] for p, a in addresses.items()}
         self._turn = {p: 0 for p in addresses}
         for links in self._links.values():
@@ -117,8 +131,15 @@ class Outbox:
         turn = self._turn[peer]
         self._turn[peer] = turn + 1
         data = payload.reshape(-1).view(np.uint8)     # plain bytes for zmq (bf16 has no buffer format)
-        links[turn % len(links)].queue.put((step, deadline, header, data, time.monotonic()))
+        itemsize = payload.dtype.itemsize if self.packing else 0
+        links[turn % len(links)].queue.put((step, deadline, header, data, itemsize, time.monotonic()))
         return data.nbytes
+
+    def count_packed(self, payload_bytes: int, wire_bytes: int) -> None:
+        """A link sent a chunk packed (any thread)."""
+        with self._count_lock:
+            raw, wire = self.packed_bytes
+            self.packed_bytes = (raw + payload_bytes, wire + wire_bytes)
 
     def close(self) -> None:
         """Stop every link (chunks still queued are dropped) and close the sockets."""

@@ -13,9 +13,12 @@ the secret (the run's auth token): each proves it holds it. The server then bind
 to the client's pod index and run id; a data frame claiming any other pod is refused.
 
 Data frame: DATA, a fixed header (HEADER: version, pod, step, phase, leaf, offset in values), and
-the payload. The sender passes zmq a view of its buffer (copy=False: libzmq writes it to the socket
-from there); the receiver gets libzmq's frame, validates the header, and only then copies or
-decodes the frame's buffer into its preallocated destination: one user-space copy on each side.
+the payload. A PACKED frame is the same with the payload zstd-packed (packing.py, dcn.lossless):
+the listener unpacks it, checking its claimed size against MAX_FRAME_BYTES first, and hands the
+sink the payload as if it had come raw.
+The sender passes zmq a view of its buffer (copy=False: libzmq writes it to the socket from
+there); the receiver gets libzmq's frame, validates the header, and only then copies or decodes
+the frame's buffer into its preallocated destination: one user-space copy on each side.
 Frames over MAX_FRAME_BYTES are refused by libzmq itself (ZMQ_MAXMSGSIZE: the peer is dropped).
 
 Replies to data frames: none for the gradient exchange (a peer that misses bytes fails its own
@@ -44,11 +47,12 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from multipod import protos
+from multipod.pod_worker.dcn.packing import unpack
 from multipod.pod_worker.dcn.wire import BLOCK
 
 log = logging.getLogger(__name__)
 
-HELLO, CHALLENGE, PROOF, OK, REFUSED, DATA, ACK = b"H", b"C", b"P", b"K", b"R", b"D", b"A"
+HELLO, CHALLENGE, PROOF, OK, REFUSED, DATA, ACK, PACKED = b"H", b"C", b"P", b"K", b"R", b"D", b"A", b"Z"
 HEADER = struct.Struct("<HHQBIQ")        # version, pod, step, phase, leaf, offset (values)
 _PODS = struct.Struct("<HHH")            # version, client pod, server pod
 NONCE_BYTES = 32
@@ -233,8 +237,8 @@ class Listener:
         if peer.refused:
             self._refuse(peer, peer.refused)
             return
-        if kind == DATA:
-            self._on_data(ident, peer, frames)
+        if kind in (DATA, PACKED):
+            self._on_data(ident, peer, frames, packed=kind == PACKED)
         elif kind == HELLO:
             self._on_hello(ident, peer, frames)
         elif kind == PROOF:
@@ -277,7 +281,7 @@ class Listener:
         peer.pod, peer.run_id, peer.challenge = client, run_id, None
         self._reply(ident, OK)
 
-    def _on_data(self, ident: bytes, peer: _Peer, frames: list) -> None:
+    def _on_data(self, ident: bytes, peer: _Peer, frames: list, packed: bool = False) -> None:
         if peer.pod is None:
             return self._refuse(peer, "a data frame on a connection that has not proved the secret")
         if len(frames) != 4 or len(frames[2].bytes) != HEADER.size:
@@ -292,8 +296,9 @@ class Listener:
             return self._refuse(peer, f"a chunk of run {peer.run_id!r} from pod {pod}, which is not this pod's "
                                       f"current run")
         try:
-            reply = sink.receive(pod, step, phase, leaf, offset, frames[3].buffer)
-        except ValueError as exc:      # InvalidChunk
+            payload = unpack(frames[3].buffer, MAX_FRAME_BYTES) if packed else frames[3].buffer
+            reply = sink.receive(pod, step, phase, leaf, offset, payload)
+        except ValueError as exc:      # InvalidChunk, PackingError
             self._refuse(peer, f"a chunk from pod {pod}: {exc}")
             if getattr(sink, "replies", False):
                 self._reply(ident, REFUSED, str(exc).encode()[:1024])   # the DEALER takes <= 4096 bytes
@@ -378,10 +383,11 @@ class Connection:
             raise LinkError(f"pod {self.peer} at {self.address} refused the connection: "
                             f"{reply[1].decode(errors='replace') if len(reply) > 1 else 'no reason given'}")
 
-    def send(self, header: bytes, payload, deadline: float) -> None:
-        """One data frame; the payload (any buffer) goes out without a copy."""
+    def send(self, header: bytes, payload, deadline: float, kind: bytes = DATA) -> None:
+        """One data frame (DATA, or PACKED with a packed payload); the payload (any buffer) goes
+        out without a copy."""
         self._wait(zmq.POLLOUT, deadline, "sending to")
-        self.socket.send(DATA, zmq.SNDMORE)
+        self.socket.send(kind, zmq.SNDMORE)
         self.socket.send(header, zmq.SNDMORE)
         self.socket.send(payload, copy=False)
 

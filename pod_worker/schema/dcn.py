@@ -1,5 +1,5 @@
 """The dcn section: the cross-pod gradient link's settings (DcnConfig), its encodings
-(Compression) and the bound on its streams per peer."""
+(Compression), its lossless packing (Lossless) and the bound on its streams per peer."""
 from __future__ import annotations
 
 import enum
@@ -19,6 +19,20 @@ class Compression(enum.StrEnum):
     INT4 = "int4"     # two values per byte, one scale per block of <= 256 values
 
 
+class Lossless(enum.StrEnum):
+    """dcn.lossless: whether chunks travel zstd-packed (pod_worker/dcn/packing.py), losslessly, so
+    the sum stays bitwise what it is unpacked. Float32 gradients pack to about 0.84 of their bytes,
+    bf16 to about 0.68 (docs/benchmarks.md); packing costs CPU (about 30 ms per 17 MB here), so it
+    pays only where the link, not the pod, sets the pace.
+      auto  pack the next step's chunks while the last step's exchange left this pod waiting on
+            its peers' bytes for several times what packing them would cost (LosslessPolicy);
+      on    pack every chunk of 16 KiB or more;
+      off   never pack."""
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 # Data-plane connections (ZeroMQ streams) per peer, at most.
 MAX_STREAMS = 8
 
@@ -34,10 +48,12 @@ class DcnConfig:
     link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
     encrypt: bool = False         # refuse peers whose data plane is not CURVE-encrypted (worker --dcn-encrypt)
     overlap: Overlap = Overlap.AUTO   # per-layer backward programs; each block's gradient leaves when ready
+    lossless: Lossless = Lossless.AUTO    # zstd-packed chunks where the link sets the pace (exact)
 
     def __post_init__(self):
         object.__setattr__(self, "compression", to_enum("dcn.compression", Compression, self.compression))
         object.__setattr__(self, "overlap", to_enum("dcn.overlap", Overlap, self.overlap))
+        object.__setattr__(self, "lossless", to_enum("dcn.lossless", Lossless, self.lossless))
 
     def validate(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:

@@ -1,6 +1,7 @@
 """End to end: the overlapped step (dcn.overlap) against the fused one with `multipod local`, tiny
 model. Both keep the pods bitwise identical at every step and give the same losses to float
-tolerance; three pods (reduce-scatter + all-gather) with overlap on stay identical too."""
+tolerance; three pods (reduce-scatter + all-gather) with overlap on stay identical too. Chunks
+zstd-packed (dcn.lossless) train bitwise like raw ones."""
 import pytest
 
 from tests.helpers import same_losses, train_identical_pods
@@ -13,8 +14,13 @@ def _run(run_dir, pods: int, overlap: bool, *settings: str) -> list[dict]:
                                 settings=(f"dcn.overlap={str(overlap).lower()}", *settings))
 
 
-def test_overlap_on_and_off_give_the_same_losses_with_identical_pods(tmp_path):
-    fused = _run(tmp_path / "fused", 2, False)
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory) -> list[dict]:
+    """2 pods, the fused step, chunks raw: the reference of both tests below."""
+    return _run(tmp_path_factory.mktemp("fused"), 2, False, "dcn.lossless=\"off\"")
+
+
+def test_overlap_on_and_off_give_the_same_losses_with_identical_pods(fused, tmp_path):
     overlapped = _run(tmp_path / "overlapped", 2, True)
     same_losses(overlapped, fused, rel=1e-4)
     for a, b in zip(overlapped, fused):
@@ -25,6 +31,17 @@ def test_overlap_on_and_off_give_the_same_losses_with_identical_pods(tmp_path):
     for r in overlapped:
         for pod in r["pods"]:
             assert pod["exposed_exchange_s"] >= 0.0
+
+
+def test_packed_chunks_train_bitwise_like_raw_ones(fused, tmp_path):
+    # dcn.lossless = on: every chunk of 16 KiB or more (the tiny model's embedding, MLP and
+    # attention leaves) crosses the data plane zstd-packed, and unpacks bit for bit.
+    packed = _run(tmp_path, 2, False, "dcn.lossless=\"on\"")
+    assert [r["checksums"] for r in packed] == [r["checksums"] for r in fused]
+    assert [r["loss"] for r in packed] == [r["loss"] for r in fused]
+    assert all(pod["dcn_packed"] for r in packed for pod in r["pods"])
+    assert not any(pod["dcn_packed"] for r in fused for pod in r["pods"])
+    assert "zstd-packed" in (tmp_path / "worker-0.log").read_text()
 
 
 @pytest.mark.slow

@@ -1,0 +1,178 @@
+"""dcn.lossless: zstd-packed chunks unpack bit for bit, bad packed frames are refused without harm,
+the N-pod sums stay bitwise what they are unpacked, and `auto` packs only while the link keeps the
+pod waiting."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import zstandard
+
+from multipod import protos
+from multipod.pod_worker.dcn import PHASE_WHOLE, LeafSpec
+from multipod.pod_worker.dcn.packing import MIN_PACK_BYTES, PACKED, LosslessPolicy, Packer, PackingError, unpack
+from multipod.pod_worker.dcn.transport import HEADER, PACKED as PACKED_FRAME
+from multipod.pod_worker.dcn.wire import WireCodec
+from tests.unit.pod_worker.test_dcn import (
+    assert_bitwise,
+    authenticated,
+    pod_order_sum,
+    pods_factory,  # noqa: F401
+    wait_for,
+)
+
+# Leaves big enough that their chunks are packed (MIN_PACK_BYTES), one too small to be.
+CHUNK = 128 << 10
+LEAVES = [LeafSpec((256, 300), np.dtype(np.float32)), LeafSpec((70_001,), np.dtype(np.float32)),
+          LeafSpec((3,), np.dtype(np.float32))]
+
+
+def gradient_like(n: int, seed: int = 0) -> np.ndarray:
+    """Normal values of one scale, as a leaf's gradient is about: their exponent bytes repeat."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, -1)).astype(np.float32)
+
+
+def gradients(num_pods: int, seed: int = 0) -> list[list[np.ndarray]]:
+    return [[gradient_like(spec.size, seed * 10 + p * 3 + i).reshape(spec.shape) for i, spec in enumerate(LEAVES)]
+            for p in range(num_pods)]
+
+
+@pytest.mark.parametrize("compression,itemsize", [("none", 4), ("bf16", 2), ("int8", 1)])
+def test_a_payload_unpacks_to_its_own_bytes(compression, itemsize):
+    # What the outbox hands the packer: the wire codec's payload, shuffled by its value size.
+    payload = WireCodec(compression).encode(gradient_like(100_003, seed=1))
+    assert payload.dtype.itemsize == itemsize
+    data = payload.reshape(-1).view(np.uint8)
+    packed = Packer().pack(data, itemsize)
+    assert packed is not None and len(packed) < 0.97 * data.nbytes
+    assert unpack(packed, 1 << 22).tobytes() == data.tobytes()
+
+
+def test_float32_gradients_pack_to_about_0_85_and_bf16_to_about_0_7():
+    values = gradient_like(1 << 20, seed=2)
+    f32 = values.view(np.uint8)
+    bf16 = values.astype(ml_dtypes.bfloat16).view(np.uint8)
+    packer = Packer()
+    assert 0.75 < len(packer.pack(f32, 4)) / f32.nbytes < 0.92
+    assert 0.55 < len(packer.pack(bf16, 2)) / bf16.nbytes < 0.8
+
+
+def test_what_would_not_pack_smaller_goes_raw():
+    packer = Packer()
+    noise = np.random.default_rng(3).integers(0, 256, 1 << 18, dtype=np.uint8)
+    assert packer.pack(noise, 1) is None                                   # random bytes: no gain
+    assert packer.pack(np.zeros(MIN_PACK_BYTES // 2, np.uint8), 4) is None  # too small to bother
+    assert packer.pack(np.zeros(MIN_PACK_BYTES + 2, np.uint8), 4) is None   # not whole values
+
+
+def _packed(data: bytes, itemsize: int = 4, claimed: int | None = None, frame: bytes | None = None) -> bytes:
+    frame = zstandard.ZstdCompressor(level=1).compress(data) if frame is None else frame
+    return PACKED.pack(itemsize, len(data) if claimed is None else claimed) + frame
+
+
+@pytest.mark.parametrize("packed,message", [
+    (b"\x04", "shorter than its head"),
+    (_packed(b"\0" * 4096, itemsize=3), "3-byte values"),
+    (_packed(b"\0" * 4096, claimed=1 << 30), "at most"),
+    (_packed(b"\0" * 4096, claimed=2048), "holds 4096 bytes, its head says 2048"),
+    (_packed(b"\0" * 4096, frame=b"not a zstd frame at all"), "does not unpack"),
+    (_packed(b"\0" * 4096) + b"tail", "does not unpack"),
+])
+def test_a_bad_packed_payload_is_refused_before_it_is_unpacked(packed, message):
+    with pytest.raises(PackingError, match=message):
+        unpack(packed, 1 << 22)
+
+
+@pytest.mark.parametrize("num_pods", [2, 3])
+def test_packed_sums_are_bitwise_the_unpacked_ones_on_every_pod(pods_factory, num_pods):  # noqa: F811
+    packed = pods_factory(num_pods, leaves=LEAVES, chunk=CHUNK, lossless="on")
+    raw = pods_factory(num_pods, leaves=LEAVES, chunk=CHUNK, lossless="off")
+    for step in range(2):
+        grads = gradients(num_pods, seed=step)
+        expected = pod_order_sum(grads)
+        for pods in (packed, raw):
+            for summed, stats in pods.all_reduce(step, grads):
+                for got, want in zip(summed, expected):
+                    assert_bitwise(np.asarray(got), want)
+                assert stats.packed == (pods is packed)
+    for outbox in [ex.outbox for ex in packed.exchanges]:
+        wait_for(lambda o=outbox: o.packed_bytes[0] > 0)      # the links pack after all_reduce returns
+        payload, wire = outbox.packed_bytes
+        assert wire < 0.95 * payload
+    assert all(ex.outbox.packed_bytes == (0, 0) for ex in raw.exchanges)
+    assert all(lst.refused == 0 for lst in packed.listeners + raw.listeners)
+
+
+def test_packed_bf16_sums_are_bitwise_the_unpacked_bf16_ones(pods_factory):  # noqa: F811
+    grads = gradients(3, seed=4)
+    sums = []
+    for lossless in ("on", "off"):
+        pods = pods_factory(3, leaves=LEAVES, chunk=CHUNK, compression="bf16", lossless=lossless)
+        sums.append([[np.asarray(x) for x in summed] for summed, _ in pods.all_reduce(0, grads)])
+    for on_pod, off_pod in zip(*sums):
+        for a, b in zip(on_pod, off_pod):
+            assert_bitwise(a, b)
+
+
+def test_a_malformed_packed_frame_is_refused_and_the_step_is_unharmed(pods_factory):  # noqa: F811
+    pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="on")
+    pods.exchanges[0].inbox.set_next_step(0)
+    listener = pods.listeners[0]
+    conn = authenticated(pods.addresses[0], 1, 0)
+    try:
+        header = HEADER.pack(protos.PROTOCOL_VERSION, 1, 0, PHASE_WHOLE, 0, 0)
+        conn.socket.send_multipart([PACKED_FRAME, header, _packed(b"\0" * 4096, claimed=1 << 30)])
+        wait_for(lambda: listener.refused >= 1)
+    finally:
+        conn.close()
+    assert "packed payload" in listener.refusals[-1]
+    grads = gradients(2, seed=5)
+    for summed, _ in pods.all_reduce(0, grads):
+        for got, want in zip(summed, pod_order_sum(grads)):
+            assert_bitwise(np.asarray(got), want)
+
+
+def test_a_packed_chunk_of_the_wrong_size_is_refused_like_a_raw_one(pods_factory):  # noqa: F811
+    pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="on")
+    pods.exchanges[0].inbox.set_next_step(0)
+    listener = pods.listeners[0]
+    conn = authenticated(pods.addresses[0], 1, 0)
+    try:
+        header = HEADER.pack(protos.PROTOCOL_VERSION, 1, 0, PHASE_WHOLE, 0, 0)
+        short = gradient_like(1000).view(np.uint8)       # unpacks fine, but is not the chunk's size
+        conn.socket.send_multipart([PACKED_FRAME, header, Packer().pack(short, 4) or b""])
+        wait_for(lambda: listener.refused >= 1)
+    finally:
+        conn.close()
+    assert "bytes" in listener.refusals[-1]
+
+
+def test_auto_packs_while_the_pod_waits_on_the_link_and_stops_when_it_does_not():
+    policy = LosslessPolicy("auto")
+    assert not policy.packing
+    assert not policy.update(17_000_000, 0.05) and not policy.packing    # 50 ms: under 4x packing's cost
+    assert policy.update(17_000_000, 0.5) and policy.packing              # the link kept it waiting
+    assert not policy.update(17_000_000, 0.3) and policy.packing          # still waiting: keep packing
+    assert policy.update(17_000_000, 0.01) and not policy.packing         # no longer waiting: stop
+    assert not policy.update(1000, 5.0) and not policy.packing            # nothing worth packing
+    fixed = [LosslessPolicy("on"), LosslessPolicy("off")]
+    for waited in (0.0, 5.0):
+        assert not any(p.update(17_000_000, waited) for p in fixed)
+    assert [p.packing for p in fixed] == [True, False]
+
+
+def test_auto_turns_packing_on_over_a_slow_link_and_the_sums_stay_exact(pods_factory):  # noqa: F811
+    # 0.02 Gb/s: each pod's 0.37 MB take about 0.15 s on the (paced) link, far more than packing
+    # them costs, so the first exchange's wait turns packing on for the second.
+    pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, link_gbps=0.02, lossless="auto")
+    packed = []
+    for step in range(2):
+        grads = gradients(2, seed=step)
+        for summed, stats in pods.all_reduce(step, grads):
+            for got, want in zip(summed, pod_order_sum(grads)):
+                assert_bitwise(np.asarray(got), want)
+            packed.append(stats.packed)
+    assert packed == [False, False, True, True]
+    for outbox in [ex.outbox for ex in pods.exchanges]:
+        wait_for(lambda o=outbox: o.packed_bytes[0] > 0)
