@@ -186,6 +186,9 @@ def run_multipod(args, rate: float, folder: pathlib.Path, settings: list[str]) -
             "pods_median": parts,
             "dcn_bytes_sent_per_pod_per_step": _median([p["dcn_bytes_sent"] for r in timed for p in r["pods"]]),
             "pods_bitwise_identical_every_step": all(len(set(r["checksums"])) == 1 for r in timed),
+            # dcn.lossless: the share of timed pod-steps whose chunks went zstd-packed
+            "packed_share": round(sum(bool(p.get("dcn_packed")) for r in timed for p in r["pods"])
+                                  / max(1, sum(len(r["pods"]) for r in timed)), 3),
             "wall_s": round(time.monotonic() - started, 1)}
 
 

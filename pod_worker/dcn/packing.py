@@ -8,8 +8,9 @@ pack to about 0.84 of their bytes, bf16 values to about 0.68 (docs/benchmarks.md
 back the payload bit for bit, so the pods' pod-order sum, and their parameters, are unchanged.
 
 Packing costs CPU, about 30 ms per 17 MB on one core here, and unpacking about 25: it pays where
-the link sets the pace of the step. LosslessPolicy turns it on for a step when the last step's
-exchange left the pod waiting on its peers' bytes for several times what packing would cost.
+the link sets the pace of the step. LosslessPolicy turns it on when an exchange left the pod
+waiting on its peers' bytes for over twice what packing them would cost, and off after several
+exchanges in a row waited less than that cost.
 """
 from __future__ import annotations
 
@@ -82,13 +83,16 @@ class LosslessPolicy:
     and packing is lossless, so pods may differ in it without the sum differing."""
 
     PACK_BYTES_PER_S = 400e6    # one core packing float32 gradients: 17 MB in 30-40 ms here
-    ON_FACTOR = 4.0             # waited on peers' bytes >= 4x what packing them costs: pack
-    OFF_FACTOR = 1.0            # waited less than packing costs: stop
+    ON_FACTOR = 2.0             # waited on peers' bytes > 2x what packing them costs: pack
     MIN_WAIT_S = 0.02           # below this, no wait is worth acting on
+    # Packing shortens the very wait that turned it on, so one short wait says little: it stops
+    # only after this many exchanges in a row waited less than packing costs.
+    OFF_AFTER = 8
 
     def __init__(self, mode: Lossless | str):
         self.mode = Lossless(mode)
         self.packing = self.mode == Lossless.ON
+        self._short_waits = 0
 
     def update(self, bytes_sent: int, idle_s: float) -> bool:
         """After an exchange that queued `bytes_sent` and waited `idle_s` for the peers' bytes:
@@ -97,9 +101,12 @@ class LosslessPolicy:
             return False
         cost = bytes_sent / self.PACK_BYTES_PER_S
         if not self.packing:
-            turn = idle_s > max(self.ON_FACTOR * cost, self.MIN_WAIT_S) and bytes_sent >= MIN_PACK_BYTES
-        else:
-            turn = idle_s < max(self.OFF_FACTOR * cost, self.MIN_WAIT_S)
-        if turn:
-            self.packing = not self.packing
-        return turn
+            if idle_s > max(self.ON_FACTOR * cost, self.MIN_WAIT_S) and bytes_sent >= MIN_PACK_BYTES:
+                self.packing, self._short_waits = True, 0
+                return True
+            return False
+        self._short_waits = self._short_waits + 1 if idle_s < max(cost, self.MIN_WAIT_S) else 0
+        if self._short_waits >= self.OFF_AFTER:
+            self.packing = False
+            return True
+        return False

@@ -151,10 +151,16 @@ def test_a_packed_chunk_of_the_wrong_size_is_refused_like_a_raw_one(pods_factory
 def test_auto_packs_while_the_pod_waits_on_the_link_and_stops_when_it_does_not():
     policy = LosslessPolicy("auto")
     assert not policy.packing
-    assert not policy.update(17_000_000, 0.05) and not policy.packing    # 50 ms: under 4x packing's cost
+    assert not policy.update(17_000_000, 0.05) and not policy.packing    # 50 ms: under 2x packing's cost
     assert policy.update(17_000_000, 0.5) and policy.packing              # the link kept it waiting
     assert not policy.update(17_000_000, 0.3) and policy.packing          # still waiting: keep packing
-    assert policy.update(17_000_000, 0.01) and not policy.packing         # no longer waiting: stop
+    # Short waits (packing may be what shortened them) stop it only when 8 come in a row.
+    for _ in range(LosslessPolicy.OFF_AFTER - 1):
+        assert not policy.update(17_000_000, 0.01) and policy.packing
+    assert not policy.update(17_000_000, 0.2) and policy.packing          # a long wait: count again
+    for _ in range(LosslessPolicy.OFF_AFTER - 1):
+        assert not policy.update(17_000_000, 0.01) and policy.packing
+    assert policy.update(17_000_000, 0.01) and not policy.packing         # the 8th short wait in a row
     assert not policy.update(1000, 5.0) and not policy.packing            # nothing worth packing
     fixed = [LosslessPolicy("on"), LosslessPolicy("off")]
     for waited in (0.0, 5.0):
