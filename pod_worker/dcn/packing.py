@@ -8,9 +8,9 @@ pack to about 0.84 of their bytes, bf16 values to about 0.68 (docs/benchmarks.md
 back the payload bit for bit, so the pods' pod-order sum, and their parameters, are unchanged.
 
 Packing costs CPU, about 30 ms per 17 MB on one core here, and unpacking about 25: it pays where
-the link sets the pace of the step. LosslessPolicy turns it on when an exchange left the pod
-waiting on its peers' bytes for over twice what packing them would cost, and off after several
-exchanges in a row waited less than that cost.
+the link sets the pace of the step. LosslessPolicy turns it on when an exchange (after a run's
+first two) left the pod waiting on its peers' bytes for over twice what packing them would cost,
+and off after several exchanges in a row waited less than that cost.
 """
 from __future__ import annotations
 
@@ -88,16 +88,21 @@ class LosslessPolicy:
     # Packing shortens the very wait that turned it on, so one short wait says little: it stops
     # only after this many exchanges in a row waited less than packing costs.
     OFF_AFTER = 8
+    # The first exchanges of a run wait on peers still compiling or loading their programs, not on
+    # the link: they decide nothing.
+    SETTLE = 2
 
     def __init__(self, mode: Lossless | str):
         self.mode = Lossless(mode)
         self.packing = self.mode == Lossless.ON
         self._short_waits = 0
+        self._seen = 0
 
     def update(self, bytes_sent: int, idle_s: float) -> bool:
         """After an exchange that queued `bytes_sent` and waited `idle_s` for the peers' bytes:
         whether the next one packs. True when the choice changed."""
-        if self.mode != Lossless.AUTO:
+        self._seen += 1
+        if self.mode != Lossless.AUTO or self._seen <= self.SETTLE:
             return False
         cost = bytes_sent / self.PACK_BYTES_PER_S
         if not self.packing:

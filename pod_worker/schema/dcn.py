@@ -24,9 +24,10 @@ class Lossless(enum.StrEnum):
     the sum stays bitwise what it is unpacked. Float32 gradients pack to about 0.84 of their bytes,
     bf16 to about 0.68 (docs/benchmarks.md); packing costs CPU (about 30 ms per 17 MB here), so it
     pays only where the link, not the pod, sets the pace.
-      auto  pack once an exchange left this pod waiting on its peers' bytes for over twice what
-            packing them would cost; stop after 8 exchanges in a row that waited less than that
-            cost (LosslessPolicy);
+      auto  pack once an exchange (after the first two, which wait on peers still compiling)
+            left this pod waiting on its peers' bytes for over twice what packing them would
+            cost; stop after 8 exchanges in a row that waited less than that cost
+            (LosslessPolicy);
       on    pack every chunk of 16 KiB or more;
       off   never pack."""
     AUTO = "auto"
