@@ -4,7 +4,11 @@
 - one persistent JAX compilation cache for the whole test session, in this process and in every
   process a test starts (they inherit the environment; `multipod local` keeps a cache it is
   given): a program compiled once, in any test, is loaded by every later test that compiles the
-  same program. It starts empty each session, so no test depends on an earlier session.
+  same program. It starts empty each session, so no test depends on an earlier session;
+- the processes tests start may write Python's bytecode cache (__pycache__, ignored by git):
+  where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does), every worker and
+  controller would compile this package's sources again at each start, about 0.1 s of CPU per
+  process over the suite's hundreds.
 """
 import atexit
 import os
@@ -14,6 +18,8 @@ import tempfile
 from multipod.pod_worker.devices import simulate_cpu_devices
 
 simulate_cpu_devices(4, overwrite=False)
+
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="multipod-test-jax-cache-")

@@ -115,37 +115,33 @@ def test_packed_bf16_sums_are_bitwise_the_unpacked_bf16_ones(pods_factory):  # n
             assert_bitwise(a, b)
 
 
-def test_a_malformed_packed_frame_is_refused_and_the_step_is_unharmed(pods_factory):  # noqa: F811
+def _short_chunk() -> bytes:
+    """A packed payload that unpacks fine but holds 20,000 bytes, not a chunk's."""
+    packed = Packer().pack(gradient_like(5000).view(np.uint8), 4)
+    assert packed is not None
+    return packed
+
+
+@pytest.mark.parametrize("payload,message", [
+    (_packed(b"\0" * 4096, claimed=1 << 30), "packed payload's head claims"),
+    (_short_chunk(), "a chunk of 20000 bytes at offset 0, expected"),
+])
+def test_a_bad_packed_frame_is_refused_and_the_step_is_unharmed(pods_factory, payload, message):  # noqa: F811
     pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="on")
     pods.exchanges[0].inbox.set_next_step(0)
     listener = pods.listeners[0]
     conn = authenticated(pods.addresses[0], 1, 0)
     try:
         header = HEADER.pack(protos.PROTOCOL_VERSION, 1, 0, PHASE_WHOLE, 0, 0)
-        conn.socket.send_multipart([PACKED_FRAME, header, _packed(b"\0" * 4096, claimed=1 << 30)])
+        conn.socket.send_multipart([PACKED_FRAME, header, payload])
         wait_for(lambda: listener.refused >= 1)
     finally:
         conn.close()
-    assert "packed payload" in listener.refusals[-1]
+    assert message in listener.refusals[-1]
     grads = gradients(2, seed=5)
     for summed, _ in pods.all_reduce(0, grads):
         for got, want in zip(summed, pod_order_sum(grads)):
             assert_bitwise(np.asarray(got), want)
-
-
-def test_a_packed_chunk_of_the_wrong_size_is_refused_like_a_raw_one(pods_factory):  # noqa: F811
-    pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="on")
-    pods.exchanges[0].inbox.set_next_step(0)
-    listener = pods.listeners[0]
-    conn = authenticated(pods.addresses[0], 1, 0)
-    try:
-        header = HEADER.pack(protos.PROTOCOL_VERSION, 1, 0, PHASE_WHOLE, 0, 0)
-        short = gradient_like(1000).view(np.uint8)       # unpacks fine, but is not the chunk's size
-        conn.socket.send_multipart([PACKED_FRAME, header, Packer().pack(short, 4) or b""])
-        wait_for(lambda: listener.refused >= 1)
-    finally:
-        conn.close()
-    assert "bytes" in listener.refusals[-1]
 
 
 def test_auto_packs_while_the_pod_waits_on_the_link_and_stops_when_it_does_not():
