@@ -120,10 +120,13 @@ def init_params(config: ModelConfig, seed: int, shardings=None) -> dict:
     return _jitted_init(config, treedef, tuple(leaves))(jax.random.PRNGKey(seed))
 
 
+@functools.lru_cache(maxsize=16)
 def abstract_params(config: ModelConfig):
     """Shapes/dtypes of the boxed param tree (nn.Partitioned leaves), without compute.
 
-    Feed this to `partitioning.param_shardings`.
+    Feed this to `partitioning.param_shardings`. Cached per config: a worker asks for it from its
+    trainer, the overlapped step and generation, and each call would trace the model's init again
+    (treat the result as read-only).
     """
     config.validate()
     return jax.eval_shape(functools.partial(_boxed_init, config), jax.random.PRNGKey(0))
