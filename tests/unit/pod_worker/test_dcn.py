@@ -306,18 +306,23 @@ GOOD = np.ones(16, np.float32).tobytes()
     (dict(version=999), GOOD, "protocol version"),
 ])
 def test_bad_chunk_is_refused_and_the_step_is_unharmed(pods_factory, bad, payload, message):
-    pods = pods_factory(2)
+    assert_refused_and_step_unharmed(pods_factory(2), lambda conn: send_chunk(conn, payload, **bad), message,
+                                     gradients(2, seed=3))
+
+
+def assert_refused_and_step_unharmed(pods: Pods, send, message: str, grads) -> None:
+    """Pod 1 sends pod 0 what `send(connection)` sends, on an authenticated connection of its
+    own: pod 0 refuses it, naming `message`, and the real exchange of step 0 (of `grads`) still
+    gives the exact sum on both pods."""
     pods.exchanges[0].inbox.set_next_step(0)
     listener = pods.listeners[0]
     conn = authenticated(pods.addresses[0], 1, 0)
     try:
-        send_chunk(conn, payload, **bad)
+        send(conn)
         wait_for(lambda: listener.refused >= 1)
     finally:
         conn.close()
     assert message in listener.refusals[-1]
-    # The real exchange of step 0 still gives the exact sum on both pods.
-    grads = gradients(2, seed=3)
     for summed, _ in pods.all_reduce(0, grads):
         for got, want in zip(summed, pod_order_sum(grads)):
             assert_bitwise(np.asarray(got), want)

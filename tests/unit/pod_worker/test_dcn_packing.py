@@ -15,7 +15,7 @@ from multipod.pod_worker.dcn.transport import HEADER, PACKED as PACKED_FRAME
 from multipod.pod_worker.dcn.wire import WireCodec
 from tests.unit.pod_worker.test_dcn import (
     assert_bitwise,
-    authenticated,
+    assert_refused_and_step_unharmed,
     pod_order_sum,
     pods_factory,  # noqa: F401
     wait_for,
@@ -127,21 +127,10 @@ def _short_chunk() -> bytes:
     (_short_chunk(), "a chunk of 20000 bytes at offset 0, expected"),
 ])
 def test_a_bad_packed_frame_is_refused_and_the_step_is_unharmed(pods_factory, payload, message):  # noqa: F811
-    pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="on")
-    pods.exchanges[0].inbox.set_next_step(0)
-    listener = pods.listeners[0]
-    conn = authenticated(pods.addresses[0], 1, 0)
-    try:
-        header = HEADER.pack(protos.PROTOCOL_VERSION, 1, 0, PHASE_WHOLE, 0, 0)
-        conn.socket.send_multipart([PACKED_FRAME, header, payload])
-        wait_for(lambda: listener.refused >= 1)
-    finally:
-        conn.close()
-    assert message in listener.refusals[-1]
-    grads = gradients(2, seed=5)
-    for summed, _ in pods.all_reduce(0, grads):
-        for got, want in zip(summed, pod_order_sum(grads)):
-            assert_bitwise(np.asarray(got), want)
+    header = HEADER.pack(protos.PROTOCOL_VERSION, 1, 0, PHASE_WHOLE, 0, 0)
+    assert_refused_and_step_unharmed(pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="on"),
+                                     lambda conn: conn.socket.send_multipart([PACKED_FRAME, header, payload]),
+                                     message, gradients(2, seed=5))
 
 
 def test_auto_packs_while_the_pod_waits_on_the_link_and_stops_when_it_does_not():
