@@ -1,6 +1,6 @@
 """Lossless packing of a chunk's payload (dcn.lossless), and when to pack (LosslessPolicy).
 
-A packed payload is PACKED's head (the payload's value size in bytes, its length in bytes) and one
+A packed payload is PACKED_HEAD (the payload's value size in bytes, its length in bytes) and one
 zstd frame of the payload byte-shuffled: byte k of every value first, then byte k + 1, and so on.
 Shuffling puts the values' sign and exponent bytes side by side, where zstd finds their
 redundancy; mantissa bytes are close to random and stay about as long. A gradient's float32 values
@@ -21,7 +21,7 @@ import zstandard
 
 from multipod.pod_worker.schema import Lossless
 
-PACKED = struct.Struct("<BI")       # value size in bytes (1, 2, 4 or 8), payload bytes
+PACKED_HEAD = struct.Struct("<BI")       # value size in bytes (1, 2, 4 or 8), payload bytes
 MIN_PACK_BYTES = 16 << 10           # smaller chunks (state votes, small leaves) go as they are
 _LEVEL = 1                          # zstd's fastest level: higher ones packed no smaller here
 _KEEP = 0.97                        # a packed payload must save at least 3%, else the raw one goes
@@ -44,9 +44,9 @@ class Packer:
             return None
         shuffled = data.reshape(-1, itemsize).T if itemsize > 1 else data
         frame = self._zstd.compress(np.ascontiguousarray(shuffled).data)
-        if PACKED.size + len(frame) > _KEEP * data.nbytes:
+        if PACKED_HEAD.size + len(frame) > _KEEP * data.nbytes:
             return None
-        return PACKED.pack(itemsize, data.nbytes) + frame
+        return PACKED_HEAD.pack(itemsize, data.nbytes) + frame
 
 
 def unpack(packed, limit: int) -> np.ndarray:
@@ -55,13 +55,13 @@ def unpack(packed, limit: int) -> np.ndarray:
     the head is checked before any byte is unpacked, so a frame cannot make this pod allocate more
     than `limit`."""
     view = memoryview(packed).cast("B")
-    if len(view) < PACKED.size:
+    if len(view) < PACKED_HEAD.size:
         raise PackingError(f"a packed payload of {len(view)} bytes is shorter than its head")
-    itemsize, nbytes = PACKED.unpack_from(view)
+    itemsize, nbytes = PACKED_HEAD.unpack_from(view)
     if itemsize not in (1, 2, 4, 8) or nbytes % itemsize or not 0 < nbytes <= limit:
         raise PackingError(f"a packed payload's head claims {nbytes} bytes of {itemsize}-byte values "
                            f"(at most {limit} bytes, a whole number of values)")
-    frame = view[PACKED.size:]
+    frame = view[PACKED_HEAD.size:]
     try:
         declared = zstandard.frame_content_size(frame)
         if declared != nbytes:

@@ -39,6 +39,7 @@ def test_four_pods_with_int8_transport_stay_identical(tmp_path):
     ("dcn.compression=\"fp8\"", "dcn.compression"),
     ("dcn.streams=0", "dcn.streams"),
     ("dcn.link_gbps=-1", "dcn.link_gbps"),
+    ("dcn.lossless=\"fast\"", "dcn.lossless"),
 ])
 def test_bad_dcn_settings_are_refused_by_name(setting, message):
     from multipod.controller.core.run_config import ConfigError

@@ -76,3 +76,10 @@ def test_batch_and_replicated_specs():
     mesh = partitioning.make_mesh(2, 2)
     assert partitioning.batch_sharding(mesh).spec == P("data", None)
     assert partitioning.replicated(mesh).is_fully_replicated
+
+
+def test_abstract_params_are_traced_once_per_config(tiny_config):
+    # Cached: the trainer, the overlapped step and generation each ask for them in one worker.
+    first = abstract_params(tiny_config)
+    assert abstract_params(tiny_config) is first
+    assert abstract_params(dataclasses.replace(tiny_config, d_model=tiny_config.d_model * 2)) is not first

@@ -10,8 +10,8 @@ import zstandard
 
 from multipod import protos
 from multipod.pod_worker.dcn import PHASE_WHOLE, LeafSpec
-from multipod.pod_worker.dcn.packing import MIN_PACK_BYTES, PACKED, LosslessPolicy, Packer, PackingError, unpack
-from multipod.pod_worker.dcn.transport import HEADER, PACKED as PACKED_FRAME
+from multipod.pod_worker.dcn.packing import MIN_PACK_BYTES, PACKED_HEAD, LosslessPolicy, Packer, PackingError, unpack
+from multipod.pod_worker.dcn.transport import HEADER, PACKED
 from multipod.pod_worker.dcn.wire import WireCodec
 from tests.unit.pod_worker.test_dcn import (
     assert_bitwise,
@@ -68,7 +68,7 @@ def test_what_would_not_pack_smaller_goes_raw():
 
 def _packed(data: bytes, itemsize: int = 4, claimed: int | None = None, frame: bytes | None = None) -> bytes:
     frame = zstandard.ZstdCompressor(level=1).compress(data) if frame is None else frame
-    return PACKED.pack(itemsize, len(data) if claimed is None else claimed) + frame
+    return PACKED_HEAD.pack(itemsize, len(data) if claimed is None else claimed) + frame
 
 
 @pytest.mark.parametrize("packed,message", [
@@ -129,7 +129,7 @@ def _short_chunk() -> bytes:
 def test_a_bad_packed_frame_is_refused_and_the_step_is_unharmed(pods_factory, payload, message):  # noqa: F811
     header = HEADER.pack(protos.PROTOCOL_VERSION, 1, 0, PHASE_WHOLE, 0, 0)
     assert_refused_and_step_unharmed(pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="on"),
-                                     lambda conn: conn.socket.send_multipart([PACKED_FRAME, header, payload]),
+                                     lambda conn: conn.socket.send_multipart([PACKED, header, payload]),
                                      message, gradients(2, seed=5))
 
 

@@ -126,6 +126,13 @@ def test_a_diloco_trial_times_whole_periods_of_its_outer_syncs_after_each_fragme
                                           if p.choice.lossy and trial_steps(p.choice, 12, 2) <= 60}
 
 
+def test_a_trial_sends_its_chunks_raw_as_the_cost_model_counts_them():
+    # dcn.lossless = auto would pack them on a slow link: the model counts raw bytes.
+    p = exact(predict(config(), COMPUTE, link(0.01, streams=(2,), chunks=(1 << 20,)), 2, 2), True)
+    trial = load_config(TINY, dcn_trials.trial_overrides([], p.choice, 10))
+    assert trial.dcn.lossless == "off" and trial.dcn.streams == 2 and trial.run.steps == 10
+
+
 def test_the_trial_reads_its_step_time_and_loss_from_the_records():
     records = [{"loss": 3.0, "step_time_s": 9.0}] * 2 + [{"loss": 2.0, "step_time_s": t} for t in (0.1, 0.3, 0.2)]
     assert dcn_trials.summarize(records, diloco=False, warmup=2) == (pytest.approx(0.2), pytest.approx(2.0))
