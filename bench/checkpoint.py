@@ -58,7 +58,8 @@ def main() -> None:
         nonlocal step
         tokens = np.random.default_rng(step).integers(0, 256, (rows, cols), dtype=np.int32)
         start = time.perf_counter()
-        stub.Step(pb.StepRequest(step=step, tokens=codec.encode(tokens), global_tokens=rows * (cols - 1)), timeout=600)
+        stub.Step(pb.StepRequest(step=step, tokens=codec.encode(tokens), global_tokens=rows * (cols - 1),
+                                 run_id="bench"), timeout=600)
         step += 1
         return time.perf_counter() - start
 

@@ -231,5 +231,5 @@ class CheckpointPod:
                 self.exchange = exchange
             self.exchange.inbox.set_next_step(trainer.exchange_key)
             epoch = self.seq.reset(trainer.step, "restored to a checkpoint")
-            self._setup = dataclasses.replace(setup, epoch=epoch)
+            self._setup = dataclasses.replace(setup, epoch=epoch, run_id=run_id or setup.run_id)
         return Restored(path=path, step=trainer.step, fingerprint=fp, metadata=metadata)

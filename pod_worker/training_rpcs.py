@@ -3,6 +3,7 @@ shard, with a degraded pod's extra shards, trained on the pod; its reply with th
 DCN bytes and DiLoCo outer step) and Evaluate."""
 from __future__ import annotations
 
+from multipod.pod_worker.errors import StepAborted
 from multipod.pod_worker.request_tokens import decode_mask, decode_tokens
 from multipod.pod_worker.rpc_handler import deadline, handler, invalid
 from multipod.protos import multipod_pb2 as pb
@@ -35,6 +36,11 @@ class TrainingRpcs:
             extra[shard.slot] = decode_tokens(setup, shard.tokens, rows)
             extra_masks[shard.slot] = decode_mask(setup, shard.loss_mask, extra[shard.slot])
             splits[shard.slot] = [int(h) for h in shard.microbatch_hosts]    # checked by Pod.step
+        if request.run_id != setup.run_id:
+            # Sent for another timeline (before a membership change, a restore or a takeover, and
+            # delivered late): run on this one, its shards could be the wrong pods'.
+            raise StepAborted(f"step {request.step} was sent for run {request.run_id or '(none)'}; "
+                              f"the pod has moved on to run {setup.run_id}")
         outcome, wait_s = self.pod.step(setup, request.step, tokens, request.global_tokens, deadline(context),
                                         context.is_active, take_fingerprint=request.take_fingerprint, extra=extra,
                                         loss_mask=mask, extra_masks=extra_masks, splits=splits)

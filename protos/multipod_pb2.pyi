@@ -98,20 +98,22 @@ class ConfigureReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., num_devices: _Optional[int] = ..., config_hash: _Optional[str] = ..., fingerprint: _Optional[str] = ..., param_count: _Optional[int] = ..., device_kind: _Optional[str] = ..., step: _Optional[int] = ..., hardware_flops_per_step: _Optional[float] = ..., memory_argument_bytes: _Optional[int] = ..., memory_output_bytes: _Optional[int] = ..., memory_temp_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tokens", "global_tokens", "take_fingerprint", "extra_shards", "loss_mask")
+    __slots__ = ("step", "tokens", "global_tokens", "take_fingerprint", "extra_shards", "loss_mask", "run_id")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TAKE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SHARDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: bytes
     global_tokens: int
     take_fingerprint: bool
     extra_shards: _containers.RepeatedCompositeFieldContainer[Shard]
     loss_mask: bytes
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., take_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
+    run_id: str
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[bytes] = ..., global_tokens: _Optional[int] = ..., take_fingerprint: _Optional[bool] = ..., extra_shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., loss_mask: _Optional[bytes] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("slot", "tokens", "loss_mask", "microbatch_hosts")

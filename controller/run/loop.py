@@ -151,7 +151,8 @@ class StepLoop:
                      for slot, host in enumerate(hosts)
                      if slot != pod and (pod in splits[slot] if slot in splits else host == pod)]
             request = pb.StepRequest(step=step, tokens=shards.tokens[pod], loss_mask=shards.masks[pod],
-                                     global_tokens=shards.global_tokens, take_fingerprint=full, extra_shards=extra)
+                                     global_tokens=shards.global_tokens, take_fingerprint=full, extra_shards=extra,
+                                     run_id=self.cluster.run_id)
             calls.append(client.step_async(request, timeout))
         self._pending.append((step, (clients, hosts), calls))
 

@@ -33,7 +33,8 @@ class Worker(InProcessWorker):
         step = self.step
         tokens = np.random.default_rng(step).integers(0, 256, (ROWS, COLS), dtype=np.int32)
         return self.stub.Step(pb.StepRequest(step=step, tokens=codec.encode(tokens),
-                                             global_tokens=ROWS * (COLS - 1)), timeout=60)
+                                             global_tokens=ROWS * (COLS - 1), run_id=self.pod.setup().run_id),
+                              timeout=60)
 
     def save(self, directory, keep=0, meta=None) -> pb.SaveReply:
         """Background save, then wait for it: the controller's protocol."""

@@ -24,7 +24,8 @@ class Worker(InProcessWorker):
 
     def step_request(self, step: int) -> pb.StepRequest:
         tokens = np.random.default_rng(step).integers(0, 256, (ROWS, COLS), dtype=np.int32)
-        return pb.StepRequest(step=step, tokens=codec.encode(tokens), global_tokens=ROWS * (COLS - 1))
+        return pb.StepRequest(step=step, tokens=codec.encode(tokens), global_tokens=ROWS * (COLS - 1),
+                              run_id=self.pod.setup().run_id)     # the timeline the pod is on, as the controller's
 
     def train(self) -> pb.StepReply:
         return self.stub.Step(self.step_request(self.status().step), timeout=60)
@@ -102,3 +103,22 @@ def test_a_failed_step_keeps_the_state_and_a_restore_makes_the_pod_ready_again(w
     assert worker.status().state == pb.WORKER_STATE_READY
     assert worker.train().step == step
     assert worker.status().step == step + 1
+
+
+def test_a_step_sent_for_another_timeline_is_refused_and_changes_nothing(worker, tmp_path):
+    """A request the controller sent before a restore (or a membership change) and that reaches
+    the pod after it is refused with ABORTED, not run on the new timeline; the pod's own steps go on."""
+    step = worker.status().step
+    worker.stub.Save(pb.SaveRequest(step=step, directory=str(tmp_path)), timeout=120)
+    stale = worker.step_request(step)                  # sent under the pod's current run id ...
+    worker.stub.Restore(pb.RestoreRequest(directory=str(tmp_path), run_id="after-restore"), timeout=120)
+    before = worker.pod.trainer.fingerprint()
+    error = _error(worker.stub.Step, stale, timeout=30)     # ... delivered after the restore
+    assert error.code() == grpc.StatusCode.ABORTED, error.details()
+    assert "after-restore" in error.details() and stale.run_id in error.details()
+    status = worker.status()
+    assert status.step == step and status.state == pb.WORKER_STATE_READY
+    assert worker.pod.trainer.fingerprint() == before
+    assert worker.train().step == step                 # the same step, under the new run id
+    error = _error(worker.stub.Step, pb.StepRequest(step=step + 1, tokens=stale.tokens, global_tokens=1), timeout=30)
+    assert error.code() == grpc.StatusCode.ABORTED and "(none)" in error.details()

@@ -63,7 +63,7 @@ class Worker:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             peer = pool.submit(self.peer.all_reduce, self.step, zeros)
             reply = self.stub.Step(pb.StepRequest(step=self.step, tokens=codec.encode(tokens),
-                                                  global_tokens=2 * ROWS * (COLS - 1)), timeout=60)
+                                                  global_tokens=2 * ROWS * (COLS - 1), run_id=RUN), timeout=60)
             summed, _ = peer.result(timeout=60)
         assert not np.all(np.asarray(summed[0]) == 0)       # pod 1 got pod 0's gradient
         self.step += 1
@@ -211,7 +211,7 @@ def test_offset_size_and_duplicate_checks_are_reached(worker):
 
 def test_truncated_messages_are_refused_with_invalid_argument(worker):
     tokens = np.zeros((ROWS, COLS), np.int32)
-    whole = pb.StepRequest(step=worker.step, tokens=codec.encode(tokens), global_tokens=ROWS * (COLS - 1))
+    whole = pb.StepRequest(step=worker.step, tokens=codec.encode(tokens), global_tokens=ROWS * (COLS - 1), run_id=RUN)
     data = whole.SerializeToString()
     for cut in (1, 7, len(data) // 2, len(data) - 1):
         with pytest.raises(grpc.RpcError) as info:

@@ -34,7 +34,7 @@ def worker():
 
 def _step(stub, step, tokens, **fields):
     return stub.Step(pb.StepRequest(step=step, tokens=codec.encode(tokens), global_tokens=ROWS * (COLS - 1),
-                                    **fields), timeout=60)
+                                    run_id="wire-test", **fields), timeout=60)
 
 
 def test_narrow_batches_are_accepted_and_other_dtypes_refused(worker):
