@@ -10,21 +10,25 @@ import argparse
 import sys
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `multipod` parser: `worker` from the worker side, every other command from the controller."""
-    from multipod.controller.commands import add_commands
+def build_parser(worker_only: bool = False) -> argparse.ArgumentParser:
+    """The `multipod` parser: `worker` from the worker side, every other command from the
+    controller. worker_only: just `worker` (a worker process, started hundreds of times in a
+    test session and once per host in a cluster, need not import the controller's commands)."""
     from multipod.pod_worker.main import add_arguments as add_worker_arguments
 
     parser = argparse.ArgumentParser(prog="multipod", description="Multi-pod language-model training on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_worker_arguments(sub.add_parser("worker", help="serve one pod"))
-    add_commands(sub)
+    if not worker_only:
+        from multipod.controller.commands import add_commands
+        add_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(worker_only=argv[:1] == ["worker"]).parse_args(argv)
     if args.command == "worker":
         from multipod.pod_worker.main import run
         return run(args)

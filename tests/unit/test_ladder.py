@@ -106,3 +106,18 @@ def test_the_controller_reads_configs_without_importing_jax():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_worker_s_command_line_is_parsed_without_the_controller():
+    # `multipod worker` starts once per host of every pod (hundreds of times in a test session):
+    # its parser leaves the controller's command modules unimported; other commands see them all.
+    import subprocess
+    import sys
+    code = ("import sys; from multipod.cli import build_parser; "
+            "args = build_parser(worker_only=True).parse_args(['worker', '--pod-index', '0']); "
+            "print(args.command, any(m.startswith('multipod.controller') for m in sys.modules)); "
+            "build_parser().parse_args(['report', 'x']); "
+            "print(any(m.startswith('multipod.controller.commands') for m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["worker", "False", "True"]
