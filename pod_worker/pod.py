@@ -111,19 +111,21 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
 
     # -- configure -----------------------------------------------------------------------------
     def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
-                  pod_index: int | None = None, standby: bool = False) -> tuple[PodTrainer, str]:
+                  pod_index: int | None = None, standby: bool = False,
+                  evaluates: bool = True) -> tuple[PodTrainer, str]:
         """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id` with
         `peers` (every pod's data-plane address, in pod order);
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
         refused from now on. A spare (pod_index None) becomes pod `pod_index` here, for good once
         the configure succeeds. standby: a spare only builds and compiles the trainer, and stays a
-        spare; a later configure of the same config and pod count takes that trainer at once."""
+        spare; a later configure of the same config and pod count takes that trainer at once.
+        evaluates: the run evaluates, so the evaluation is compiled now too (TrainerPrograms.warm_up)."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
             if standby:
                 if self.pod_index is not None:
                     raise InvalidRequest(f"pod {self.pod_index} is not a spare: only a spare (worker --spare) "
                                          f"compiles on standby")
-                trainer = self._build(config, num_pods)
+                trainer = self._build(config, num_pods, evaluates)
                 self._standby = (config.config_hash(), num_pods, trainer)
                 log.info("spare: compiled on standby for a run of %d pod(s), config %s", num_pods,
                          config.config_hash())
@@ -133,18 +135,19 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
                     raise InvalidRequest("a spare needs the pod index of the slot it takes")
                 self._take_slot(pod_index)
                 try:
-                    return self._configure(config, num_pods, peers, run_id)
+                    return self._configure(config, num_pods, peers, run_id, evaluates)
                 except BaseException:
                     self._take_slot(None)      # still a spare: another run (or slot) may take it
                     raise
-            return self._configure(config, num_pods, peers, run_id)
+            return self._configure(config, num_pods, peers, run_id, evaluates)
 
-    def _build(self, config: WorkerConfig, num_pods: int) -> PodTrainer:
-        """A trainer for `config`, its programs compiled for this pod's shard of num_pods."""
+    def _build(self, config: WorkerConfig, num_pods: int, evaluates: bool = True) -> PodTrainer:
+        """A trainer for `config`, its programs compiled for this pod's shard of num_pods (the
+        evaluation's too if the run `evaluates`)."""
         trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
         shard = (config.train.global_batch // num_pods, config.train.seq_len + 1)
         trainer.compile_for(shard)
-        trainer.warm_up(shard)
+        trainer.warm_up(shard, evaluate=evaluates)
         if config.sync.diloco:
             trainer.start_outer(num_pods)
             trainer.warm_up_outer()
@@ -159,13 +162,14 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         log.info("%s: %s", self.layout.name(pod_index), "a spare takes this slot" if pod_index is not None
                  else "the configure failed: a spare again")
 
-    def _configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str) -> tuple[PodTrainer, str]:
+    def _configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
+                   evaluates: bool = True) -> tuple[PodTrainer, str]:
         """configure's work, inside its hold."""
         standby, self._standby = self._standby, None
         if standby is not None and standby[:2] == (config.config_hash(), num_pods):
             trainer = standby[2]        # compiled on standby, still in its initial state
         else:
-            trainer = self._build(config, num_pods)
+            trainer = self._build(config, num_pods, evaluates)
         # Built before the old one closes: if it fails, the pod keeps a working exchange.
         exchange = self._new_exchange(run_id, trainer, config, list(peers))
         if self.exchange is not None:

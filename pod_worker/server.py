@@ -103,7 +103,8 @@ class PodWorkerService(TrainingRpcs, StateRpcs, GenerationRpcs, pb_grpc.PodWorke
             # A spare takes the slot it is configured for (and keeps it: it is that pod from now on),
             # or with standby only compiles.
             trainer, fp = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id,
-                                             pod_index=int(request.pod_index), standby=request.standby)
+                                             pod_index=int(request.pod_index), standby=request.standby,
+                                             evaluates=request.evaluates)
         pod_index = self.pod.pod_index if self.pod.pod_index is not None else request.pod_index
         import jax
         return pb.ConfigureReply(

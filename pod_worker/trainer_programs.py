@@ -79,14 +79,15 @@ class TrainerPrograms:
         self._compiled_shape = tuple(batch_shape)
         return {"compile_s": time.perf_counter() - start}
 
-    def warm_up(self, batch_shape: tuple[int, int]) -> None:
+    def warm_up(self, batch_shape: tuple[int, int], evaluate: bool = True) -> None:
         """Run, once, the programs a run calls later that compile_for does not compile ahead: the
-        evaluation of a shard, the learning-rate schedule and, with the overlapped step, its
-        per-layer programs, on a pod's shard of zeros. They then compile (or load from the
+        evaluation of a shard (if the run evaluates: `evaluate`), the learning-rate schedule and,
+        with the overlapped step, its per-layer programs, on a pod's shard of zeros. They then compile (or load from the
         persistent compilation cache) at configure, where pods that share a cache compile them
         once (Cluster.configure), instead of at the first step and evaluation, where every pod
         would compile them at once. The state is untouched: nothing is applied."""
-        self.evaluate(np.zeros(batch_shape, np.int32))
+        if evaluate:
+            self.evaluate(np.zeros(batch_shape, np.int32))
         # The learning rate a step reports is the schedule run eagerly, a dozen small programs
         # compiled at its first call (not memoised here: _learning_rate's cache stays empty).
         float(self.schedule(0))

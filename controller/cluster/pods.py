@@ -159,6 +159,11 @@ class Cluster:
         return sent, got
 
     @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates (eval.batches > 0): the pods then compile the evaluation at configure."""
+        return self.config.eval.batches > 0
+
+    @property
     def run_id(self) -> str:
         return f"{self.base_run_id}.{self.generation}"
 
@@ -204,7 +209,7 @@ class Cluster:
         request = lambda c: pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=c.pod_index, num_pods=len(self.clients),
             peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id,
-            dcn_addresses=self.dcn_addresses, keep_state=keep_state)
+            dcn_addresses=self.dcn_addresses, keep_state=keep_state, evaluates=self.evaluates)
         timeout = self.config.run.configure_timeout_s
         return parallel(lambda c: c.configure(request(c), timeout), targets)
 
@@ -296,7 +301,8 @@ class Cluster:
         request = pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=self.size,
             peer_addresses=[c.address for c in self.clients], worker_config_json=self.config.worker_config().to_json(),
-            run_id=f"{self.base_run_id}.standby", dcn_addresses=self.dcn_addresses, standby=True)
+            run_id=f"{self.base_run_id}.standby", dcn_addresses=self.dcn_addresses, standby=True,
+            evaluates=self.evaluates)
         try:
             client.configure(request, self.config.run.configure_timeout_s)
         except WorkerError as exc:

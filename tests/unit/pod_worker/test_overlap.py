@@ -96,6 +96,12 @@ def test_the_warm_up_compiles_the_per_layer_programs_and_leaves_the_state_as_it_
     fused = PodTrainer(_config(overlap=False), jax.devices()[:1])
     fused.warm_up((4, 33))      # the fused step has no per-layer programs: only the evaluation
     assert fused._overlapped is None and fused.step == 0 and fused._eval_step._cache_size() == 1
+    # A run that does not evaluate (ConfigureRequest.evaluates) leaves the evaluation uncompiled;
+    # an evaluation asked for anyway compiles it then, with the same result.
+    bare = PodTrainer(_config(overlap=False), jax.devices()[:1])
+    bare.warm_up((4, 33), evaluate=False)
+    assert bare._eval_step._cache_size() == 0
+    assert bare.evaluate(_tokens()) == fused.evaluate(_tokens())
 
 
 def test_overlap_on_and_off_train_alike():

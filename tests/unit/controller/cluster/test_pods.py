@@ -187,3 +187,15 @@ def test_pods_sharing_a_compilation_cache_configure_pod_0_first_and_the_rest_tog
         assert {e for e in events[2:4]} == {("start", 1), ("start", 2)}
     else:
         assert {e for e in events[:3]} == {("start", 0), ("start", 1), ("start", 2)}
+
+
+@pytest.mark.parametrize("batches", [2, 0])
+def test_pods_compile_the_evaluation_at_configure_only_if_the_run_evaluates(batches):
+    """ConfigureRequest.evaluates follows eval.batches: a run that never evaluates does not have its
+    pods compile the evaluation; one that does has it compiled with the rest, restarted pods included."""
+    pods = [FakePod(0), FakePod(1)]
+    cluster = Cluster(pods, make_config(eval={"batches": batches}))
+    cluster.configure()
+    cluster.configure_restarted([1])
+    requests = [r for pod in pods for m, r in pod.calls if m == "Configure"]
+    assert len(requests) == 3 and all(r.evaluates == (batches > 0) for r in requests)
