@@ -160,7 +160,7 @@ class PromptTrainer(PodTrainer):
             return int(host_value(self._mask_count(batch.loss_mask)))
         return batch.count
 
-    def warm_up(self, batch_shape: tuple[int, int]) -> None:
+    def warm_up(self, batch_shape: tuple[int, int], evaluate: bool = True) -> None:
         """Nothing: prompt tuning runs the fused step, compiled ahead, and its evaluation takes the
         task's loss mask, which a shard of zeros does not have."""
 
