@@ -57,7 +57,8 @@ def _check_same_as(run_dir: pathlib.Path, reference: pathlib.Path, steps=range(S
     the failed pod did not is recorded from their replies: its state is checked, its loss covers
     their shards only.)"""
     records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
-    assert [r["step"] for r in records] == list(steps), "a step was lost or run twice"
+    assert [r["step"] for r in records] == list(steps), "a step was lost or run twice; the run's events:\n" + \
+        _story(run_dir)
     for r in records:
         want = set(expected[r["step"]]["checksums"])
         if r["step"] in outvoted:
@@ -70,6 +71,14 @@ def _check_same_as(run_dir: pathlib.Path, reference: pathlib.Path, steps=range(S
     assert summary["checksum"] == json.loads((reference / "summary.json").read_text())["checksum"]
     assert summary["lost_steps"] == 0
     return records
+
+
+def _story(run_dir: pathlib.Path) -> str:
+    """The run's failures, memberships and rejoins, one line each (for a failed assertion: a race
+    that loses a step on a loaded machine is hard to reproduce)."""
+    skip = {"checkpoint_saved", "checkpoint_started"}
+    return "\n".join(json.dumps({k: v for k, v in e.items() if k != "time"})[:400]
+                     for e in _events(run_dir) if e["event"] not in skip)
 
 
 def _degraded_then_whole(records: list[dict], pod: int) -> None:
