@@ -167,6 +167,11 @@ class Failover:
         # DiLoCo, sync.on_pod_failure = "replay": rebuilds a failed pod's state on its slot's host
         # (components/replay.py); set by the run.
         self.replayer = None
+        # DiLoCo: () -> step, every live pod back to the last good checkpoint (failed slots adopted
+        # again with "replay"), for survivors that stopped at different steps; set by the run.
+        # None: such a run stops, to be resumed.
+        self.restore_checkpoint = None
+        self.realigned = 0
 
     @property
     def timeout_s(self) -> float:
@@ -204,8 +209,8 @@ class Failover:
                 failed |= more
         else:
             raise RunError(f"degraded mode after ({failure}) failed: pods kept failing")
-        step = self._align(live, replies)
-        if self.replayer is not None and cluster.config.sync.on_pod_failure == "replay":
+        step, restored = self._align(live, replies)
+        if not restored and self.replayer is not None and cluster.config.sync.on_pod_failure == "replay":
             for slot in sorted(failed):
                 self.replayer.replay(slot, step, self.timeout_s)
         if self._degraded_since is None:
@@ -235,22 +240,36 @@ class Failover:
         self.outvoted += len(pods)
         return self.degrade(PodFailure(str(diverged), pods))
 
-    def _align(self, live: list[int], replies) -> int:
-        """The step to continue from: the furthest any survivor got. Survivors there must hold the
-        same state; one left behind (it failed a step its peers finished) takes a peer's state."""
+    def _align(self, live: list[int], replies) -> tuple[int, bool]:
+        """The step to continue from, and whether the live pods were restored to get there: the
+        furthest any survivor got. Survivors there must hold the same state; one left behind (it
+        failed a step its peers finished) takes a peer's state. DiLoCo survivors at different steps
+        go back to the last good checkpoint together (restore_checkpoint)."""
         steps = {p: int(r.step) for p, r in zip(live, replies)}
         top = max(steps.values())
         if self.cluster.config.sync.diloco and len(set(steps.values())) > 1:
-            # A DiLoCo pod's own state is its own: a peer's cannot stand in for it.
-            raise RunError(f"the surviving pods stopped at different steps ({steps}): a DiLoCo run cannot realign "
-                           f"them; resume it from the last checkpoint (multipod ... --resume)")
+            # A DiLoCo pod's own state is its own: a peer's cannot stand in for it. Typically an
+            # outer exchange reached some survivors and not others when the pod died mid-send.
+            if self.restore_checkpoint is None:
+                raise RunError(f"the surviving pods stopped at different steps ({steps}): a DiLoCo run cannot "
+                               f"realign them; resume it from the last checkpoint (multipod ... --resume)")
+            out(f"the surviving pods stopped at different steps ({steps}), DiLoCo states a peer cannot stand in "
+                f"for: every live pod goes back to the last good checkpoint")
+            try:
+                step = self.restore_checkpoint()
+            except (WorkerError, RunError) as exc:
+                raise RunError(f"the surviving pods stopped at different steps ({steps}) and could not go back to "
+                               f"the last checkpoint: {exc}; resume the run from it (multipod ... --resume)") from None
+            self.realigned += 1
+            self.events.write(EventKind.REALIGNED, step=step, steps={str(p): s for p, s in steps.items()})
+            return step, True
         ahead = [p for p in live if steps[p] == top]
         prints = {replies[live.index(p)].fingerprint for p in ahead}
         if len(prints) > 1:
             raise RunError(f"the surviving pods diverged at step {top}: their state fingerprints differ")
         for pod in (p for p in live if steps[p] != top):
             self._transfer(ahead[0], pod, why=f"it was left at step {steps[pod]}")
-        return top
+        return top, False
 
     def _watch(self, pod: int) -> None:
         if pod not in self._rejoining:

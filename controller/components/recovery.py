@@ -33,6 +33,17 @@ class Recovery:
         # (components/replay.py); set by the run.
         self.replayer = None
 
+    def restore_last_good(self) -> int:
+        """Every live pod back to the last good checkpoint, once the saves under way are done (the
+        failover's realignment of DiLoCo survivors at different steps); returns its step.
+        RunError if there is none."""
+        self.checkpointer.collect(block=True)
+        if self.checkpointer.last_good is None:
+            raise RunError("no checkpoint to go back to")
+        step = self._restore()
+        self.spike.restart_at(step)
+        return step
+
     def _restore(self) -> int:
         """Every live pod back to the last good checkpoint; in a degraded DiLoCo "replay" run the
         failed slots adopted again from their parts of it (the restore cleared the replicas that

@@ -45,6 +45,9 @@ class EventKind(enum.StrEnum):
     # slot, host, from_step, to_step, seconds, fingerprint: a DiLoCo survivor rebuilt a failed pod's
     # own state from its checkpoint part (sync.on_pod_failure = "replay") and trains it from to_step
     REPLAY = "replay"
+    # step (the checkpoint's), steps ({pod: the step it stopped at}): DiLoCo survivors that stopped at
+    # different steps (an outer exchange reached some of them) went back to the last checkpoint
+    REALIGNED = "realigned"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ MARKERS = {
     EventKind.HOT_SWAP: ("hot_swap", "spare took a slot", "tab:cyan", "-"),
     EventKind.OUTVOTED: ("outvoted", "corrupted pod outvoted", "tab:brown", "-"),
     EventKind.DIVERGED: ("diverged", "pods diverged: restored", "tab:purple", "--"),
+    EventKind.REALIGNED: ("realigned", "survivors realigned: restored", "tab:purple", ":"),
     EventKind.REWIND: ("rewind", "loss-spike rewind", "tab:orange", "--"),
     EventKind.CHECKPOINT_SAVED: ("checkpoint", "checkpoint saved", "tab:gray", ":"),
     EventKind.CHECKPOINT_FAILED: ("checkpoint_failed", "checkpoint FAILED", "black", "--"),

@@ -164,6 +164,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
     failover = Failover(config.recovery, cluster, events, supervisor, pool)
     if config.sync.diloco:
         failover.replayer = recovery.replayer = Replayer(cluster, checkpointer, data.dataset, events)
+        failover.restore_checkpoint = recovery.restore_last_good
     try:
         if reattached is not None:
             start = int(replies[0].step)
@@ -224,7 +225,7 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
              "last_checkpoint": checkpointer.last_good.path if checkpointer.last_good else None,
              "on_pod_failure": config.recovery.on_pod_failure, "pod_failures": failover.failures + recovery.restarts,
              "lost_steps": lost, "degraded_s": failover.degraded_s, "rejoins": failover.rejoins,
-             "hot_swaps": failover.hot_swaps, "outvoted": failover.outvoted,
+             "hot_swaps": failover.hot_swaps, "outvoted": failover.outvoted, "realigned": failover.realigned,
              "state_transfer_bytes": failover.transfer_bytes, "state_transfer_s": failover.transfer_s,
              "first_step": first_step, "reattached": reattached is not None, "base_fingerprint": base_fingerprint}
     if extra["pod_failures"]:

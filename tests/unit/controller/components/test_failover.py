@@ -119,6 +119,40 @@ def test_degrade_refuses_survivors_that_diverged_and_counts_failures():
         failover.close()
 
 
+def test_diloco_survivors_at_different_steps_go_back_to_the_last_checkpoint_together():
+    """An outer exchange that reached one survivor and not another leaves DiLoCo pods at different
+    steps, whose states no peer can stand in for: every live pod goes back to the last checkpoint
+    (restore_checkpoint) and the run goes on degraded from there; without it, the run stops."""
+    config = make_config(recovery={"max_restarts": 3, "restart_timeout_s": 0.1},
+                         sync={"mode": "diloco", "inner_steps": 4, "on_pod_failure": "replay"})
+
+    def survivors():
+        return [MemberPod(0, step=14), MemberPod(1), MemberPod(2, step=12)]
+
+    failover = Failover(config.recovery, Cluster(survivors(), config), Events())
+    try:
+        with pytest.raises(RunError, match=r"stopped at different steps \(\{0: 14, 2: 12\}\).*--resume"):
+            failover.degrade(PodFailure("pod 1 died", [1]))
+    finally:
+        failover.close()
+    events, restores, replays = Events(), [], []
+    cluster = Cluster(survivors(), config)
+    failover = Failover(config.recovery, cluster, events)
+    failover.restore_checkpoint = lambda: restores.append(cluster.live) or 8
+    failover.replayer = type("Replays", (), {"replay": lambda self, *args: replays.append(args)})()
+    try:
+        assert failover.degrade(PodFailure("pod 1 died", [1])) == 8
+    finally:
+        failover.close()
+    # Restored once, on the new membership (slot 1 on pod 0); the restore adopted the slot again,
+    # so no replay up to a survivor's step follows.
+    assert restores == [[0, 2]] and replays == [] and failover.realigned == 1
+    assert cluster.hosts == [0, 0, 2]
+    realigned = [f for e, f in events.events if e == "realigned"]
+    assert realigned == [{"step": 8, "steps": {"0": 14, "2": 12}}]
+    assert [e for e, _ in events.events][-1] == "degraded"
+
+
 def test_a_pod_restarted_between_two_health_checks_is_still_named():
     """A supervisor can bring a worker back before the watchdog misses two checks: the pod serves,
     but it is a new process that is not configured. The diagnosis names it all the same."""

@@ -43,3 +43,24 @@ def test_a_rewind_while_a_pod_is_out_adopts_its_slot_again_from_its_restored_par
 def test_a_rewind_with_every_pod_live_adopts_nothing(tmp_path):
     pods = _rewind(tmp_path, [0, 1])
     assert [[m for m, _ in pod.calls] for pod in pods] == [["Restore"], ["Restore"]]
+
+
+def test_going_back_to_the_last_checkpoint_while_a_pod_is_out_restores_the_live_pods_and_adopts_its_slot(tmp_path):
+    """Recovery.restore_last_good, the failover's realignment of DiLoCo survivors that stopped at
+    different steps: the live pods restore the last good checkpoint, the failed slot is adopted
+    again from its part, and the spike policy's history starts there."""
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1, 1], "replay")      # pod 2 out
+    for pod in pods:
+        pod.adopt_slot = lambda request, timeout_s, pod=pod: (
+            pod.calls.append(("AdoptSlot", request)) or pb.AdoptSlotReply(step=8, fingerprint="replica"))
+    cluster = checkpointer.cluster
+    checkpointer.last_good = Saved(8, "ckpt/pod-0/8")
+    spike = SpikePolicy(cluster.config.spike)
+    recovery = Recovery(cluster.config.recovery, cluster, checkpointer, spike, checkpointer.events)
+    recovery.replayer = Replayer(cluster, checkpointer, None, checkpointer.events)
+    assert recovery.restore_last_good() == 8
+    assert [[m for m, _ in pod.calls] for pod in pods] == [["Restore"], ["Restore", "AdoptSlot"], []]
+    assert recovery.restarts == 0 and recovery.rewinds == 0     # neither a restart nor a spike's rewind
+    checkpointer.last_good = None
+    with pytest.raises(Exception, match="no checkpoint to go back to"):
+        recovery.restore_last_good()
