@@ -82,10 +82,11 @@ class TrainerPrograms:
     def warm_up(self, batch_shape: tuple[int, int], evaluate: bool = True) -> None:
         """Run, once, the programs a run calls later that compile_for does not compile ahead: the
         evaluation of a shard (if the run evaluates: `evaluate`), the learning-rate schedule and,
-        with the overlapped step, its per-layer programs, on a pod's shard of zeros. They then compile (or load from the
-        persistent compilation cache) at configure, where pods that share a cache compile them
-        once (Cluster.configure), instead of at the first step and evaluation, where every pod
-        would compile them at once. The state is untouched: nothing is applied."""
+        with the overlapped step, its per-layer programs, on a pod's shard of zeros. They then
+        compile (or load from the persistent compilation cache) at configure, where pods that
+        share a cache compile them once (Cluster.configure), instead of at the first step and
+        evaluation, where every pod would compile them at once. The state is untouched: nothing
+        is applied."""
         if evaluate:
             self.evaluate(np.zeros(batch_shape, np.int32))
         # The learning rate a step reports is the schedule run eagerly, a dozen small programs
