@@ -138,13 +138,22 @@ class Checkpointer:
                     request.slot = slot
                 replies[slot] = self.cluster.clients[writer].save(request, run.step_timeout_s)
             return replies
-        try:
-            started = {slot: reply for replies in parallel(start, list(by_writer)) for slot, reply in replies.items()}
-        except WorkerError as exc:
-            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise self.cluster.diagnose(f"checkpoint of step {step}: {exc}") from None
-            self._failed(step, str(exc))
+        def attempt(writer: int) -> tuple[dict[int, pb.SaveReply], WorkerError | None]:
+            # Every writer's outcome, typed: in DiLoCo mode a pod that dies mid-save fails its
+            # peers' saves too (their pending outer exchange breaks), and all of them must be seen.
+            try:
+                return start(writer), None
+            except WorkerError as exc:
+                return {}, exc
+        outcomes = parallel(attempt, list(by_writer))
+        errors = [exc for _, exc in outcomes if exc is not None]
+        if errors:
+            why = "; ".join(str(exc) for exc in errors)
+            if any(exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) for exc in errors):
+                raise self.cluster.diagnose(f"checkpoint of step {step}: {why}") from None
+            self._failed(step, why)
             return
+        started = {slot: reply for replies, _ in outcomes for slot, reply in replies.items()}
         path = started[parts[0][1]].path
         waits = tuple(self.cluster.clients[writer].wait_save_async(pb.WaitSaveRequest(step=step, directory=directory),
                                                                    CHECKPOINT_TIMEOUT_S)

@@ -13,7 +13,7 @@ from multipod.controller.core.errors import PodFailure
 from multipod.controller.core.run_config import ConfigError
 from multipod.controller.observe.events import EventLog
 from multipod.protos import multipod_pb2 as pb
-from tests.unit.controller.fakes import DEAD, FakeCall, FakePod, make_config
+from tests.unit.controller.fakes import DEAD, SERVING, FakeCall, FakePod, make_config
 
 
 class WriterPod(FakePod):
@@ -215,3 +215,27 @@ def test_a_healthy_diloco_checkpoint_is_every_pod_s_own(tmp_path):
     checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1])
     checkpointer.save(2)
     assert [_saves(pod) for pod in pods] == [[("ckpt/pod-0", None)], [("ckpt/pod-1", None)]]
+
+
+def test_a_diloco_writer_that_dies_mid_save_is_a_pod_failure_though_every_part_failed(tmp_path):
+    """Pod 1 dies while every pod saves its part: its peers' saves fail too (the outer exchange the
+    save finishes breaks), yet the run is told of a pod failure naming pod 1, not a run error."""
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1, 2])
+    pods[1].probe_then = DEAD
+    for pod in pods:
+        pod.refuse[4] = WorkerError(f"pod {pod.pod_index}: Save failed: UNAVAILABLE: pod 1 is gone",
+                                    grpc.StatusCode.UNAVAILABLE)
+    with pytest.raises(PodFailure) as info:
+        checkpointer.save(4)
+    assert info.value.pods == (1,) and "checkpoint of step 4" in str(info.value)
+    assert "pod 0: Save failed" in str(info.value) and "pod 2: Save failed" in str(info.value)
+    assert checkpointer.pending == []
+    # Refused outright by two pods (not a failure of theirs): reported with both reasons, no pod failure.
+    for pod in pods:
+        pod.refuse[6] = WorkerError(f"pod {pod.pod_index}: Save failed: FAILED_PRECONDITION: no",
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+    pods[1].probe_then = SERVING
+    checkpointer.save(6)
+    assert checkpointer.failed == 1 and checkpointer.pending == []
+    (failed,) = [e for e in _events(tmp_path) if e["event"] == "checkpoint_failed"]
+    assert failed["step"] == 6 and "pod 0: Save failed" in failed["error"] and "pod 2: Save failed" in failed["error"]
