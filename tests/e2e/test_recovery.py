@@ -113,7 +113,12 @@ class _Live:
         raise AssertionError(f"{text!r} not printed within {timeout}s:\n" + "".join(self.out + self.err))
 
     def finish(self, timeout: float) -> int:
-        code = self.proc.wait(timeout=timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # What the run last said shows where it was stuck (a hang is a bug to find).
+            tail = "".join(self.out[-40:]) + "".join(self.err[-40:])
+            raise AssertionError(f"the run did not end within {timeout:g}s; its last output:\n{tail}") from None
         for t in self._threads:
             t.join(timeout=10)
         return code
