@@ -34,9 +34,9 @@ class Recovery:
         self.replayer = None
 
     def restore_last_good(self) -> int:
-        """Every live pod back to the last good checkpoint, once the saves under way are done (the
-        failover's realignment of DiLoCo survivors at different steps); returns its step.
-        RunError if there is none."""
+        """Every live pod back to the last good checkpoint, once the saves under way are done, and
+        the spike policy's history restarted there (a recovery; the failover's realignment of
+        DiLoCo survivors at different steps); returns its step. RunError if there is none."""
         self.checkpointer.collect(block=True)
         if self.checkpointer.last_good is None:
             raise RunError("no checkpoint to go back to")
@@ -80,15 +80,11 @@ class Recovery:
             if fresh:
                 out(f"configuring restarted pod(s) {fresh}")
                 self.cluster.configure_restarted(fresh)
-            self.checkpointer.collect(block=True)
-            if self.checkpointer.last_good is None:
-                raise RunError(f"{failure}; no checkpoint to recover from")
-            step = self._restore()
+            step = self.restore_last_good()
         except (WorkerError, RunError) as exc:
             raise RunError(f"recovery from ({failure}) failed: {exc}; the last good checkpoint is {last}") from None
         out(f"recovered: every pod restored to step {step}; continuing")
         self.events.write(EventKind.RECOVERED, step=step, restarts=self.restarts)
-        self.spike.restart_at(step)
         return step
 
     def rewind(self, spike: Spike) -> int:

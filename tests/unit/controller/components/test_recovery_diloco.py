@@ -10,6 +10,7 @@ from multipod.controller.components.checkpointer import Saved
 from multipod.controller.components.recovery import Recovery
 from multipod.controller.components.replay import Replayer
 from multipod.controller.components.spike import Spike, SpikePolicy
+from multipod.controller.core.errors import RunError
 from multipod.protos import multipod_pb2 as pb
 from tests.unit.controller.components.test_checkpointer import _diloco_checkpointer
 
@@ -62,5 +63,5 @@ def test_going_back_to_the_last_checkpoint_while_a_pod_is_out_restores_the_live_
     assert [[m for m, _ in pod.calls] for pod in pods] == [["Restore"], ["Restore", "AdoptSlot"], []]
     assert recovery.restarts == 0 and recovery.rewinds == 0     # neither a restart nor a spike's rewind
     checkpointer.last_good = None
-    with pytest.raises(Exception, match="no checkpoint to go back to"):
+    with pytest.raises(RunError, match="no checkpoint to go back to"):
         recovery.restore_last_good()
