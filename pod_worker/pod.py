@@ -267,10 +267,10 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         exchange.inbox.set_next_step(step)
         all_reduce = None
         if setup.num_pods > 1:
-            # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum -> host->device. The
-            # overlapped step (dcn.overlap) passes order= (leaves in the order they become ready).
-            # (With several hosts per pod the trainer sums blocks and gathers them itself.)
-            on_leaf = trainer.put_leaf if trainer.assembler is None else None
+            # Leaf by leaf: host copy -> chunks on the wire -> pod-order sum (-> host->device with
+            # overlap). The overlapped step (dcn.overlap) passes order= (leaves in the order they
+            # become ready).
+            on_leaf = trainer.summed_leaf_hook()
             all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=on_leaf, **kw)
         if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)

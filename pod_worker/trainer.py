@@ -343,6 +343,17 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
                            learning_rate=result.learning_rate, skipped=result.skipped, checksum=checksum,
                            checksum_s=checksum_s, link=link, shards=shards, **timings)
 
+    def summed_leaf_hook(self):
+        """What the exchange calls on each leaf as soon as it is summed (None: nothing). The
+        overlapped step puts it on the devices at once, hidden under the backward pass still
+        running. The fused step has nothing left to hide it under: its leaves stay on the host for
+        apply's one batched put, which costs about a third of a put per leaf (docs/benchmarks.md,
+        "The exchange's rate in a real run"). With several hosts per pod the trainer sums blocks
+        and gathers them itself."""
+        if self.assembler is not None or self._overlapped is None:
+            return None
+        return self.put_leaf
+
     def put_leaf(self, index: int, value: np.ndarray) -> jax.Array:
         """Start the host->device transfer of one summed gradient leaf (asynchronous)."""
         if not hasattr(self, "_leaf_shardings"):

@@ -57,7 +57,7 @@ def _train(config, pods: int):
 
     def step(p: int, s: int):
         exchanges[p].inbox.set_next_step(s)
-        all_reduce = lambda grads, **kw: exchanges[p].all_reduce(s, grads, on_leaf=trainers[p].put_leaf, **kw)
+        all_reduce = lambda grads, **kw: exchanges[p].all_reduce(s, grads, on_leaf=trainers[p].summed_leaf_hook(), **kw)
         return trainers[p].train_step(trainers[p].put_batch(_tokens(s, p)), pods * ROWS * (COLS - 1), all_reduce,
                                       take_fingerprint=True)
     try:

@@ -78,7 +78,7 @@ class Pods:
                 self.sent.append((s, slot, p, pod))
                 return exchange.send_partial(s, slot, pod, leaves, losses)
             relay = Relay(send=send, receive=lambda slot, pod: exchange.receive_partial(s, slot, pod))
-            all_reduce = lambda grads, **kw: exchange.all_reduce(s, grads, on_leaf=trainer.put_leaf, **kw)
+            all_reduce = lambda grads, **kw: exchange.all_reduce(s, grads, on_leaf=trainer.summed_leaf_hook(), **kw)
             return trainer.train_step(trainer.put_batch(_tokens(s, p)), self.count * ROWS * (COLS - 1), all_reduce,
                                       take_fingerprint=True, pieces=pieces, relay=relay)
         try:
