@@ -2,7 +2,7 @@
 
 # Bumped on any incompatible change to multipod.proto or to what a field means. A worker refuses a
 # controller or peer that speaks another version.
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 # gRPC message size limits, set on both ends. Gradient chunks are at most MAX_CHUNK_BYTES; control
 # messages (config, batches, prompts) stay well under MAX_MESSAGE_BYTES.

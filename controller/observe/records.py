@@ -36,6 +36,9 @@ class PodTimings:
     checksum_s: float           # the state checksum after the update (on the devices)
     fingerprint_s: float = 0.0  # the fingerprint (BLAKE2b of a host copy); 0 on steps without one
     idle_s: float               # the part of exchange_s spent waiting on peers' chunks
+    # The part of idle_s before every peer's first chunk had landed: waiting on a pod still
+    # computing (a straggler), not on the link. 0.0 in files written before it was recorded.
+    peer_wait_s: float = 0.0
     dcn_bytes_sent: int         # bytes this pod put on the data plane, after compression, before packing
     dcn_packed: bool = False    # its chunks went zstd-packed (dcn.lossless): fewer bytes crossed the link
 

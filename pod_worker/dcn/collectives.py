@@ -45,6 +45,7 @@ class _Collective:
 
     def _wait(self, step: int, phase: int, leaf: int, deadline: float, stats) -> dict[int, np.ndarray]:
         start = time.monotonic()
+        stats.began_waiting(start)
         try:
             return self.inbox.wait_leaf(step, phase, leaf, deadline)
         finally:
@@ -146,6 +147,7 @@ class SlotGather(_Collective):
         results: list = [None] * len(plan.leaves)
         for i in order:
             start = time.monotonic()
+            stats.began_waiting(start)
             try:
                 got = self.inbox.wait_slots(step, i, deadline)
             finally:

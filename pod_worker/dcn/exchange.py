@@ -32,7 +32,16 @@ class ExchangeStats:
     bytes_sent: int = 0        # payload bytes this pod put on the wire this step (after encoding)
     bytes_received: int = 0
     idle_s: float = 0.0        # time the step thread sat waiting on peers' chunks
+    # The part of idle_s before every peer's first chunk of the step had landed: waiting on a pod
+    # still computing (a straggler), not on the link. The rest of idle_s is bytes on the wire.
+    peer_wait_s: float = 0.0
     packed: bool = False       # this step's chunks were queued to go zstd-packed (dcn.lossless)
+    first_wait_at: float | None = None     # when the step thread first waited (time.monotonic())
+
+    def began_waiting(self, now: float) -> None:
+        """The step thread starts waiting on peers' chunks at `now`."""
+        if self.first_wait_at is None:
+            self.first_wait_at = now
 
 
 _MALLOC_TUNED = False
@@ -189,6 +198,9 @@ class Exchange:
         # that does not get it fails its own step. The links drain while this pod updates.
         results = self.collective.run(step, leaves, order, on_leaf, deadline, stats, extra)
         stats.bytes_received = sum(s.bytes for s in state.slots.values())
+        began = self.inbox.peers_began_at(step, [p for p in self.plan.live if p != self.pod_index])
+        if began is not None and stats.first_wait_at is not None:
+            stats.peer_wait_s = min(stats.idle_s, max(0.0, began - stats.first_wait_at))
         stats.bytes_sent += self._partial_bytes.pop(step, 0)
         if self.outbox is not None and self.lossless.update(stats.bytes_sent, stats.idle_s):
             self._log_packing(step, stats)

@@ -77,6 +77,9 @@ class _StepState:
 
     def __init__(self, plan: Plan, pod: int):
         self.errors: dict[int, str] = {}       # pod -> why its part of the step failed
+        # pod -> when its first gradient chunk of the step had landed (time.monotonic()): from then
+        # on, waiting on that pod is waiting on the link, not on a pod still computing.
+        self.first_chunk_at: dict[int, float] = {}
         self.slots: dict[tuple[int, int], _Slot] = {}
         # The result. 2 pods: the peer's chunks are added to this pod's own values as they arrive
         # (own + peer == peer + own bitwise: IEEE addition commutes), so the sum is done when the
@@ -256,6 +259,10 @@ class Inbox:
         else:
             self.plan.codec.decode_into(payload, target, own)
         with self._cond:
+            if phase < PHASE_PARTIAL_BASE and phase != PHASE_VOTE:     # the gradient itself
+                state = self._steps.get(step)
+                if state is not None:
+                    state.first_chunk_at.setdefault(pod, time.monotonic())
             slot.bytes += len(payload)
             slot.missing[leaf] -= 1
             if slot.missing[leaf] == 0:
@@ -310,6 +317,14 @@ class Inbox:
             if state is not None:
                 state.errors.setdefault(pod, why)
             self._cond.notify_all()
+
+    def peers_began_at(self, step: int, pods) -> float | None:
+        """When the last of `pods` had its first gradient chunk of `step` land here
+        (time.monotonic()); None if one of them has sent none."""
+        with self._cond:
+            state = self._steps.get(step)
+            times = [state.first_chunk_at.get(p) for p in pods] if state is not None else [None]
+        return None if any(t is None for t in times) else max(t for t in times if t is not None)
 
     def wait_leaf(self, step: int, phase: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
         """Block until every peer's part of `leaf` in `phase` has arrived; returns it by pod.

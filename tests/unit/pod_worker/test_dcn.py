@@ -434,3 +434,37 @@ def test_encrypted_exchange_sums_exactly_and_refuses_plain_peers(pods_factory):
             Exchange(RUN, 0, [plain.address, pods.addresses[1]], LEAVES, plain, encrypt=True, secret=SECRET)
     finally:
         plain.close()
+
+
+@pytest.mark.parametrize("num_pods", [2, 3])
+def test_waiting_on_a_late_pod_is_told_apart_from_waiting_on_the_link(pods_factory, num_pods):
+    # Pod 0 starts its exchange only once every peer's first chunk has reached it. The peers wait
+    # on pod 0 from their first wait until its chunks come: that is peer_wait_s, part of idle_s.
+    # Pod 0 itself never waits on a pod that has not begun: its peer_wait_s is 0.
+    late_by = 0.5
+    pods = pods_factory(num_pods, streams=1)
+    grads = gradients(num_pods, seed=5)
+    for ex in pods.exchanges:
+        ex.inbox.set_next_step(0)
+
+    def timed(p):
+        start = time.monotonic()
+        summed, stats = pods.exchanges[p].all_reduce(0, grads[p])
+        return summed, stats, start, time.monotonic() - start
+
+    with concurrent.futures.ThreadPoolExecutor(num_pods) as pool:
+        early = {p: pool.submit(timed, p) for p in range(1, num_pods)}
+        time.sleep(late_by)
+        state = pods.exchanges[0].inbox.state(0)
+        wait_for(lambda: len(state.first_chunk_at) == num_pods - 1, 30)
+        summed0, stats0, late_start, _ = timed(0)
+        results = {p: f.result(timeout=60) for p, f in early.items()}
+    assert stats0.peer_wait_s == 0.0 and stats0.idle_s >= 0.0
+    for p, (summed, stats, start, wall) in results.items():
+        # It began waiting at most `wall - idle_s` (its own work) after its start; pod 0 sent
+        # nothing before late_start.
+        busy = wall - stats.idle_s
+        assert stats.peer_wait_s <= stats.idle_s
+        assert stats.peer_wait_s >= min(stats.idle_s, late_start - start - busy) > 0, (p, stats, wall)
+        for got, want in zip(summed, pod_order_sum(grads)):
+            assert_bitwise(np.asarray(got), want)
