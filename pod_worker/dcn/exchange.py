@@ -202,7 +202,8 @@ class Exchange:
         if began is not None and stats.first_wait_at is not None:
             stats.peer_wait_s = min(stats.idle_s, max(0.0, began - stats.first_wait_at))
         stats.bytes_sent += self._partial_bytes.pop(step, 0)
-        if self.outbox is not None and self.lossless.update(stats.bytes_sent, stats.idle_s):
+        # Packing pays only for waits on the wire, never for a wait on a pod still computing.
+        if self.outbox is not None and self.lossless.update(stats.bytes_sent, stats.idle_s - stats.peer_wait_s):
             self._log_packing(step, stats)
         for old in [s for s in self._partial_bytes if s < step]:     # steps that failed before their exchange
             del self._partial_bytes[old]
@@ -212,8 +213,9 @@ class Exchange:
         assert self.outbox is not None
         raw, wire = self.outbox.packed_bytes
         so_far = f"; packed so far: {wire / raw:.3f} of the bytes" if raw else ""
-        log.info("pod %d, exchange %d: waited %.3f s on peers' bytes for %d bytes sent: chunks go %s from the "
-                 "next exchange on (dcn.lossless = auto%s)", self.pod_index, step, stats.idle_s, stats.bytes_sent,
+        log.info("pod %d, exchange %d: waited %.3f s on peers' bytes on the wire for %d bytes sent: chunks go %s "
+                 "from the next exchange on (dcn.lossless = auto%s)", self.pod_index, step,
+                 stats.idle_s - stats.peer_wait_s, stats.bytes_sent,
                  "zstd-packed" if self.lossless.packing else "raw", so_far)
 
     # -- the state vote: every live pod starts a step from the same state -------------------------

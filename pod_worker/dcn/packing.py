@@ -9,8 +9,9 @@ back the payload bit for bit, so the pods' pod-order sum, and their parameters, 
 
 Packing costs CPU, about 30 ms per 17 MB on one core here, and unpacking about 25: it pays where
 the link sets the pace of the step. LosslessPolicy turns it on when an exchange (after a run's
-first two) left the pod waiting on its peers' bytes for over twice what packing them would cost,
-and off after several exchanges in a row waited less than that cost.
+first two) left the pod waiting on its peers' bytes on the wire (not on a peer still computing)
+for over twice what packing them would cost, and off after several exchanges in a row waited less
+than that cost.
 """
 from __future__ import annotations
 
@@ -98,19 +99,21 @@ class LosslessPolicy:
         self._short_waits = 0
         self._seen = 0
 
-    def update(self, bytes_sent: int, idle_s: float) -> bool:
-        """After an exchange that queued `bytes_sent` and waited `idle_s` for the peers' bytes:
-        whether the next one packs. True when the choice changed."""
+    def update(self, bytes_sent: int, wire_wait_s: float) -> bool:
+        """After an exchange that queued `bytes_sent` and waited `wire_wait_s` for the peers'
+        bytes once they had begun sending (ExchangeStats.idle_s - peer_wait_s: a wait on a pod still
+        computing is none of the link's doing, and packing would not shorten it): whether the next
+        one packs. True when the choice changed."""
         self._seen += 1
         if self.mode != Lossless.AUTO or self._seen <= self.SETTLE:
             return False
         cost = bytes_sent / self.PACK_BYTES_PER_S
         if not self.packing:
-            if idle_s > max(self.ON_FACTOR * cost, self.MIN_WAIT_S) and bytes_sent >= MIN_PACK_BYTES:
+            if wire_wait_s > max(self.ON_FACTOR * cost, self.MIN_WAIT_S) and bytes_sent >= MIN_PACK_BYTES:
                 self.packing, self._short_waits = True, 0
                 return True
             return False
-        self._short_waits = self._short_waits + 1 if idle_s < max(cost, self.MIN_WAIT_S) else 0
+        self._short_waits = self._short_waits + 1 if wire_wait_s < max(cost, self.MIN_WAIT_S) else 0
         if self._short_waits >= self.OFF_AFTER:
             self.packing = False
             return True
