@@ -320,11 +320,12 @@ class Inbox:
 
     def peers_began_at(self, step: int, pods) -> float | None:
         """When the last of `pods` had its first gradient chunk of `step` land here
-        (time.monotonic()); None if one of them has sent none."""
+        (time.monotonic()); None if one of them has sent none, or if `pods` is empty."""
         with self._cond:
             state = self._steps.get(step)
-            times = [state.first_chunk_at.get(p) for p in pods] if state is not None else [None]
-        return None if any(t is None for t in times) else max(t for t in times if t is not None)
+            times = [state.first_chunk_at.get(p) for p in pods] if state is not None else []
+        known = [t for t in times if t is not None]
+        return max(known) if known and len(known) == len(times) else None
 
     def wait_leaf(self, step: int, phase: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
         """Block until every peer's part of `leaf` in `phase` has arrived; returns it by pod.
