@@ -12,18 +12,27 @@ MULTIPOD_TEST_FLIP_BIT="POD:STEP" flips one bit of one parameter on pod POD righ
 STEP's update, once per worker process: silent data corruption, for the pods' state vote and the
 controller's majority to catch (docs/reliability.md).
 
+MULTIPOD_TEST_GATHER_TO_ONE="POD:EXCHANGE:MARKER" makes pod POD, in the all-gather of exchange
+EXCHANGE (more than 2 pods, healthy; a DiLoCo outer exchange is keyed by its outer sync number),
+send its reduced slices to its first peer only, wait until they have left, and kill itself
+(SIGKILL): an exchange that reached one survivor and not the other. It fires once per file: it
+creates MARKER, and does nothing where MARKER exists, so the restarted worker does not die again.
+
 Tests set them on the process that starts the workers (LocalPods passes its environment on).
 """
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
+import time
 
 import numpy as np
 
 NAN_GRADIENT_ENV = "MULTIPOD_TEST_NAN_GRADIENT"
 HANG_ENV = "MULTIPOD_TEST_HANG"
 FLIP_BIT_ENV = "MULTIPOD_TEST_FLIP_BIT"
+GATHER_TO_ONE_ENV = "MULTIPOD_TEST_GATHER_TO_ONE"
 _flipped: set[tuple[int, int]] = set()      # (pod, step) flipped in this process: a replay does not flip again
 
 
@@ -90,3 +99,30 @@ def flip_bit(params) -> tuple[object, str]:
     flipped = jax.make_array_from_callback(values.shape, leaf.sharding, lambda index: values[index])
     leaves = [flipped] + [value for _, value in flat[1:]]
     return jax.tree_util.tree_unflatten(treedef, leaves), jax.tree_util.keystr(path)
+
+
+def gather_to_one_at(pod_index: int, exchange: int) -> bool:
+    """Whether the test hook asks this pod to all-gather exchange `exchange` to its first peer
+    only and die (and has not fired yet: its marker file does not exist; it is created here)."""
+    value = os.environ.get(GATHER_TO_ONE_ENV, "")
+    if not value:
+        return False
+    try:
+        pod, at, marker = value.split(":", 2)
+        fires = int(pod) == pod_index and int(at) == exchange
+    except ValueError:
+        raise ValueError(f"{GATHER_TO_ONE_ENV} must look like POD:EXCHANGE:MARKER, got {value!r}") from None
+    if not fires or pathlib.Path(marker).exists():
+        return False
+    pathlib.Path(marker).write_text(f"pod {pod_index}, exchange {exchange}\n")
+    return True
+
+
+def die_once_sent(outbox, peer: int, timeout_s: float = 60.0) -> None:
+    """Kill this process (SIGKILL) once every chunk queued for `peer` has been handed to ZeroMQ,
+    and a second more for its I/O thread to put them on the socket."""
+    deadline = time.monotonic() + timeout_s
+    while outbox.queued(peer) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)

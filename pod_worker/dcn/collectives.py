@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from multipod.pod_worker import faults
 from multipod.pod_worker.dcn.inbox import Inbox
 from multipod.pod_worker.dcn.outbox import Outbox
 from multipod.pod_worker.dcn.plan import PHASE_GATHER, PHASE_REDUCE, PHASE_WHOLE, Plan, slot_phase
@@ -110,6 +111,9 @@ class ReduceScatterAllGather(_Collective):
                         plan.codec.decode_into(plan.codec.encode(values[ca:cb]), decoded[ca - a:cb - a])
                 else:
                     own[i] = values[a:b]
+        gather_to = self.peers
+        if faults.gather_to_one_at(me, step):   # test hook (pod_worker/faults.py)
+            gather_to = self.peers[:1]
         for i in order:         # sum the owned slice in pod order; all-gather it
             got = self._wait(step, PHASE_REDUCE, i, deadline, stats)
             got[me] = own[i]
@@ -117,7 +121,9 @@ class ReduceScatterAllGather(_Collective):
             for p in range(2, plan.num_pods):
                 reduced += got[p]
             a, b = plan.ranges[i][me]
-            self._send(step, deadline, stats, self.peers, PHASE_GATHER, i, reduced, a, b, state.output[i][a:b])
+            self._send(step, deadline, stats, gather_to, PHASE_GATHER, i, reduced, a, b, state.output[i][a:b])
+        if gather_to != self.peers:
+            faults.die_once_sent(self.outbox, gather_to[0])
         results: list = [None] * len(plan.leaves)
         for i in order:
             self._wait(step, PHASE_GATHER, i, deadline, stats)

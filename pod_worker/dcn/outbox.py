@@ -135,6 +135,10 @@ class Outbox:
         links[turn % len(links)].queue.put((step, deadline, header, data, itemsize, time.monotonic()))
         return data.nbytes
 
+    def queued(self, peer: int) -> int:
+        """Chunks queued for `peer` that its links have not taken yet."""
+        return sum(link.queue.qsize() for link in self._links[peer])
+
     def count_packed(self, payload_bytes: int, wire_bytes: int) -> None:
         """A link sent a chunk packed (any thread)."""
         with self._count_lock:

@@ -12,6 +12,8 @@ import json
 import pathlib
 import shutil
 
+import pytest
+
 from multipod.pod_worker import checkpoint
 from tests.e2e.pod_failure import kill_and_finish
 from tests.e2e.test_recovery import _current_pid, _events, _Live
@@ -139,7 +141,29 @@ def test_a_killed_pod_is_dropped_from_the_outer_steps_and_rejoins_from_a_peer(tm
     assert outer[-1]["outer_pods"] == [0, 1, 2], "the rejoined pod takes part in the outer steps again"
 
 
-def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_path, env):
+REPLAY_STEPS = 40
+REPLAY_ARGS = _failure_args("replay", REPLAY_STEPS, "checkpoint.every=8", "checkpoint.keep=8")
+
+
+@pytest.fixture(scope="module")
+def replay_reference(tmp_path_factory) -> pathlib.Path:
+    """The uninterrupted run of REPLAY_ARGS, for the replay tests below to compare with."""
+    reference = tmp_path_factory.mktemp("diloco-replay") / "reference"
+    done = run_cli(*REPLAY_ARGS, "--run-dir", str(reference))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return reference
+
+
+def _same_as_reference(records: list[dict], reference: pathlib.Path) -> None:
+    """Every step's agreed state, and its loss where all of it was computed, are the reference's."""
+    want = {r["step"]: r for r in read_metrics(reference)}
+    for r in records:
+        assert r["checksums"][0] == want[r["step"]]["checksums"][0], r["step"]
+        if not r.get("partial_loss"):
+            assert r["loss"] == want[r["step"]]["loss"], r["step"]
+
+
+def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_path, env, replay_reference):
     """sync.on_pod_failure = "replay" (the default): 3 pods, pod 1 killed with SIGKILL after a
     checkpoint; the survivor hosting its slot rebuilds its state from its checkpoint part, trains it
     beside its own, and hands it back when the restarted pod rejoins. Every step's agreed state and
@@ -148,11 +172,7 @@ def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_pa
     bitwise the uninterrupted run's part), and a run resumed from the last of them with every pod
     back ends bitwise as the uninterrupted run, skipping a newer checkpoint pod 2's part of which is
     missing."""
-    steps = 40
-    args = _failure_args("replay", steps, "checkpoint.every=8", "checkpoint.keep=8")
-    reference = tmp_path / "reference"
-    done = run_cli(*args, "--run-dir", str(reference))
-    assert done.returncode == 0, done.stderr[-3000:]
+    steps, args, reference = REPLAY_STEPS, REPLAY_ARGS, replay_reference
     records, events = _kill_pod_1(tmp_path / "killed", args, steps, env)
     replay = next(e for e in events if e["event"] == "replay")
     # From the last good checkpoint: step 8's, or the baseline if 8's was still being written (up to
@@ -161,11 +181,8 @@ def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_pa
     assert replay["slot"] == 1 and replay["from_step"] in (0, 8)
     assert replay["to_step"] == realigned[0] if realigned else replay["to_step"] > 10
     assert not any(e["event"] == "outer_dropped" for e in events)
+    _same_as_reference(records, reference)
     want = {r["step"]: r for r in read_metrics(reference)}
-    for r in records:
-        assert r["checksums"][0] == want[r["step"]]["checksums"][0], r["step"]
-        if not r.get("partial_loss"):
-            assert r["loss"] == want[r["step"]]["loss"], r["step"]
     assert [_part(tmp_path / "killed", pod, steps) for pod in range(3)] == \
         [_part(reference, pod, steps) for pod in range(3)]
 
@@ -197,6 +214,42 @@ def test_a_killed_pod_s_inner_steps_are_replayed_and_the_run_ends_bitwise(tmp_pa
     assert [r["checksums"] for r in read_metrics(resumed)] == \
         [want[s]["checksums"] for s in range(degraded[-1], steps)]
     assert [_part(resumed, pod, steps) for pod in range(3)] == [_part(reference, pod, steps) for pod in range(3)]
+
+
+def test_an_outer_exchange_that_reached_one_survivor_sends_the_live_pods_back_to_the_checkpoint(
+        tmp_path, env, replay_reference):
+    """Pod 1 dies in the all-gather of outer sync 3 (a test hook): its reduced slices reached pod 0
+    and not pod 2, so pod 0 applied that outer step and pod 2 could not. A peer's DiLoCo state
+    cannot stand in for another's, so the live pods go back to the last good checkpoint (step 8)
+    together, pod 1's slot is replayed there, the restarted pod rejoins, and every step's agreed
+    state is the uninterrupted run's; the steps run twice are counted as lost."""
+    steps, run_dir, marker = REPLAY_STEPS, tmp_path / "run", tmp_path / "gather-to-one-fired"
+    run = _Live(*REPLAY_ARGS, "--run-dir", str(run_dir),
+                env=dict(env, MULTIPOD_TEST_GATHER_TO_ONE=f"1:3:{marker}",
+                         MULTIPOD_TEST_REJOIN_BY_STEP=str(steps - 6)))
+    try:
+        code = run.finish(400)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert code == 0, "".join(run.out) + "".join(run.err)
+    assert marker.exists(), "the hook never fired"
+    events = _events(run_dir)
+    (back,) = [e for e in events if e["event"] == "realigned"]
+    assert back["step"] == 8 and len(set(back["steps"].values())) == 2, back
+    assert sorted(back["steps"]) == ["0", "2"]
+    records = read_metrics(run_dir)
+    redone = len(records) - steps
+    assert redone > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["realigned"] == 1 and summary["lost_steps"] == redone
+    assert [r["step"] for r in records[-(steps - 8):]] == list(range(8, steps))
+    last = sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
+    assert [r["step"] for r in last] == list(range(steps)), "a step was lost"
+    kinds = [e["event"] for e in events]
+    assert "replay" in kinds and "rejoin" in kinds and last[-1]["live_pods"] == 3
+    _same_as_reference(last, replay_reference)
+    assert [_part(run_dir, pod, steps) for pod in range(3)] == [_part(replay_reference, pod, steps) for pod in range(3)]
 
 
 def _part(run_dir: pathlib.Path, pod: int, step: int) -> str:
