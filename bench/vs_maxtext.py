@@ -2,6 +2,7 @@
 CPU and kernel-shaped link (issue 20, item 5). Not part of the test suite; needs root.
 
     python bench/vs_maxtext.py [--links 0,1,0.2] [--bf16-at 0.2] [--fused-at 0] [--rounds 3] [--steps 17]
+                               [--also-set KEY=VALUE ...]
 
 The model is configs/vs_maxtext.toml on both sides (emb 256, 4 layers, 4 heads, head_dim 64, mlp
 1024, vocab 256, seq 256, global batch 8, float32). Each side runs two processes, each in a
@@ -14,7 +15,8 @@ traffic to R Gb/s each way; 0 = unshaped), and each pinned to its own core (task
 - multipod: 2 pods of 1 device (bench/pods.py: NetnsPods pinned), the controller in the root
   namespace (`multipod train --workers`), the config's defaults (dcn.overlap as the config says;
   exact float32 sync), with dcn.compression = "bf16" at the --bf16-at links, and with the fused
-  step (dcn.overlap = false) at the --fused-at links. Both planes plain (--insecure), as gloo is.
+  step (dcn.overlap = false) at the --fused-at links, and with the --also-set settings at every
+  link (contender "multipod_set"). Both planes plain (--insecure), as gloo is.
 Every round runs every link's every contender, one after another, in an order that alternates
 between rounds, so that the machine's load hits them alike. A run's step time is the median over
 its steps >= --warmup (MaxText: "completed step" lines of process 0; multipod: metrics.jsonl
@@ -210,6 +212,8 @@ def main() -> int:
     parser.add_argument("--fused-at", default="",
                         help="links (Gb/s) where multipod also runs the fused step (dcn.overlap=false)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--also-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="also run multipod with these settings (contender multipod_set), at every link")
     parser.add_argument("--steps", type=int, default=17)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of every run's medians")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run, start to end")
@@ -239,7 +243,8 @@ def main() -> int:
             plan = [(rate, name, settings) for rate in links
                     for name, settings in contenders
                     + ([("multipod_bf16", ['dcn.compression="bf16"'])] if rate in bf16_at else [])
-                    + ([("multipod_fused", ["dcn.overlap=false"])] if rate in fused_at else [])]
+                    + ([("multipod_fused", ["dcn.overlap=false"])] if rate in fused_at else [])
+                    + ([("multipod_set", list(args.also_set))] if args.also_set else [])]
             for rate, name, settings in (plan if round_ % 2 == 0 else plan[::-1]):
                 folder = pathlib.Path(tmp) / f"r{round_}-{name}-{rate:g}"
                 folder.mkdir()
