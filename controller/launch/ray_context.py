@@ -4,10 +4,13 @@ disconnect."""
 from __future__ import annotations
 
 import pathlib
+import threading
 
 from multipod.controller.launch.ray_cluster import check_request, connect, fmt, parse_resources
 from multipod.controller.launch.ray_pods import RayPods
 from multipod.controller.observe.metrics import out
+
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class RayContext:
@@ -52,5 +55,15 @@ class RayContext:
                 self.pods.stop()
         finally:
             if self._ray is not None and self._ray.is_initialized():
-                self._ray.shutdown()
+                _disconnect(self._ray)
         return False
+
+
+def _disconnect(ray, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """ray.shutdown(), waited for at most timeout_s: a disconnect that hangs is said, not waited on
+    for ever (the run's actors and placement groups are already gone by then)."""
+    done = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        out(f"warning: disconnecting from the Ray cluster did not finish within {timeout_s:g}s; leaving it")

@@ -279,11 +279,15 @@ class RayPods(RayReplacement, Launched):
         """Stop every worker, then remove every actor and placement group of the run (each step
         bounded; what fails to answer is killed)."""
         ray = self.ray
+        started = time.monotonic()
         self._stopping.set()
         if self._monitor.is_alive():
             self._monitor.join(timeout=PING_S * self.hosts_per_pod * 2 + 5)
         actors = [a for hosts in self.actors for a in hosts] + [a for s in self._spares.values() for a in s[1]]
         groups = list(self.groups) + [s[0] for s in self._spares.values()]
+        if actors or groups:
+            # Said as it starts and ends, so that a teardown that hangs shows where.
+            out(f"stopping {len(actors)} worker actor(s) and {len(groups)} placement group(s) on Ray")
         if actors:
             try:
                 ray.wait([a.stop.remote(grace_s) for a in actors], num_returns=len(actors), timeout=grace_s + 10)
@@ -301,3 +305,5 @@ class RayPods(RayReplacement, Launched):
             except Exception:
                 pass
         self.actors, self.groups, self._spares = [], [], {}
+        if actors or groups:
+            out(f"stopped the run's Ray actors and placement groups in {time.monotonic() - started:.1f}s")

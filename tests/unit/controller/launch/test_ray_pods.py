@@ -152,3 +152,25 @@ def test_a_restart_between_two_looks_stops_the_pod_s_other_hosts_and_their_resta
     # A later restart of host 0 that nobody asked for stops host 1 again.
     pods.look(0, [("up", "", 19), ("up", "", 17)], now=3.0)
     assert [a.killed for a in pods.actors[0]] == [[10], [17]]
+
+
+def test_a_disconnect_that_hangs_is_said_and_not_waited_on(capsys):
+    from multipod.controller.launch.ray_context import _disconnect
+    release = threading.Event()
+
+    class StuckRay:
+        def shutdown(self):
+            release.wait(30)
+    try:
+        _disconnect(StuckRay(), timeout_s=0.2)
+    finally:
+        release.set()
+    assert "disconnecting from the Ray cluster did not finish within 0.2s" in capsys.readouterr().out
+
+    calls = []
+
+    class Ray:
+        def shutdown(self):
+            calls.append("shutdown")
+    _disconnect(Ray(), timeout_s=5)
+    assert calls == ["shutdown"] and "did not finish" not in capsys.readouterr().out
