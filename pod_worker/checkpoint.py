@@ -283,7 +283,7 @@ class Writer:
 
     MAX_MANAGERS = 8     # roots kept open; the least recently used idle one is closed beyond that
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.RLock()      # held for orbax calls that do not wait for a write
         self._managers: dict[str, tuple[ocp.CheckpointManager, int | None]] = {}
         self._pending: dict[str, int] = {}  # root -> the step orbax is writing there (unsettled)
@@ -349,6 +349,7 @@ class Writer:
         writes one at a time, and the next save would wait for it. TimeoutError if it still is."""
         root = self._root(directory)
         deadline = time.monotonic() + max(0.0, timeout_s)
+        step: int | str
         while True:
             if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 try:

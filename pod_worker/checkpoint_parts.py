@@ -25,7 +25,7 @@ _UNFINISHED = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 class Problem:
     """Why one part of a checkpoint is not whole: `state` a pb.PartState, `detail` for people."""
     directory: str
-    state: int
+    state: pb.PartState
     detail: str
 
 

@@ -75,13 +75,14 @@ def readiness_order(params_tree, model_cfg: ModelConfig) -> list[int]:
     largest sub-module before the rest of it), then the embedding."""
     first = block_names(model_cfg)[0]
     early = early_part(params_tree[first])
-    by_part: dict[str, list[int]] = {}
+    by_part: dict[str | tuple[str, bool], list[int]] = {}
     for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params_tree)[0]):
-        part = path[0].key
+        part: str | tuple[str, bool] = path[0].key
         if part == first:
             part = (first, path[1].key == early)
         by_part.setdefault(part, []).append(index)
-    parts = ["final_norm", *reversed(block_names(model_cfg)[1:]), (first, True), (first, False), "embedding"]
+    parts: list[str | tuple[str, bool]] = ["final_norm", *reversed(block_names(model_cfg)[1:]), (first, True),
+                                           (first, False), "embedding"]
     if sorted(map(str, parts)) != sorted(map(str, by_part)):
         raise ValueError(f"parameter tree has parts {sorted(map(str, by_part))}, expected {sorted(map(str, parts))}")
     return [index for part in parts for index in by_part[part]]
@@ -207,7 +208,7 @@ class OverlappedGradStep:
             else:
                 grads, ce, z = self._accumulate(params, tokens, normalizer, m_count, start_copies)
         leaves, treedef = jax.tree.flatten(grads)
-        if treedef != self._treedef:
+        if treedef != self._treedef:  # type: ignore[operator]   # jax's PyTreeDef stub lacks __ne__
             raise AssertionError(f"gradient tree {treedef} != parameter tree {self._treedef}")
         done, done_at = threading.Event(), [0.0]
         last = grads["embedding"]

@@ -38,7 +38,7 @@ class Sequencer:
         self.name = name                # for messages, e.g. "pod 3"
         self._poll_s = poll_s           # how often a waiting step rechecks its caller is still there
         self._cond = threading.Condition()
-        self._state = pb.WORKER_STATE_IDLE
+        self._state: int = pb.WORKER_STATE_IDLE
         self._running: str | None = None   # what has the pod ("step 5", "a restore"); None: free
         self._next_step = 0
         self._failed_step: int | None = None

@@ -88,7 +88,7 @@ def launch_pieces(trainer, pieces: list[Piece], norm: jax.Array) -> list[tuple]:
     """A PodTrainer's step: dispatch every piece's microbatch programs, slot by slot (before the
     pod's own shard: the other pods of a slot's chain wait for them); a piece that starts its
     slot's chain is summed as it is dispatched. [(piece, its sums or None, [(gradient, ce, z)])]."""
-    launched = []
+    launched: list[tuple] = []
     for piece in pieces:
         if piece.source is None:
             total, ce, z = trainer.microbatches(piece.tokens, norm, piece.start, piece.stop)
