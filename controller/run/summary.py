@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from multipod.controller.data.batches import narrow
@@ -32,6 +32,35 @@ class Summary:
     median_hfu: float | None
     sample: str | None
     run_dir: str
+    # Per pod ("0", "1", ...), the median over the timed steps of its peer_wait_s: how long it waited
+    # each step on a pod that had not begun sending its gradient (a slower pod, not the link).
+    median_peer_wait_s: dict[str, float] = field(default_factory=dict)
+
+
+# A wait on slower pods under this share of the median step is not worth a line of its own.
+STRAGGLER_SHARE = 0.05
+
+
+def median_peer_waits(records: list[StepRecord]) -> dict[str, float]:
+    """Per pod, the median of its peer_wait_s over the steps it took part in (none for one pod)."""
+    waits: dict[int, list[float]] = {}
+    for record in records:
+        if len(record.pods) > 1:
+            for pod in record.pods:
+                waits.setdefault(pod.pod, []).append(pod.peer_wait_s)
+    return {str(pod): statistics.median(values) for pod, values in sorted(waits.items())}
+
+
+def straggler_line(summary: Summary) -> str | None:
+    """A line naming the waits on slower pods when they are a noticeable share of the step, and
+    the pod the others waited for (the one that waited least); None otherwise."""
+    waits = summary.median_peer_wait_s
+    if len(waits) < 2 or max(waits.values()) < STRAGGLER_SHARE * summary.median_step_time_s:
+        return None
+    slowest = min(waits, key=lambda pod: (waits[pod], int(pod)))
+    each = ", ".join(f"pod {pod} {1e3 * wait:.0f} ms" for pod, wait in waits.items())
+    return (f"waiting on slower pods, median per step: {each} (of a {summary.median_step_time_s:.3f}s step); "
+            f"the others waited on pod {slowest}, the last to reach the exchange")
 
 
 def sample(client, config: Config, tokenizer) -> str | None:
@@ -68,7 +97,8 @@ def finish(config: Config, client, run_dir: pathlib.Path, tokenizer, last_eval: 
         median_step_time_s=statistics.median(r.step_time_s for r in timed) if timed else 0.0,
         median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed) if timed else 0.0,
         median_mfu=statistics.median(mfus) if mfus else None,
-        median_hfu=statistics.median(hfus) if hfus else None, sample=text, run_dir=str(run_dir))
+        median_hfu=statistics.median(hfus) if hfus else None, sample=text, run_dir=str(run_dir),
+        median_peer_wait_s=median_peer_waits(timed))
     (run_dir / "summary.json").write_text(json.dumps({**summary.__dict__, **(extra or {})}, indent=2) + "\n")
     return summary
 
@@ -82,6 +112,9 @@ def print_summary(summary: Summary) -> None:
         + (f", held-out loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
         + (f" ({summary.eval_bits_per_byte:.3f} bits/byte)" if summary.eval_bits_per_byte is not None else ""))
     out(f"median step {summary.median_step_time_s:.3f}s, {summary.median_tokens_per_s:,.0f} tokens/s, MFU {mfu_text}")
+    straggler = straggler_line(summary)
+    if straggler:
+        out(straggler)
     out(f"final state checksum {summary.checksum} (identical on every pod)")
     out(f"run directory: {summary.run_dir}")
     if summary.sample is not None:

@@ -60,6 +60,9 @@ def test_metrics_and_run_directory(two_pods):
     assert (run_dir / "worker-0.log").exists() and (run_dir / "worker-1.log").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checksum"] == read_metrics(run_dir)[-1]["checksums"][0]
+    # Each pod's median wait on a slower pod, from its step records' peer_wait_s.
+    waits = summary["median_peer_wait_s"]
+    assert sorted(waits) == ["0", "1"] and all(0.0 <= w < 10.0 for w in waits.values())
     assert "sample:" in result.stdout and "done: 20 steps" in result.stdout
     # The run ends with its report (controller/observe/report.py; its unit test checks the panels).
     assert f"report: {run_dir / 'report.png'}" in result.stdout
