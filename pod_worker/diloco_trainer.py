@@ -22,6 +22,8 @@ class DilocoTrainer:
     """The DiLoCo part of PodTrainer: it works on PodTrainer's state (params, opt_state, step,
     outer) and programs (train_step)."""
 
+    outer: OuterSync | None     # set by start_outer; None outside DiLoCo mode
+
     def start_outer(self, num_pods: int) -> None:
         """DiLoCo mode (sync.mode = "diloco") for a run of num_pods pods: from now on the steps are
         inner steps and the outer syncs of pod_worker/diloco.py follow them (outer_step). On a pod

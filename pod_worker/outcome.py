@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multipod.pod_worker.dcn.exchange import ExchangeStats
 
 
 @dataclass
@@ -25,7 +29,7 @@ class StepOutcome:
     exchange_s: float
     update_s: float
     checksum_s: float
-    link: object | None       # the exchange's statistics (dcn.ExchangeStats), None for one pod
+    link: ExchangeStats | None    # the exchange's statistics, None for one pod
     exposed_exchange_s: float = 0.0  # end of this pod's backward pass -> every summed leaf on its devices
     fingerprint: str = ""            # BLAKE2b of a host copy of the state, when the step was asked for it
     fingerprint_s: float = 0.0       # the time it took (0 if not taken)

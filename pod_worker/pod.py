@@ -186,7 +186,7 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
     def step(self, setup: Setup, step: int, tokens: np.ndarray, global_tokens: int, deadline: float,
              is_active: Callable[[], bool], take_fingerprint: bool = False,
              extra: dict[int, np.ndarray] | None = None, loss_mask: np.ndarray | None = None,
-             extra_masks: dict[int, np.ndarray] | None = None,
+             extra_masks: dict[int, np.ndarray | None] | None = None,
              splits: dict[int, list[int]] | None = None) -> tuple[StepOutcome, float]:
         """Run training step `step` on this pod's shard (validated against `setup`) once the steps
         before it are done; returns the outcome and the seconds spent waiting for them. The

@@ -25,7 +25,7 @@ import numpy as np
 from multipod.model import abstract_params, init_params
 from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
 from multipod.pod_worker import split
-from multipod.pod_worker.dcn import BLOCK, ExchangeError, LeafSpec
+from multipod.pod_worker.dcn import BLOCK, ExchangeError, ExchangeStats, LeafSpec
 from multipod.pod_worker.diloco import OuterSync
 from multipod.pod_worker.diloco_trainer import DilocoTrainer
 from multipod.pod_worker.generation import Generator
@@ -92,15 +92,19 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
     def exchange_specs(self) -> list[LeafSpec]:
         """What this host sends over the DCN per step: every gradient leaf, or with several hosts
         per pod this host's block of every leaf (flat)."""
-        if self.assembler is None:
+        assembler = self.assembler
+        if assembler is None:
             return self.leaf_specs
         return [LeafSpec((b - a,), spec.dtype) for spec, (a, b) in
-                zip(self.leaf_specs, (self.assembler.block(i) for i in range(len(self.leaf_specs))))]
+                zip(self.leaf_specs, (assembler.block(i) for i in range(len(self.leaf_specs))))]
 
     def _blocks(self, leaves: list) -> list[HostBlock]:
         """This host's block of every gradient leaf (flat), each read from the device only when
         the exchange takes it."""
-        return [HostBlock(leaf, *self.assembler.block(index)) for index, leaf in enumerate(leaves)]
+        assembler = self.assembler
+        if assembler is None:
+            raise RuntimeError("a pod of one host exchanges whole leaves, not blocks")
+        return [HostBlock(leaf, *assembler.block(index)) for index, leaf in enumerate(leaves)]
 
     # -- the step ------------------------------------------------------------------------------
     def put_batch(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> jax.Array:
@@ -276,12 +280,15 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         compute_s is the backward pass (launch -> last gradient ready); exchange_s the whole
         exchange, which overlaps it; exposed_exchange_s the part after the backward pass, until
         every summed leaf is on the devices."""
+        overlapped = self._overlapped
+        if overlapped is None:
+            raise RuntimeError("the overlapped step was not chosen for this step's shape")
         t0 = time.perf_counter()
         norm = self._normalizer(global_tokens)
         piece_sums = split.launch_pieces(self, pieces, norm)
-        launched = self._overlapped.launch(self.params, batch, norm, to_host=all_reduce is not None)
+        launched = overlapped.launch(self.params, batch, norm, to_host=all_reduce is not None)
         # Failed pods' shards: the same per-layer programs, dispatched now, summed in their slots.
-        others = {slot: self._overlapped.launch(self.params, shard, norm) for slot, shard in extra.items()}
+        others = {slot: overlapped.launch(self.params, shard, norm) for slot, shard in extra.items()}
         assembled, piece_shards, failed = split.relay_pieces(self, piece_sums, relay)
         t1 = time.perf_counter()
         extra_leaves = dict(sorted({**{slot: o.leaves for slot, o in others.items()}, **assembled}.items()))
@@ -299,7 +306,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
                             update_s=t3 - t2, exposed_exchange_s=max(0.0, t2 - backward_end))
 
     def _exchange(self, all_reduce, leaves: list, extra: dict, order: list[int] | None = None,
-                  failed: Exception | None = None) -> tuple[list, object]:
+                  failed: Exception | None = None) -> tuple[list, ExchangeStats | None]:
         """The pods' pod-order sum of the gradient leaves (and of the extra slots' leaves, summed
         in their slots), and the exchange's stats; (leaves, None) without an exchange (a single
         pod). `order`: the leaf order the exchange takes (the overlapped step's readiness order).
@@ -328,12 +335,13 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         summed, every_host = self.assembler(summed_blocks, [s.dtype for s in self.leaf_specs])
         if failure is not None:
             raise failure
-        if not every_host:
+        if not every_host or summed is None:
             raise ExchangeError("another host of this pod failed its part of the exchange; the step is "
                                 "undone on every host")
         return summed, link
 
-    def _finish(self, shards: list, result: StepResult, updated_at: float, link, **timings: float) -> StepOutcome:
+    def _finish(self, shards: list, result: StepResult, updated_at: float, link: ExchangeStats | None, *,
+                compute_s: float, exchange_s: float, update_s: float, exposed_exchange_s: float) -> StepOutcome:
         """The step's checksum (timed from `updated_at`, when the update returned) and its
         outcome; `shards`: (slot, loss_sum, z_loss_sum, tokens) of every shard computed, own first."""
         checksum = self.checksum()
@@ -341,7 +349,8 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         return StepOutcome(loss_sum=sum(s[1] for s in shards), z_loss_sum=sum(s[2] for s in shards),
                            tokens=sum(s[3] for s in shards), grad_norm=result.grad_norm,
                            learning_rate=result.learning_rate, skipped=result.skipped, checksum=checksum,
-                           checksum_s=checksum_s, link=link, shards=shards, **timings)
+                           checksum_s=checksum_s, link=link, shards=shards, compute_s=compute_s,
+                           exchange_s=exchange_s, update_s=update_s, exposed_exchange_s=exposed_exchange_s)
 
     def summed_leaf_hook(self):
         """What the exchange calls on each leaf as soon as it is summed (None: nothing). The
@@ -395,6 +404,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         the whole batch and puts its own rows on its devices)."""
         if loss_mask is not None:
             raise ValueError("a loss mask is taken only by a pod tuning a prompt (prompt.kind)")
+        batch: jax.Array
         if self.layout.multi:
             batch = jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
             batch = batch if batch.dtype == jnp.int32 else self._widen(batch)

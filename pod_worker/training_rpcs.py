@@ -3,10 +3,15 @@ shard, with a degraded pod's extra shards, trained on the pod; its reply with th
 DCN bytes and DiLoCo outer step) and Evaluate."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from multipod.pod_worker.errors import StepAborted
 from multipod.pod_worker.request_tokens import decode_mask, decode_tokens
 from multipod.pod_worker.rpc_handler import deadline, handler, invalid
 from multipod.protos import multipod_pb2 as pb
+
+if TYPE_CHECKING:
+    from multipod.pod_worker.pod import Pod
 
 
 def _outer_step(report) -> pb.OuterStep | None:
@@ -19,6 +24,8 @@ def _outer_step(report) -> pb.OuterStep | None:
 
 class TrainingRpcs:
     """Step and Evaluate, RPCs of PodWorkerService (server.py): they work on its pod."""
+
+    pod: Pod        # PodWorkerService's
 
     @handler
     def Step(self, request: pb.StepRequest, context) -> pb.StepReply:
