@@ -223,12 +223,18 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
             self.seq.finish_step(step, trainer.step, ok)
         return outcome, wait_s
 
+    def _index(self) -> int:
+        """This pod's index. A configured pod has one; a spare gets it from its first configure."""
+        if self.pod_index is None:
+            raise InvalidRequest("this worker is a spare that no configure has given a slot yet")
+        return self.pod_index
+
     def _split_runs(self, setup: Setup, step: int, extra: dict, splits: dict[int, list[int]]
                     ) -> dict[int, tuple[int, int, int | None, int | None]]:
         """The extra shards checked against the membership: {slot: (start, stop, source, target)}
         of this pod's run of each split one (split.my_run) that is not the whole shard on its
         host (that one is computed as a whole extra shard). InvalidRequest, naming what does not fit."""
-        hosted = setup.extra_slots(self.pod_index)
+        hosted = setup.extra_slots(self._index())
         if sorted(s for s in extra if s not in splits) != [s for s in hosted if s not in splits] or \
                 any(s not in extra for s in splits):
             raise InvalidRequest(f"step {step}: pod {self.pod_index} computes the extra shards of slots {hosted}, "
@@ -242,7 +248,7 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
                 raise InvalidRequest(f"step {step}: slot {slot}: {len(microbatch_hosts)} microbatch hosts, the model "
                                      f"has {count} microbatches")
             try:
-                run = my_run(microbatch_hosts, self.pod_index, slot, setup.hosts)
+                run = my_run(microbatch_hosts, self._index(), slot, setup.hosts)
             except ValueError as exc:
                 raise InvalidRequest(f"step {step}: {exc}") from None
             if run != (0, count, None, None):
@@ -252,8 +258,10 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
     def _train(self, setup: Setup, step: int, on_device, global_tokens: int,
                take_fingerprint: bool = False, extra: dict | None = None, deadline: float | None = None,
                pieces: list[Piece] | None = None) -> StepOutcome:
-        trainer, exchange = setup.trainer, self.exchange
-        faults.hang_if_asked(self.pod_index, step)     # test hook (pod_worker/faults.py)
+        trainer, exchange, index = setup.trainer, self.exchange, self._index()
+        if exchange is None:    # configure makes one, for a single pod too
+            raise RuntimeError(f"pod {index}: step {step} without an exchange")
+        faults.hang_if_asked(index, step)     # test hook (pod_worker/faults.py)
         if self.layout.multi:
             # Every host of the pod starts this very step, or none runs it (see hosts.meet). A
             # DiLoCo inner step too: its gradient program sums over the hosts.
@@ -272,7 +280,7 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
             # become ready).
             on_leaf = trainer.summed_leaf_hook()
             all_reduce = lambda grads, **kw: exchange.all_reduce(step, grads, on_leaf=on_leaf, **kw)
-        if faults.nan_gradient_at(self.pod_index, step):   # test hook (pod_worker/faults.py)
+        if faults.nan_gradient_at(index, step):   # test hook (pod_worker/faults.py)
             all_reduce = faults.poisoned(all_reduce)
         relay = None
         if pieces:      # partial sums of split shards, over this step's exchange
@@ -285,7 +293,7 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
             all_reduce = _voted(all_reduce, lambda: exchange.check_votes(step, state))
         outcome = trainer.train_step(on_device, global_tokens, all_reduce, take_fingerprint=take_fingerprint,
                                      extra=extra, pieces=pieces, relay=relay)
-        if faults.flip_bit_at(self.pod_index, step):     # test hook (pod_worker/faults.py)
+        if faults.flip_bit_at(index, step):     # test hook (pod_worker/faults.py)
             trainer.params, leaf = faults.flip_bit(trainer.params)
             log.warning("test hook: flipped a bit of %s after step %d", leaf, step)
             outcome = dataclasses.replace(outcome, checksum=trainer.checksum(),
