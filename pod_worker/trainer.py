@@ -57,7 +57,9 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         if layout.multi:
             check_multi_host(self.mesh_shape, jax.local_device_count(), layout)
         self.tx = make_optimizer(config.optimizer, config.schedule_steps)
-        self.schedule = make_schedule(config.optimizer, config.schedule_steps)
+        # One program (jit): run eagerly, the schedule is a dozen small programs, each traced and
+        # compiled (or loaded from the cache) in every worker process.
+        self.schedule = jax.jit(make_schedule(config.optimizer, config.schedule_steps))
         self.step = 0
 
         self.batch_sharding = batch_sharding(self.mesh)

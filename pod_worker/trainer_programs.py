@@ -89,8 +89,8 @@ class TrainerPrograms:
         is applied."""
         if evaluate:
             self.evaluate(np.zeros(batch_shape, np.int32))
-        # The learning rate a step reports is the schedule run eagerly, a dozen small programs
-        # compiled at its first call (not memoised here: _learning_rate's cache stays empty).
+        # The learning rate a step reports: the schedule's program, compiled at its first call
+        # (not memoised here: _learning_rate's cache stays empty).
         float(self.schedule(0))
         if self._overlapped is None:
             return
