@@ -37,8 +37,13 @@ def test_a_worker_where_the_data_path_does_not_exist_trains_normally(tmp_path, m
                              timeout=300)
         finally:
             worker.terminate()
-            worker.wait(timeout=30)
-    assert result.returncode == 0, result.stdout + result.stderr + (worker_home / "worker.log").read_text()
+            code = worker.wait(timeout=30)
+    log_text = (worker_home / "worker.log").read_text()
+    assert result.returncode == 0, result.stdout + result.stderr + log_text
+    # SIGTERM stops the worker in order; it exits 0 without the interpreter's teardown
+    # (main.exit_served), its log flushed to the last line.
+    assert code == 0, log_text
+    assert log_text.rstrip().splitlines()[-1].endswith("pod 0 stopped"), log_text[-2000:]
     summary = json.loads((controller_home / "run" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["checksum"]
     resolved = json.loads((controller_home / "run" / "config.json").read_text())
