@@ -5,6 +5,7 @@ fingerprint (BLAKE2b) comes only when asked for; narrow token batches train exac
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -95,6 +96,41 @@ def test_the_checksum_does_not_depend_on_the_sharding(trained):
     assert any(len(leaf.sharding.device_set) > 1 and not leaf.sharding.is_fully_replicated
                for leaf in jax.tree.leaves(sharded.params))
     assert sharded.checksum() == one.checksum() == _checksum(params, opt_state)
+
+
+def _numpy_checksum(*trees) -> str:
+    """The checksum's formula (programs.py's comment) restated in NumPy, one leaf after another."""
+    def mix(h, mul1=0x85EBCA6B, mul2=0xC2B2AE35):
+        h = np.uint32((int(h) ^ (int(h) >> 16)) * mul1 & 0xFFFFFFFF)
+        h = np.uint32((int(h) ^ (int(h) >> 13)) * mul2 & 0xFFFFFFFF)
+        return int(h) ^ (int(h) >> 16)
+    acc = [0x6A09E667, 0xBB67AE85]
+    for index, leaf in enumerate(jax.tree.leaves(trees)):
+        leaf = np.asarray(leaf)
+        bits = leaf.reshape(-1).view(f"u{leaf.dtype.itemsize}").astype(np.uint64)
+        salt = programs._leaf_salt(index, leaf)
+        pos = np.arange(bits.size, dtype=np.uint64)
+        weight = ((pos * programs._POS_MUL + ((programs._POS_ADD ^ salt) & 0xFFFFFFFF)) & 0xFFFFFFFF) | 1
+        terms = ((bits ^ (bits >> 15)) * weight) & 0xFFFFFFFF
+        total = (int(terms.sum()) & 0xFFFFFFFF) ^ salt
+        acc[0] = mix((acc[0] * 0x01000193 + total) & 0xFFFFFFFF)
+        acc[1] = mix((acc[1] * 0x2545F491 + (total ^ 0x5BD1E995)) & 0xFFFFFFFF, 0x7FEB352D, 0x846CA68B)
+    return "".join(f"{w:08x}" for w in acc)
+
+
+def test_the_checksum_is_its_formula(trained):
+    """The program computes the documented formula exactly: for the trained state (a folded big
+    leaf, small ones, the optimizer's int32 count) and for narrow, boolean and odd-sized leaves."""
+    _, params, opt_state = trained
+    rng = np.random.default_rng(7)
+    odd = {"big": rng.standard_normal(8 * 1024 * 3 + 5).astype(np.float32),
+           "narrow": rng.integers(0, 256, (3, 7)).astype(np.uint8),
+           "half": rng.standard_normal((5, 3)).astype(jnp.bfloat16),
+           "flags": rng.integers(0, 2, 9).astype(bool), "empty": np.zeros((0, 4), np.float32),
+           "count": np.int32(-3)}
+    assert max(np.size(leaf) for leaf in jax.tree.leaves(params)) >= 8 * 1024     # the fold is covered
+    for trees in ((params, opt_state), (odd,), ()):
+        assert _checksum(*trees) == _numpy_checksum(*trees)
 
 
 def test_a_step_reports_the_checksum_and_the_fingerprint_only_when_asked():
