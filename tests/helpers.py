@@ -116,7 +116,7 @@ def train_identical_pods(run_dir: pathlib.Path, pods: int, steps: int, *args: st
     args, and `--set` for each of settings); asserts it succeeded, that the pods were bitwise
     identical at every step and that the state changed every step; returns the step records."""
     cli = ["local", "--pods", str(pods), "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
-           "--run-dir", str(run_dir), "--set", "sample.tokens=0", "--set", "eval.batches=0", *args]
+           "--run-dir", str(run_dir), "--no-report", "--set", "sample.tokens=0", "--set", "eval.batches=0", *args]
     for setting in settings:
         cli += ["--set", setting]
     result = run_cli(*cli)

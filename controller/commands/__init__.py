@@ -20,7 +20,7 @@ import json
 import pathlib
 import sys
 
-from multipod.controller.commands.options import add_local_options, add_train_options
+from multipod.controller.commands.options import add_local_options, add_report_option, add_train_options
 
 
 def add_commands(sub) -> None:
@@ -47,6 +47,7 @@ def add_commands(sub) -> None:
     local = sub.add_parser("local", help="simulate pods on this machine and train")
     add_local_options(local)
     add_train_options(local)
+    add_report_option(local)
 
     ray = sub.add_parser("ray", help="launch the pods on a Ray cluster (one placement group per pod, one actor per "
                          "host) and train; needs pip install 'multipod[ray]'")
@@ -72,6 +73,7 @@ def add_commands(sub) -> None:
                      help="let workers on other nodes than the controller listen unencrypted (gRPC without TLS, "
                           "data plane without dcn.encrypt): only on a network you trust")
     add_train_options(ray)
+    add_report_option(ray)
 
     peak = sub.add_parser("peak-flops", help="measure per-device matmul FLOP/s and remember it for MFU")
     peak.add_argument("--devices", type=int, default=1, help="simulated devices sharing this machine (default 1)")
@@ -101,6 +103,7 @@ def add_commands(sub) -> None:
     add_ptune_arguments(ptune)
     add_local_options(ptune)
     add_train_options(ptune)
+    add_report_option(ptune)
 
     from multipod.controller.commands.generate import add_arguments as add_generate_arguments
     generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, one local pod)")

@@ -46,6 +46,13 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     add_security_arguments(parser)
 
 
+def add_report_option(parser: argparse.ArgumentParser) -> None:
+    """--no-report, for the commands that start their own workers and draw report.png at the end."""
+    parser.add_argument("--no-report", action="store_true",
+                        help="do not draw RUN_DIR/report.png at the end (about a second of CPU; metrics.jsonl is "
+                             "written either way, and `multipod report RUN_DIR` draws it later)")
+
+
 def add_local_options(parser: argparse.ArgumentParser) -> None:
     """The options of simulated pods on this machine: local and ptune."""
     parser.add_argument("--pods", type=int, default=2, help="number of simulated pods (default 2)")

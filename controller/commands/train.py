@@ -63,7 +63,7 @@ def train_run(args, addresses_fn) -> int:
                                    local=mode == "local", spares=getattr(context, "spares", None))
         print_summary(summary)
     finally:
-        if launched:     # after the workers stopped, whether the run succeeded or not
+        if launched and not getattr(args, "no_report", False):   # after the workers stopped, whatever the outcome
             write_report_quietly(run_dir)
     return 0
 

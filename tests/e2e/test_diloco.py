@@ -30,7 +30,7 @@ STEPS = 10
 def _train(run_dir: pathlib.Path, steps: int, *extra: str) -> None:
     sets = [arg for setting in SYNC for arg in ("--set", setting)]
     done = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
-                   "--run-dir", str(run_dir), *sets, *extra)
+                   "--no-report", "--run-dir", str(run_dir), *sets, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -69,7 +69,7 @@ def test_diloco_on_pods_of_two_hosts_trains_bitwise_like_one_host_with_both_devi
     layouts = {"hosts": ("--hosts-per-pod", "2", "--devices-per-host", "1"), "single": ("--devices-per-pod", "2")}
 
     def train(name: str):
-        return run_cli("local", "--pods", "2", *layouts[name], "--config", TINY, "--steps", "8", *sets,
+        return run_cli("local", "--pods", "2", *layouts[name], "--config", TINY, "--steps", "8", "--no-report", *sets,
                        "--run-dir", str(tmp_path / name), timeout=600)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         done = dict(zip(layouts, pool.map(train, layouts)))
@@ -99,7 +99,8 @@ def _failure_args(policy: str, steps: int, *extra: str) -> tuple[str, ...]:
                                 "data.global_batch=6", "dcn.timeout_s=30", "run.step_timeout_s=90",
                                 "health.interval_s=0.5", "health.timeout_s=2", "optimizer.decay_steps=40", *extra]
             for arg in ("--set", setting)]
-    return ("local", "--pods", "3", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), *sets)
+    return ("local", "--pods", "3", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), "--no-report",
+            *sets)
 
 
 def _kill_pod_1(run_dir: pathlib.Path, args: tuple[str, ...], steps: int, env: dict) -> tuple[list[dict], list[dict]]:
@@ -272,7 +273,8 @@ def test_with_recovery_restore_a_killed_pod_sends_every_pod_back_to_its_own_part
                                 "run.step_timeout_s=90", "health.interval_s=0.5", "health.timeout_s=2"]
             for arg in ("--set", setting)]
     steps = 40      # long enough that the kill at step 7 lands mid-run on a fast machine
-    args = ("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), *sets)
+    args = ("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), "--no-report",
+            *sets)
     reference = tmp_path / "reference"
     done = run_cli(*args, "--run-dir", str(reference))
     assert done.returncode == 0, done.stderr[-3000:]

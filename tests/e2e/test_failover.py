@@ -46,7 +46,7 @@ def _args(pods: int, *extra: str, steps: int | None = None) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def reference3(tmp_path_factory, env):
     run_dir = tmp_path_factory.mktemp("reference3")
-    result = _run("local", *_args(3), "--run-dir", str(run_dir), env=env)
+    result = _run("local", "--no-report", *_args(3), "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir
 
@@ -97,7 +97,7 @@ def _rejoin_by(env: dict, **hooks: str) -> dict:
 
 
 def test_a_killed_pod_s_shard_goes_to_the_survivors_and_it_rejoins_from_a_peer(reference3, tmp_path, env):
-    run = _Live("local", *_args(3), "--run-dir", str(tmp_path), env=_rejoin_by(env))
+    run = _Live("local", "--no-report", *_args(3), "--run-dir", str(tmp_path), env=_rejoin_by(env))
     code = kill_and_finish(run, tmp_path, lambda: _current_pid(tmp_path, 1)[0], "degraded: 2/3 pods")
     out = "".join(run.out)
     assert code == 0, out + "".join(run.err)
@@ -117,7 +117,7 @@ def test_a_killed_pod_s_shard_goes_to_the_survivors_and_it_rejoins_from_a_peer(r
 def test_pod_0_killed_during_a_checkpoint_save_and_a_hung_pod(reference3, tmp_path, env):
     """pod 0 (the checkpoint writer) dies while a save is under way; pod 2 hangs (SIGSTOP) at
     HANG_STEP: two failures of different pods at different steps, both absorbed without a rollback."""
-    run = _Live("local", *_args(3), "--run-dir", str(tmp_path),
+    run = _Live("local", "--no-report", *_args(3), "--run-dir", str(tmp_path),
                 env=_rejoin_by(env, MULTIPOD_TEST_HANG=f"2:{HANG_STEP}"))
     hung = None
     try:
@@ -157,7 +157,7 @@ def remote_pods(tmp_path_factory, env):
     token = "token-for-the-failover-test-0123456789"
     env = dict(env, MULTIPOD_AUTH_TOKEN=token)
     reference = tmp_path_factory.mktemp("reference2")
-    result = _run("local", *_args(2), "--run-dir", str(reference), env=env)
+    result = _run("local", "--no-report", *_args(2), "--run-dir", str(reference), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     with pytest.MonkeyPatch.context() as patch:     # LocalPods passes this process's environment on
         patch.setenv("JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"])
@@ -239,7 +239,7 @@ def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_pa
     stranger, stranger_at = _spare_worker(tmp_path, "stranger", other_secret, "--devices", "1")
     wide, wide_at = _spare_worker(tmp_path, "wide", dict(env, MULTIPOD_AUTH_TOKEN=token), "--devices", "2")
     try:
-        run = _Live("local", *_args(3), "--spares", "1", "--run-dir", str(tmp_path / "run"), env=run_env)
+        run = _Live("local", "--no-report", *_args(3), "--spares", "1", "--run-dir", str(tmp_path / "run"), env=run_env)
         run_dir = tmp_path / "run"
         try:
             deadline = time.monotonic() + 120
@@ -289,7 +289,7 @@ def test_a_silently_corrupted_pod_is_outvoted_and_the_run_ends_as_if_uninterrupt
     state checksum differs from the two others': the pods' state vote keeps step 11 from being
     applied anywhere with a gradient computed from that state, the controller names pod 1 and
     takes it out, the survivors compute its shard, and it rejoins from a majority peer."""
-    result = _run("local", *_args(3), "--run-dir", str(tmp_path),
+    result = _run("local", "--no-report", *_args(3), "--run-dir", str(tmp_path),
                   env=_rejoin_by(env, MULTIPOD_TEST_FLIP_BIT="1:10"))
     assert result.returncode == 0, result.stdout + result.stderr
     records = _check_same_as(tmp_path, reference3, outvoted={10})     # 2 of 3 pods hold the reference's state
@@ -311,9 +311,10 @@ def test_two_pods_that_diverge_go_back_to_the_last_checkpoint_naming_both(tmp_pa
     and restores every pod to the last checkpoint; the steps after it are trained again (the same
     batches: the run still ends bitwise as the uninterrupted one)."""
     args = _args(2, steps=40)
-    reference = _run("local", *args, "--run-dir", str(tmp_path / "ref"), env=env)
+    reference = _run("local", "--no-report", *args, "--run-dir", str(tmp_path / "ref"), env=env)
     assert reference.returncode == 0, reference.stdout + reference.stderr
-    result = _run("local", *args, "--run-dir", str(tmp_path / "run"), env=dict(env, MULTIPOD_TEST_FLIP_BIT="0:25"))
+    result = _run("local", "--no-report", *args, "--run-dir", str(tmp_path / "run"),
+                  env=dict(env, MULTIPOD_TEST_FLIP_BIT="0:25"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step 25: pods diverged" in result.stdout and "no majority among 2 pods" in result.stdout
     assert "restoring every pod to the last checkpoint" in result.stdout

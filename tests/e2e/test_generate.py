@@ -17,7 +17,7 @@ from tests.helpers import TINY, run_cli
 def checkpoints(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("generate") / "run"
     result = run_cli("local", "--config", TINY, "--pods", "1", "--devices-per-pod", "1", "--steps", "10",
-                     "--run-dir", str(run_dir), "--set", "sample.tokens=0", "--set", "eval.batches=0")
+                     "--run-dir", str(run_dir), "--no-report", "--set", "sample.tokens=0", "--set", "eval.batches=0")
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir / "checkpoints"
 

@@ -62,7 +62,8 @@ def _identical(records: list[dict]) -> None:
 def test_two_hosts_per_pod_train_like_one_host_with_both_devices(two_hosts, tmp_path, env):
     # The shared run overlaps the exchange; this reference runs the fused step, so the one
     # comparison also checks the overlapped step on pods of two hosts against it.
-    result = _run("local", *ONE_HOST, *COMMON, "--set", "dcn.overlap=false", "--run-dir", str(tmp_path), env=env)
+    result = _run("local", "--no-report", *ONE_HOST, *COMMON, "--set", "dcn.overlap=false", "--run-dir", str(tmp_path),
+                  env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     hosts, single = read_metrics(two_hosts), read_metrics(tmp_path)
     _identical(hosts)
@@ -85,7 +86,7 @@ def test_a_checkpoint_of_two_host_pods_restores_bitwise_onto_two_host_pods(two_h
     shutil.copytree(two_hosts / "checkpoints", checkpoints)
     shutil.rmtree(checkpoints / str(STEPS))         # as if the run had stopped after step 4's checkpoint
     run_dir = tmp_path / "run"
-    result = _run("local", *TWO_HOSTS, *COMMON, "--resume", "--checkpoint-dir", str(checkpoints),
+    result = _run("local", "--no-report", *TWO_HOSTS, *COMMON, "--resume", "--checkpoint-dir", str(checkpoints),
                   "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from" in result.stdout and "step 4" in result.stdout
@@ -103,7 +104,7 @@ def test_a_checkpoint_of_two_host_pods_restores_onto_single_host_pods_of_two_dev
     for host in (0, 1):     # each host of the pod wrote its part (orbax keeps one folder per process)
         assert any(f.is_file() for f in (checkpoints / "4" / "state" / f"ocdbt.process_{host}").rglob("*")), host
     run_dir = tmp_path / "run"
-    result = _run("local", *ONE_HOST, *COMMON, "--resume", "--checkpoint-dir", str(checkpoints),
+    result = _run("local", "--no-report", *ONE_HOST, *COMMON, "--resume", "--checkpoint-dir", str(checkpoints),
                   "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     restored = [e for e in _events(run_dir) if e["event"] == "restored"]
@@ -121,7 +122,7 @@ def _kill_host_1_of_pod_1(run_dir, two_hosts, env, *extra: str) -> None:
     step 5 the controller waits for the failed pod to be ready again (a test hook,
     controller/core/fault_hooks.py), so its return is an event the run waits for, not a race with
     its end. Checks that every step is recorded once with the shared run's checksums."""
-    run = _Live("local", *TWO_HOSTS, *COMMON, *extra, "--run-dir", str(run_dir),
+    run = _Live("local", "--no-report", *TWO_HOSTS, *COMMON, *extra, "--run-dir", str(run_dir),
                 env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
 
     def host_1_of_pod_1() -> int:
@@ -221,15 +222,20 @@ def test_ptune_tunes_a_prompt_on_two_host_pods_as_on_single_host_pods(two_hosts_
     _, task = ptune_task.write(tmp_path)
     steps = 4
 
-    def ptune(name: str, pods: tuple[str, ...]):
+    def ptune(name: str, pods: tuple[str, ...], *extra: str):
         return run_cli("ptune", "--checkpoint", str(run_dir / "checkpoints"), "--data", str(task), "--kind", "prompt",
                        "--virtual-tokens", "4", *pods, "--steps", str(steps), "--eval-every", "2", "--no-peak",
-                       "--run-dir", str(tmp_path / name), env=env)
+                       "--run-dir", str(tmp_path / name), *extra, env=env)
+    # The reference on pods of one host leaves out what the run on two-host pods checks: the
+    # closing sample and report.png.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        hosts, single = pool.map(lambda args: ptune(*args), (("hosts", TWO_HOSTS), ("single", ONE_HOST)))
+        hosts, single = pool.map(lambda args: ptune(*args), (("hosts", TWO_HOSTS),
+                                                              ("single", ONE_HOST, "--no-report", "--set",
+                                                               "sample.tokens=0")))
     assert hosts.returncode == 0, hosts.stdout + hosts.stderr
     assert single.returncode == 0, single.stdout + single.stderr
     assert "frozen base" in hosts.stdout and "sample:" in hosts.stdout
+    assert (tmp_path / "hosts" / "report.png").is_file()
     records, reference = read_metrics(tmp_path / "hosts"), read_metrics(tmp_path / "single")
     _identical_pods(records, steps)
     for a, b in zip(records, reference):

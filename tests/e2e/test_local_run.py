@@ -13,23 +13,30 @@ STEPS = 20
 EVAL_EVERY = 10
 
 
-def _local_run(tmp_path_factory, pods: int):
+def _local_run(tmp_path_factory, pods: int, *extra: str, env: dict | None = None):
     """`multipod local` with `pods` pods of 2 devices each, same seed and steps for every run."""
     run_dir = tmp_path_factory.mktemp(f"pods{pods}")
     result = run_cli("local", "--pods", str(pods), "--devices-per-pod", "2", "--config", TINY,
-                     "--steps", str(STEPS), "--seed", "5", "--run-dir", str(run_dir), "--eval-every", str(EVAL_EVERY))
+                     "--steps", str(STEPS), "--seed", "5", "--run-dir", str(run_dir), "--eval-every", str(EVAL_EVERY),
+                     *extra, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir, result
 
 
 @pytest.fixture(scope="module")
 def two_pods(tmp_path_factory):
+    """As a user runs it: the closing sample, report.png, no peak measured (none cached)."""
     return _local_run(tmp_path_factory, 2)
 
 
 @pytest.fixture(scope="module")
 def one_pod(tmp_path_factory):
-    return _local_run(tmp_path_factory, 1)
+    """The one-pod reference: it also measures this machine's peak (none cached in its own file),
+    and leaves out the closing sample and report.png, which the two-pod run checks."""
+    peak_file = tmp_path_factory.mktemp("peak") / "peak.json"
+    run_dir, result = _local_run(tmp_path_factory, 1, "--no-report", "--set", "sample.tokens=0",
+                                 "--set", "run.measure_peak=true", env={"MULTIPOD_PEAK_FILE": str(peak_file)})
+    return run_dir, result, peak_file
 
 
 def test_two_pods_train_with_identical_parameters(two_pods):
@@ -101,18 +108,20 @@ def test_eval_every_n_steps_is_in_the_metrics_and_two_pods_match_one_pod(two_pod
     assert b"eval_loss" in events and b"eval_bits_per_byte" in events
 
 
-def test_the_first_local_run_measures_the_peak_and_reports_mfu_and_hfu(tmp_path):
+def test_the_first_local_run_measures_the_peak_and_reports_mfu_and_hfu(one_pod):
     """No --peak-flops and nothing cached: the run measures this machine's peak once, caches it,
     and every record's MFU is the model FLOP/s over that peak (the --peak-flops path is the same
     formula with the given number)."""
-    cache = tmp_path / "peak.json"
-    result = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "3",
-                     "--set", "run.measure_peak=true", "--set", "sample.tokens=0", "--set", "eval.batches=0",
-                     "--run-dir", str(tmp_path / "run"), env={"MULTIPOD_PEAK_FILE": str(cache)})
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir, result, cache = one_pod
     assert "measuring this machine's peak FLOP/s" in result.stdout and "HFU" in result.stdout
-    peak = json.loads(cache.read_text())["cpu/2"]["per_device_flops"]
+    peak = json.loads(cache.read_text())["cpu/2"]["per_device_flops"]     # 1 pod x 2 devices
     assert peak > 0
-    for r in read_metrics(tmp_path / "run"):
+    for r in read_metrics(run_dir):
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["model_flops_per_token"] / (peak * 2))
         assert r["hfu"] > 0
+
+
+def test_no_report_leaves_report_png_out(one_pod):
+    run_dir, result, _ = one_pod
+    assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "report.png").exists()
+    assert "report:" not in result.stdout

@@ -131,7 +131,7 @@ def test_pods_of_two_hosts_in_namespaces_lose_a_pod_and_train_bitwise_as_on_loop
     # still bitwise equal to the uninterrupted one. A pod restarting in place and rejoining is
     # test_hosts.py's (on loopback).
     run_dir = tmp_path / "run"
-    run = _Live("local", "--netns", "--netns-rate-gbps", "1", *TWO_HOSTS, *COMMON, "--spares", "1",
+    run = _Live("local", "--netns", "--netns-rate-gbps", "1", *TWO_HOSTS, *COMMON, "--spares", "1", "--no-report",
                 "--run-dir", str(run_dir), env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
 
     def host_1_of_pod_1() -> int:

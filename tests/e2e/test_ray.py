@@ -27,9 +27,9 @@ KILL_STEPS = 2000
 
 
 def _args(steps: int, *extra: str) -> tuple[str, ...]:
-    return ("--config", TINY, "--steps", str(steps), "--set", "sample.tokens=0", "--set", "eval.batches=0",
-            "--set", "data.global_batch=4", "--set", "dcn.timeout_s=30", "--set", "run.step_timeout_s=90",
-            "--set", "health.interval_s=0.5", "--set", "health.timeout_s=2", *extra)
+    return ("--config", TINY, "--steps", str(steps), "--no-report", "--set", "sample.tokens=0",
+            "--set", "eval.batches=0", "--set", "data.global_batch=4", "--set", "dcn.timeout_s=30",
+            "--set", "run.step_timeout_s=90", "--set", "health.interval_s=0.5", "--set", "health.timeout_s=2", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from multipod.protos.channels import Security
 from tests.helpers import ROOT, TINY, cli_argv, pid_alive, read_metrics
 
 STEPS = 10
-COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
+COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS), "--no-report",
           "--checkpoint-every", "3", "--on-spike", "rewind", "--skip-batches", "2",
           "--set", "sample.tokens=0", "--set", "eval.batches=0", "--set", "checkpoint.keep=3",
           "--set", "spike.window=3", "--set", "dcn.timeout_s=10", "--set", "run.step_timeout_s=60",
@@ -289,7 +289,7 @@ def test_failed_checkpoints_are_reported_at_once_and_the_run_goes_on(tmp_path, e
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoint directory's parent should be\n")
     run_dir = tmp_path / "run"
-    result = _run("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "4",
+    result = _run("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "4", "--no-report",
                   "--checkpoint-every", "2", "--checkpoint-dir", str(blocker / "checkpoints"),
                   "--set", "sample.tokens=0", "--set", "eval.batches=0", "--run-dir", str(run_dir), env=env)
     assert result.returncode == 0, result.stdout + result.stderr

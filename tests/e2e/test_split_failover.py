@@ -20,7 +20,7 @@ KILL_AT = 5
 
 
 def _args(*extra: str) -> tuple[str, ...]:
-    return ("--pods", "3", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS),
+    return ("--pods", "3", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS), "--no-report",
             "--set", "sample.tokens=0", "--set", "eval.batches=0", "--set", "data.global_batch=6",
             "--set", "model.microbatches=2", "--set", "dcn.timeout_s=30", "--set", "run.step_timeout_s=90",
             "--set", "health.interval_s=0.5", "--set", "health.timeout_s=2", *extra)
@@ -63,7 +63,7 @@ HOST_STEPS = 6
 
 def _host_args(*extra: str) -> tuple[str, ...]:
     return ("--pods", "3", "--hosts-per-pod", "2", "--devices-per-host", "1", "--config", TINY,
-            "--steps", str(HOST_STEPS), "--set", "sample.tokens=0", "--set", "eval.batches=0",
+            "--steps", str(HOST_STEPS), "--no-report", "--set", "sample.tokens=0", "--set", "eval.batches=0",
             "--set", "data.global_batch=12", "--set", "model.microbatches=2", "--set", "dcn.timeout_s=30",
             "--set", "run.step_timeout_s=90", "--set", "health.interval_s=0.5", "--set", "health.timeout_s=3",
             *extra)

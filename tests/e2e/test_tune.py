@@ -58,7 +58,7 @@ def test_best_config_trains(tuned, tmp_path):
     assert (config.mesh.data, config.mesh.model) == (best["data"], best["model"])
     assert config.model.remat == best["remat"] and config.model.sequence_parallel is True
     result = run_cli("local", "--pods", "1", "--devices-per-pod", "2", "--config", str(out / "best.toml"),
-                     "--steps", "2", "--peak-flops", "1e10", "--set", "sample.tokens=0",
+                     "--steps", "2", "--peak-flops", "1e10", "--no-report", "--set", "sample.tokens=0",
                      "--set", "eval.batches=0", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stdout + result.stderr
     records = read_metrics(tmp_path / "run")

@@ -70,8 +70,8 @@ def test_the_written_config_trains_on_the_shaped_link(tuned, tmp_path):
     out, report, _ = tuned
     run_dir = tmp_path / "run"
     result = run_cli("local", "--pods", "2", "--devices-per-pod", "2", "--netns", "--netns-rate-gbps", str(RATE_GBPS),
-                     "--config", str(out / "tuned.toml"), "--steps", "3", "--no-peak", "--set", "sample.tokens=0",
-                     "--set", "eval.batches=0", "--run-dir", str(run_dir), timeout=300)
+                     "--config", str(out / "tuned.toml"), "--steps", "3", "--no-peak", "--no-report",
+                     "--set", "sample.tokens=0", "--set", "eval.batches=0", "--run-dir", str(run_dir), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
