@@ -40,9 +40,11 @@ def _host(tree) -> list[np.ndarray]:
 def test_pieces_from_other_trainers_sum_to_the_step_gradient_bitwise(overlap):
     config = _config(overlap)
     devices = jax.devices()
-    # Two trainers on disjoint devices, in the same (initial) state: one the healthy pod, one the
-    # pods computing a failed pod's microbatches.
-    healthy, helper = PodTrainer(config, devices[:2]), PodTrainer(config, devices[2:4])
+    # Two trainers in the same (initial) state: one the healthy pod, one the pods computing a failed
+    # pod's microbatches. On the same devices (one after the other in this thread: no two programs
+    # with collectives at once), so the helper loads the healthy one's programs; the partial sums
+    # still cross between them as host bytes.
+    healthy, helper = PodTrainer(config, devices[:2]), PodTrainer(config, devices[:2])
     assert (healthy._overlapped is not None) == overlap
     tokens = np.random.default_rng(7).integers(0, 256, (ROWS, COLS), dtype=np.int32)
 

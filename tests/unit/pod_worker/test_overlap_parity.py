@@ -5,9 +5,10 @@ bitwise identical at every step and train like fused pods on the same shards to 
 (losses, gradient norms, parameters). Plain 2 pods are tests/e2e/test_overlap.py's, pods of two
 hosts tests/e2e/test_hosts.py's.
 
-Each pod has devices of its own, as in a run: two threads dispatching programs with collectives
-onto the same devices can deadlock XLA CPU's in-process rendezvous, which no worker does (one
-pod per process, one step at a time)."""
+Pods of 2 devices have devices of their own, as in a run: two threads dispatching programs with
+collectives onto the same devices can deadlock XLA CPU's in-process rendezvous, which no worker
+does (one pod per process, one step at a time). Pods of one device run no collectives and share
+device 0, so that they share compiled programs."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -48,7 +49,16 @@ def _train(config, pods: int):
     """STEPS steps of `pods` trainers, each on its own devices and exchanging as Pod._train does:
     ([[outcome by pod]] by step, pod 0's final parameters on the host)."""
     per_pod = len(jax.devices()) // pods
-    trainers = [PodTrainer(config, jax.devices()[p * per_pod:(p + 1) * per_pod]) for p in range(pods)]
+    # Pods of several devices on disjoint devices (collectives). Pods of one device all on device 0
+    # (no collectives: one cache key for every pod's programs), compiled one pod after another so
+    # that the first compiles and the others load (threads compiling at once would each compile).
+    if per_pod > 1:
+        trainers = [PodTrainer(config, jax.devices()[p * per_pod:(p + 1) * per_pod]) for p in range(pods)]
+    else:
+        trainers = [PodTrainer(config, jax.devices()[:1]) for _ in range(pods)]
+        for t in trainers:
+            t.compile_for((ROWS, COLS))
+            t.warm_up((ROWS, COLS), evaluate=False)
     assert all((t._overlapped is not None) == (config.dcn.overlap == "true") for t in trainers)
     listeners = [Listener(p, "127.0.0.1:0", SECRET) for p in range(pods)]
     run_id = f"parity-{next(_runs)}"

@@ -1,5 +1,5 @@
 """A failed pod's shard split by microbatch over every survivor (issue 21, item 2), in process:
-N pods (PodTrainers on disjoint simulated devices, real Exchanges over loopback listeners) run
+N pods (PodTrainers of one device each, real Exchanges over loopback listeners) run
 two healthy steps; then, from the same start, pod 1 is gone and the survivors run the same two
 steps with slot 1's microbatches spread over all of them (controller/components/failover.py
 `split_microbatches`, pod_worker/split.py), the partial sums passed along over the data plane.
@@ -50,7 +50,13 @@ class Pods:
 
     def __init__(self, config, pods: int):
         self.config, self.count = config, pods
-        self.trainers = [PodTrainer(config, [jax.devices()[p]]) for p in range(pods)]
+        # One device for every pod: 1-device programs have no collectives, so threads may share
+        # it, and every pod's programs have one cache key. Compiled here, one pod after another:
+        # the first compiles, the others load it (threads compiling at once would each compile).
+        self.trainers = [PodTrainer(config, [jax.devices()[0]]) for p in range(pods)]
+        for t in self.trainers:
+            t.compile_for((ROWS, COLS))
+            t.warm_up((ROWS, COLS), evaluate=False)
         self.start = self.trainers[0].host_state()
         self.listeners = [Listener(p, "127.0.0.1:0", SECRET) for p in range(pods)]
 
@@ -155,10 +161,8 @@ def test_pods_run_a_split_step_and_refuse_splits_that_do_not_fit(monkeypatch):
         healthy = reference.run([0, 1, 2])[0]
     finally:
         reference.close()
-    # Each Pod's trainer on a device of its own, as each worker has (two pods' collectives on
-    # the same simulated devices can deadlock XLA CPU's in-process rendezvous).
-    devices = iter([jax.devices()[0], jax.devices()[2]])
-    monkeypatch.setattr(pod_module, "PodTrainer", lambda cfg, layout=None: PodTrainer(cfg, [next(devices)], layout))
+    # Both Pods' trainers on device 0, as in Pods above (one-device programs: no collectives).
+    monkeypatch.setattr(pod_module, "PodTrainer", lambda cfg, layout=None: PodTrainer(cfg, [jax.devices()[0]], layout))
     listeners = [Listener(p, "127.0.0.1:0", SECRET) for p in (0, 1, 2)]
     addresses = [lst.address for lst in listeners]
     p0, p2 = pods = [pod_module.Pod(p, listeners[p]) for p in (0, 2)]
