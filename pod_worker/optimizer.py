@@ -2,12 +2,15 @@
 state is laid out over a pod's mesh. Every pod builds the same optimizer from the same config."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import optax
 
 from multipod.pod_worker.schema import OptimizerConfig
 
 
+@functools.lru_cache(maxsize=16)
 def make_schedule(opt: OptimizerConfig, schedule_steps: int):
     """Linear warmup to the peak learning rate, then cosine decay over schedule_steps to
     min_lr_ratio of it."""
@@ -17,8 +20,11 @@ def make_schedule(opt: OptimizerConfig, schedule_steps: int):
         decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.learning_rate * opt.min_lr_ratio)
 
 
+@functools.lru_cache(maxsize=16)
 def make_optimizer(opt: OptimizerConfig, schedule_steps: int) -> optax.GradientTransformation:
-    """AdamW (no weight decay on 1-d params such as norm scales), after global-norm clipping."""
+    """AdamW (no weight decay on 1-d params such as norm scales), after global-norm clipping.
+    Memoised (as programs.py's builders): trainers of the same config share its functions, so jax
+    traces its init and update once per process."""
     parts = []
     if opt.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(opt.clip_norm))

@@ -4,10 +4,18 @@ They know nothing about meshes; PodTrainer jits them with the pod's shardings un
 model.partitioning.activate_rules. Kept apart from the trainer's state handling so that the
 within-pod techniques (microbatching, remat, sequence parallelism) change only this file and the
 model.
+
+The builders are memoised on their (frozen, hashable) configuration: jax keys its trace and
+executable caches on the function object, so a second trainer of the same model in a process (a
+DiLoCo replica hosted for a failed pod, a pod reconfigured for the same run, the in-process tests'
+pods) takes the first one's traced and compiled programs instead of tracing them again. Each
+function is pure in its arguments and sets its own logical-axis rules (rules_for) inside; the mesh
+context is part of jax's keys.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 
 import flax.linen as nn
@@ -40,6 +48,7 @@ def split_microbatches(tokens: jax.Array, k: int) -> jax.Array:
     return nn.with_logical_constraint(micro, (None, "batch", "length"))
 
 
+@functools.lru_cache(maxsize=16)
 def make_grad_step(model_cfg: ModelConfig):
     """(params, tokens [b, T+1], normalizer) -> (grads, ce_sum, z_sum).
 
@@ -85,6 +94,7 @@ def make_grad_step(model_cfg: ModelConfig):
     return grad_step
 
 
+@functools.lru_cache(maxsize=16)
 def make_microbatch_grad_step(model_cfg: ModelConfig):
     """(params, tokens [b, T+1], normalizer, m) -> (gradient, ce_sum, z_sum) of microbatch m of
     the shard alone (split_microbatches' rows m, m+k, ...; m an int32 on the devices).
@@ -105,6 +115,7 @@ def make_microbatch_grad_step(model_cfg: ModelConfig):
     return grad_step
 
 
+@functools.lru_cache(maxsize=16)
 def make_apply_update(tx: optax.GradientTransformation):
     """(params, opt_state, summed_grads) -> (params, opt_state, grad_norm, finite).
 
@@ -121,6 +132,7 @@ def make_apply_update(tx: optax.GradientTransformation):
     return apply_update
 
 
+@functools.lru_cache(maxsize=16)
 def make_eval_step(model_cfg: ModelConfig):
     """(params, tokens) -> (ce_sum, z_sum)."""
     def eval_step(params, tokens):

@@ -19,6 +19,12 @@ from multipod.pod_worker.schema import resolve_overlap
 log = logging.getLogger(__name__)
 
 
+def _widen(tokens: jax.Array) -> jax.Array:
+    """Narrow token batches (uint8/uint16 on the wire) as int32 (one function for every trainer:
+    jax's caches are keyed on it)."""
+    return tokens.astype(jnp.int32)
+
+
 class TrainerPrograms:
     """The compiled programs of PodTrainer: it works on PodTrainer's config, mesh, shardings and
     state."""
@@ -42,7 +48,7 @@ class TrainerPrograms:
             # The per-step state checksum, computed where the state lives (no host copy).
             self._checksum = jax.jit(programs.state_checksum, in_shardings=(p, o), out_shardings=s)
             # Narrow token batches (uint8/uint16 on the wire) become int32 on the devices.
-            self._widen = jax.jit(lambda t: t.astype(jnp.int32), in_shardings=b, out_shardings=b)
+            self._widen = jax.jit(_widen, in_shardings=b, out_shardings=b)
         self.summer = MicrobatchSum(self.config.model, self.mesh)
         self._overlapped: overlap.OverlappedGradStep | None = None
         self._choose_step(self.config.train.global_batch)
