@@ -5,11 +5,12 @@ metadata item (fingerprint, data position, config, ...). Orbax writes into a tem
 renames it only once every item is complete, so a failed or interrupted save never replaces the
 last good checkpoint, and `latest()` only ever sees finished ones.
 
-Saves are orbax's own asynchronous checkpointing, straight from the sharded device arrays:
-`Writer.submit` returns once orbax has its host copy of this host's shards (the only part the
-step loop waits for; the update may then donate the arrays), and orbax writes them in its own
-background thread; `Writer.wait` reports the outcome. With several hosts per pod every host of
-the pod calls the same save: each writes the shards it owns (a replicated array is written once,
+Saves are orbax's own asynchronous checkpointing, straight from the sharded device arrays, through
+checkpoint_writer.py's `Writer` (this module's `save` is the synchronous one): `Writer.submit`
+returns once orbax has its host copy of this host's shards (the only part the step loop waits
+for; the update may then donate the arrays), and orbax writes them in its own background thread;
+`Writer.wait` reports the outcome. With several hosts per pod every host of the pod calls the
+same save: each writes the shards it owns (a replicated array is written once,
 its replicas' work split between the hosts), orbax's barriers meet over the pod's jax.distributed
 client, and the primary host writes the JSON metadata and commits the folder.
 
@@ -19,13 +20,10 @@ shapes agree (orbax reshards); a leaf whose shape or dtype differs is named in a
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import pathlib
-import threading
-import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,7 +43,6 @@ log = logging.getLogger(__name__)
 
 # A background write (and its barriers between the pod's hosts) that takes longer fails.
 WRITE_TIMEOUT_S = 1200
-_POLL_S = 0.02
 
 
 class CheckpointError(ValueError):
@@ -61,7 +58,7 @@ def _handlers() -> dict:
     return {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
 
 
-def _writing_manager(root: pathlib.Path, max_to_keep: int | None) -> ocp.CheckpointManager:
+def writing_manager(root: pathlib.Path, max_to_keep: int | None) -> ocp.CheckpointManager:
     """An asynchronous manager every host of the pod uses alike (one per host, same calls)."""
     import jax
     multiprocessing = ocp.options.MultiprocessingOptions()
@@ -91,7 +88,7 @@ def _reading_manager(root: pathlib.Path) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(root, options=options, item_handlers=_handlers())
 
 
-def _save_args(state: dict, fingerprint: str, metadata_json: str) -> ocp.args.Composite:
+def save_args(state: dict, fingerprint: str, metadata_json: str) -> ocp.args.Composite:
     meta = json.loads(metadata_json)
     meta["fingerprint"] = fingerprint
     meta["step"] = int(state["step"])
@@ -102,12 +99,12 @@ def save(directory: str, state: dict, fingerprint: str, metadata_json: str,
          max_to_keep: int | None = None) -> pathlib.Path:
     """Write `state` (device or host arrays) as checkpoint `<directory>/<step>`, keeping the
     newest `max_to_keep`, and wait until it is complete; returns its path. Every host of a pod
-    must call it alike. The pod's saves go through Writer instead (background)."""
+    must call it alike. The pod's saves go through checkpoint_writer.Writer instead (background)."""
     root = pathlib.Path(directory).absolute()
     step = int(state["step"])
-    manager = _writing_manager(root, max_to_keep)
+    manager = writing_manager(root, max_to_keep)
     try:
-        manager.save(step, args=_save_args(state, fingerprint, metadata_json), force=True)
+        manager.save(step, args=save_args(state, fingerprint, metadata_json), force=True)
         manager.wait_until_finished()
     finally:
         manager.close()
@@ -219,10 +216,10 @@ def restore(path: str, template: dict) -> tuple[dict, dict]:
 def _corrupt(target: pathlib.Path, exc: BaseException) -> UnreadableCheckpoint:
     others = [s for s in steps(str(target.parent)) if s != int(target.name)]
     hint = f"; other checkpoints in {target.parent}: {', '.join(map(str, others))}" if others else ""
-    return UnreadableCheckpoint(f"checkpoint {target} is corrupt or unreadable: {_short(exc)}{hint}")
+    return UnreadableCheckpoint(f"checkpoint {target} is corrupt or unreadable: {short_error(exc)}{hint}")
 
 
-def _short(exc: BaseException, limit: int = 300) -> str:
+def short_error(exc: BaseException, limit: int = 300) -> str:
     """The gist of a reader error (tensorstore appends kilobytes of spec JSON)."""
     text = f"{type(exc).__name__}: {exc}".split(" [tensorstore_spec")[0]
     return text if len(text) <= limit else text[:limit] + "..."
@@ -235,7 +232,8 @@ def read_metadata(path: str) -> dict:
     try:
         restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as exc:
-        raise UnreadableCheckpoint(f"checkpoint {target}: metadata is corrupt or unreadable: {_short(exc)}") from None
+        raise UnreadableCheckpoint(
+            f"checkpoint {target}: metadata is corrupt or unreadable: {short_error(exc)}") from None
     finally:
         manager.close()
     meta = restored["meta"]
@@ -266,187 +264,3 @@ def _flatten(prefix: str, value) -> dict:
             out.update(_flatten(f"{prefix}.{key}" if prefix else key, inner))
         return out
     return {prefix: value}
-
-
-def _reread_if_changed(manager: ocp.CheckpointManager, root: pathlib.Path) -> None:
-    """Have `manager` read the checkpoints under `root` again if they are not the ones it knows:
-    in DiLoCo mode a survivor writes a failed pod's part into that pod's directory, and the pod
-    (back again) writes there after it, each with its own manager; one that kept a stale list
-    would try to delete folders the other already deleted and keep more than `keep` (measured:
-    three of keep 2, orbax warning "Unable to find the step"). No save is in flight under `root`
-    here (Writer.submit settled it)."""
-    on_disk = {int(p.name) for p in root.iterdir() if p.name.isdigit()} if root.is_dir() else set()
-    if on_disk != set(manager.all_steps()):
-        manager.reload()
-
-
-@dataclasses.dataclass
-class _Outcome:
-    """One save: pending until settled, then done (error None) or failed."""
-    path: pathlib.Path
-    settled: bool = False
-    error: str | None = None
-
-
-class Writer:
-    """The pod's checkpoint saves, through one asynchronous orbax CheckpointManager per checkpoint
-    root (orbax writes one save at a time per manager, in its own background thread), and each
-    save's outcome so the controller can ask for it (WaitSave). Thread-safe."""
-
-    MAX_MANAGERS = 8     # roots kept open; the least recently used idle one is closed beyond that
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()      # held for orbax calls that do not wait for a write
-        self._managers: dict[str, tuple[ocp.CheckpointManager, int | None]] = {}
-        self._pending: dict[str, int] = {}  # root -> the step orbax is writing there (unsettled)
-        self._outcomes: dict[tuple[str, int], _Outcome] = {}
-
-    @staticmethod
-    def _root(directory: str) -> str:
-        return str(pathlib.Path(directory).absolute())
-
-    def _settle(self, root: str, block: bool) -> bool:
-        """Record the outcome of the save in flight under `root` once orbax has finished it (with
-        block, wait for that); True if nothing is in flight any more. Called with the lock held."""
-        step = self._pending.get(root)
-        if step is None:
-            return True
-        manager, _ = self._managers[root]
-        if not block and manager.is_saving_in_progress():
-            return False
-        outcome = self._outcomes[(root, step)]
-        try:
-            # Raises the background write's error (once per calling thread: the outcome keeps it).
-            manager.wait_until_finished()
-            if not (pathlib.Path(root) / str(step)).is_dir():
-                raise CheckpointError("orbax finished without committing the checkpoint folder")
-        except Exception as exc:   # noqa: BLE001 - whatever the write raised is the outcome
-            outcome.error = _short(exc)
-            log.error("checkpoint of step %d in %s FAILED: %s", step, root, outcome.error)
-            # orbax would raise this error again in the next save called from another thread: the
-            # next save under this root starts with a fresh manager (which reads the steps anew).
-            self._drop(root)
-        outcome.settled = True
-        del self._pending[root]
-        return True
-
-    def _drop(self, root: str) -> None:
-        manager, _ = self._managers.pop(root)
-        try:
-            manager.close()
-        except Exception as exc:   # noqa: BLE001 - the failed save's error, raised once more
-            log.debug("closing the checkpoint manager of %s: %s", root, _short(exc))
-
-    def _manager(self, root: str, max_to_keep: int | None) -> ocp.CheckpointManager:
-        """The manager for `root` with `max_to_keep` (a different keep count: a new manager)."""
-        found = self._managers.get(root)
-        if found is not None and found[1] == max_to_keep:
-            self._managers[root] = self._managers.pop(root)      # most recently used last
-            return found[0]
-        if found is not None:
-            self._settle(root, block=True)
-            found[0].close()
-            del self._managers[root]
-        for other in list(self._managers):
-            if len(self._managers) < self.MAX_MANAGERS:
-                break
-            if self._settle(other, block=False):
-                self._managers.pop(other)[0].close()
-        manager = _writing_manager(pathlib.Path(root), max_to_keep)
-        self._managers[root] = (manager, max_to_keep)
-        return manager
-
-    def wait_idle(self, directory: str, timeout_s: float) -> None:
-        """Wait (at most timeout_s) until no earlier save is being written under `directory`: orbax
-        writes one at a time, and the next save would wait for it. TimeoutError if it still is."""
-        root = self._root(directory)
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        step: int | str
-        while True:
-            if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                try:
-                    if self._settle(root, block=False):
-                        return
-                    step = self._pending[root]
-                finally:
-                    self._lock.release()
-            else:
-                step = self._pending.get(root, "?")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"the checkpoint of step {step} in {root} is still being written")
-            time.sleep(_POLL_S)
-
-    def submit(self, directory: str, state: dict, fingerprint: str, metadata_json: str,
-               max_to_keep: int | None) -> pathlib.Path:
-        """Start writing `state` (the pod's device arrays: orbax has copied this host's shards to
-        the host when this returns, so the pod may step on and donate them); returns the path it
-        will have. A failure to start is recorded as the save's outcome (Writer.wait reports it)."""
-        root = self._root(directory)
-        step = int(state["step"])
-        path = pathlib.Path(root) / str(step)
-        with self._lock:
-            outcome = self._outcomes[(root, step)] = _Outcome(path)
-            if len(self._outcomes) > 64:   # outcomes nobody asked for: keep memory bounded
-                for key in list(self._outcomes)[:-64]:
-                    if self._outcomes[key].settled:
-                        del self._outcomes[key]
-            try:
-                manager = self._manager(root, max_to_keep)
-                # The previous save first: its outcome is recorded here, in this thread, so orbax's
-                # own wait for it inside save() does not raise its error again.
-                self._settle(root, block=True)
-                _reread_if_changed(manager, pathlib.Path(root))
-                if step in manager.all_steps():
-                    # A run saves a step once per timeline: one already here is of a timeline the run
-                    # left (a --resume that skipped a checkpoint not every part of which was written,
-                    # a rewind), and the newest save wins. Left there, orbax would refuse this save
-                    # (StepAlreadyExistsError) and a later --resume could take the abandoned state.
-                    log.warning("checkpoint of step %d in %s replaces the one of an earlier timeline", step, root)
-                    manager.delete(step)
-                manager.save(step, args=_save_args(state, fingerprint, metadata_json), force=True)
-            except Exception as exc:   # noqa: BLE001 - reported through wait()
-                outcome.error, outcome.settled = _short(exc), True
-                log.error("checkpoint of step %d in %s FAILED to start: %s", step, root, outcome.error)
-                return path
-            self._pending[root] = step
-        return path
-
-    def wait(self, directory: str, step: int, timeout_s: float) -> pathlib.Path:
-        """The path of the finished save of `step`; CheckpointError if it failed, TimeoutError if
-        it is still being written after timeout_s, KeyError if no such save was submitted."""
-        root = self._root(directory)
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        with self._lock:
-            outcome = self._outcomes.get((root, int(step)))
-        if outcome is None:
-            raise KeyError(f"no checkpoint of step {step} in {root} was started on this pod")
-        while not outcome.settled:
-            if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                try:
-                    if self._pending.get(root) == int(step):
-                        self._settle(root, block=False)
-                finally:
-                    self._lock.release()
-            if outcome.settled:
-                break
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"checkpoint of step {step} still being written after {timeout_s:g}s")
-            time.sleep(_POLL_S)
-        if outcome.error is not None:
-            raise CheckpointError(f"checkpoint of step {step} in {root} failed: {outcome.error}; "
-                                  f"the previous checkpoints are untouched")
-        return outcome.path
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Let pending writes finish (bounded), then close the managers that are done."""
-        deadline = time.monotonic() + timeout_s
-        for root in list(self._managers):
-            try:
-                self.wait_idle(root, deadline - time.monotonic())
-            except TimeoutError as exc:
-                log.warning("closing with a checkpoint still being written: %s", exc)
-                continue
-            with self._lock:
-                found = self._managers.pop(root, None)
-                if found is not None:
-                    found[0].close()

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from multipod.model import Chunk, Sampling
-from multipod.pod_worker import checkpoint, faults, link_probe
+from multipod.pod_worker import faults, link_probe
 from multipod.pod_worker.checkpoint_pod import CheckpointPod
+from multipod.pod_worker.checkpoint_writer import Writer
 from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.diloco_pod import DilocoPod
 from multipod.pod_worker.errors import (
@@ -88,7 +89,7 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         self.exchange: Exchange | None = None
         self._setup: Setup | None = None
         self._peers: list[str] = []
-        self._writer = checkpoint.Writer()
+        self._writer = Writer()
         # (step, on-device checksum) of the state as of its last change, for Status: never recomputed there.
         self._checksum: tuple[int, str] = (0, "")
         # A spare's trainer compiled on standby: (config hash, pod count, trainer), taken by the

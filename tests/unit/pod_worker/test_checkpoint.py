@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from multipod.pod_worker import checkpoint
+from multipod.pod_worker.checkpoint_writer import Writer
 from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import codec, multipod_pb2 as pb
 from tests.helpers import tiny_worker_config
@@ -160,7 +161,7 @@ def test_failed_save_is_reported_and_never_replaces_the_last_good_one(worker, tm
 
 
 def test_a_save_after_a_failed_one_works_whichever_thread_asks(tmp_path, monkeypatch):
-    writer = checkpoint.Writer()
+    writer = Writer()
 
     def in_thread(fn, *args):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:     # a fresh thread per call
@@ -185,7 +186,7 @@ def test_a_step_saved_again_replaces_the_earlier_timeline_s(tmp_path):
     """A run resumed from an older checkpoint (a newer one was not whole) saves that newer step
     again: the new save replaces the folder left by the timeline the run abandoned."""
     for fingerprint in ("abandoned", "resumed"):
-        writer = checkpoint.Writer()     # each run its own writer, as a restarted worker
+        writer = Writer()     # each run its own writer, as a restarted worker
         writer.submit(str(tmp_path), {"x": np.arange(3.0), "step": 5}, fingerprint, "{}", 2)
         assert writer.wait(str(tmp_path), 5, 60) == tmp_path / "5"
         writer.close()
@@ -197,7 +198,7 @@ def test_two_writers_taking_turns_in_one_directory_keep_the_newest_k(tmp_path):
     """DiLoCo: a survivor writes a failed pod's parts into that pod's directory, then the pod (back,
     its own writer still open) writes there again, then the survivor once more: each writer reads
     what the other wrote, so the directory keeps exactly the newest `keep`."""
-    pod, survivor = checkpoint.Writer(), checkpoint.Writer()
+    pod, survivor = Writer(), Writer()
 
     def save(writer, step):
         writer.submit(str(tmp_path), {"x": np.arange(3.0) * step, "step": step}, f"fp{step}", "{}", 2)
