@@ -123,7 +123,7 @@ def make_apply_update(tx: optax.GradientTransformation):
     pod, running this same program on the same bytes, decides the same.
     """
     def apply_update(params, opt_state, grads):
-        norm = optax.global_norm(grads)
+        norm = optax.tree.norm(grads)
         finite = jnp.isfinite(norm)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
