@@ -121,6 +121,7 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         # None): a run without checkpoints would otherwise hold a copy of the model every H steps.
         self.history: list[tuple[int, int, int, list[np.ndarray]]] = []
         self.history_from: int | None = None
+        self.history_bytes, self.history_budget_bytes = 0, sync.replay_history_mb << 20
         self.hosts = None if assembler is None else HostFragments(assembler, self.fragments,
                                                                   [leaf.dtype for leaf in self.agreed])
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
@@ -346,7 +347,7 @@ class OuterSync(OuterReplicas, OuterWarmUp):
                                     int(pending["apply_at"]), time.perf_counter(),
                                     _done((summed, None, tuple(pending["pods"]))))
         self.applied = self.pending.sync - 1 if self.pending is not None else count // self.sync.period
-        self.replicas, self.history, self.history_from = {}, [], count
+        self.replicas, self.history, self.history_from, self.history_bytes = {}, [], count, 0
         self.version += 1
 
     def _result(self, pending: _Pending, timeout_s: float | None) -> tuple:

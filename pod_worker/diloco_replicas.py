@@ -7,10 +7,13 @@ they were applied."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
 from multipod.pod_worker.hosts import host_value
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -34,6 +37,8 @@ class OuterReplicas:
     replicas: dict[int, Replica]
     history: list[tuple[int, int, int, list]]   # (sync, apply count, fragment, its agreed values after it)
     history_from: int | None                    # the inner step count the history starts after
+    history_bytes: int                          # what the history's values take in host memory
+    history_budget_bytes: int                   # sync.replay_history_mb
 
     def _merge(self, replica: Replica, fragment: int, values: list) -> None:
         """The replica's fragment takes the given agreed values (as the pod's own does)."""
@@ -46,8 +51,22 @@ class OuterReplicas:
         """Keep an applied outer step's agreed values in host memory for a later replay (from this
         pod's first save on: history_from). host_value: on a pod of several hosts every host holds
         whole parameters, but not as one addressable array."""
-        if self.history_from is not None:
-            self.history.append((sync, apply_at, fragment, [host_value(v) for v in agreed]))
+        if self.history_from is None:
+            return
+        values = [host_value(v) for v in agreed]
+        size = sum(v.nbytes for v in values)
+        if self.history_bytes + size > self.history_budget_bytes:
+            # Forget rather than run out of memory (a run checkpointing rarely, or never after its
+            # baseline, would hold a copy of the model every H steps): no replay can start before
+            # this outer step now, which check_history says if one is asked for.
+            log.warning("the outer steps since step %d take more than sync.replay_history_mb = %d MiB: forgotten; "
+                        "a pod that fails before this pod's next checkpoint cannot be replayed (checkpoint "
+                        "more often, or raise sync.replay_history_mb)", self.history_from,
+                        self.history_budget_bytes >> 20)
+            self.history, self.history_bytes, self.history_from = [], 0, apply_at
+            return
+        self.history.append((sync, apply_at, fragment, values))
+        self.history_bytes += size
 
     def replay_merges(self, replica: Replica) -> None:
         """After the replica's inner step (its count = replica.step): its pseudo-gradient of a sync
@@ -68,14 +87,16 @@ class OuterReplicas:
             raise ValueError(f"this pod has saved no checkpoint, so it keeps no outer steps; a replay from step "
                              f"{since} needs them")
         if since < self.history_from:
-            raise ValueError(f"this pod keeps the outer steps since step {self.history_from} only, a replay from "
-                             f"step {since} needs them all")
+            raise ValueError(f"this pod keeps the outer steps since step {self.history_from} only (the older ones "
+                             f"went beyond sync.replay_history_mb, or before its checkpoint before last), a replay "
+                             f"from step {since} needs them all")
 
     def trim_history(self, keep_from: int) -> None:
         """Forget the outer steps applied at or before `keep_from` inner steps (no replay starts before
         it); the first call (at this pod's first save) starts the history."""
         if self.history_from is None or keep_from > self.history_from:
             self.history = [entry for entry in self.history if entry[1] > keep_from]
+            self.history_bytes = sum(v.nbytes for entry in self.history for v in entry[3])
             self.history_from = keep_from
 
     def adopt(self, replica: Replica) -> None:

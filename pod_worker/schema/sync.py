@@ -61,6 +61,9 @@ class SyncConfig:
     overlap_steps: int = 0              # tau: inner steps a fragment's exchange overlaps (< H / F)
     outer_dtype: OuterDtype = OuterDtype.FLOAT32
     on_pod_failure: OuterFailure = OuterFailure.REPLAY
+    # "replay": host memory each pod may hold for the outer steps since its checkpoint before last
+    # (pod_worker/diloco_replicas.py); beyond it the pod forgets them rather than run out of memory.
+    replay_history_mb: int = 2048
 
     def __post_init__(self):
         for name, kind in (("mode", SyncMode), ("outer_optimizer", OuterOptimizer), ("outer_dtype", OuterDtype),
@@ -86,6 +89,7 @@ class SyncConfig:
         positive("sync.fragments", self.fragments)
         positive("sync.outer_lr", self.outer_lr)
         non_negative("sync.overlap_steps", self.overlap_steps)
+        positive("sync.replay_history_mb", self.replay_history_mb)
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError("sync.outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         if self.outer_optimizer is OuterOptimizer.NESTEROV and self.outer_momentum == 0.0:
