@@ -63,6 +63,13 @@ def _unreadable(root: pathlib.Path, step: int) -> str | None:
     return None
 
 
+def holds_any(directories: list[str]) -> bool:
+    """Whether any of `directories` holds a checkpoint, finished or not (a DiLoCo run that has
+    saved at all: a warm start from an every-step run is only for one that has not)."""
+    roots = [pathlib.Path(d).absolute() for d in directories]
+    return any(checkpoint.steps(str(root)) or _unfinished(root) for root in roots)
+
+
 def newest_whole(directory: str, parts: list[str], before: int = 0) -> Choice:
     """The newest checkpoint of `directory` (older than `before`, if not 0) that every folder of
     `parts` also holds whole, and the newer steps any of them holds that were passed over (newest

@@ -38,6 +38,7 @@ class Restored:
     fingerprint: str
     metadata: dict
     skipped: tuple[checkpoint_parts.Skipped, ...] = ()   # from a directory: newer checkpoints not whole
+    warm_start: bool = False    # DiLoCo: an every-step checkpoint, the outer state started afresh from it
 
 
 def _state_fingerprint(state: dict) -> str:
@@ -143,20 +144,28 @@ class CheckpointPod:
             raise SavePending(str(exc)) from None
 
     def restore(self, path: str | None, directory: str | None, run_id: str, deadline: float,
-                parts: tuple[str, ...] = (), before: int = 0) -> Restored:
+                parts: tuple[str, ...] = (), before: int = 0, warm_start_directory: str = "",
+                warm_start: bool = False) -> Restored:
         """Load checkpoint `path`, or the newest one under `directory` that every folder of `parts`
         (the checkpoint's other parts) also holds whole, older than `before` if not 0
         (checkpoint_parts.newest_whole; the newer ones passed over are in Restored.skipped),
         waiting until `deadline` for a running step (Busy). A new timeline starts at its step:
         steps that arrived before are refused; with `run_id`, the DCN exchange starts afresh under
-        it. A checkpoint that does not fit, cannot be read, or is corrupt changes nothing."""
+        it. A checkpoint that does not fit, cannot be read, or is corrupt changes nothing.
+
+        DiLoCo warm start: with `warm_start` the checkpoint at `path` is an every-step one, whose
+        parameters the outer state starts from (_restore); with `warm_start_directory`, the newest
+        checkpoint there is restored that way if `directory` and `parts` hold none at all yet."""
         if path:
-            return self._restore_path(path, run_id, deadline)
+            return self._restore_path(path, run_id, deadline, warm_start)
+        warm = bool(warm_start_directory) and not checkpoint_parts.holds_any([str(directory), *parts])
+        if warm:
+            directory, parts = warm_start_directory, ()
         skipped: tuple[checkpoint_parts.Skipped, ...] = ()
         while True:     # each pass looks strictly further back: it ends with a checkpoint or CheckpointError
             choice = checkpoint_parts.newest_whole(str(directory), list(parts), before)
             try:
-                restored = self._restore_path(str(choice.path), run_id, deadline)
+                restored = self._restore_path(str(choice.path), run_id, deadline, warm)
             except CorruptCheckpoint as exc:    # this pod's own part of it cannot be read back: an older one
                 problem = checkpoint_parts.Problem(str(directory), pb.PART_STATE_CORRUPT, str(exc))
                 skipped += choice.skipped + (checkpoint_parts.Skipped(choice.step, (problem,)),)
@@ -164,11 +173,20 @@ class CheckpointPod:
                 continue
             return dataclasses.replace(restored, skipped=skipped + choice.skipped)
 
-    def _restore_path(self, path: str, run_id: str, deadline: float) -> Restored:
-        """restore() of checkpoint `path`."""
+    def _restore_path(self, path: str, run_id: str, deadline: float, warm_start: bool = False) -> Restored:
+        """restore() of checkpoint `path` (`warm_start`: an every-step one, in DiLoCo mode)."""
         setup = self.setup()
         metadata = checkpoint.read_metadata(path)
-        checkpoint.check_compatible(path, metadata, setup.config.state_key())
+        key = setup.config.state_key()
+        if warm_start:
+            if setup.trainer.outer is None:
+                raise InvalidRequest("a warm start is for a pod in DiLoCo mode (sync.mode = \"diloco\"); "
+                                     "this pod syncs every step")
+            if "outer" in metadata:
+                raise CheckpointError(f"checkpoint {path} holds a DiLoCo outer state: a warm start takes an "
+                                      f"every-step checkpoint; resume this one as it is")
+            key.pop("sync", None)       # an every-step checkpoint's key has no sync settings
+        checkpoint.check_compatible(path, metadata, key)
         setup.trainer.check_restorable(path, metadata)
         aborted = None
         if run_id and self.exchange is not None:
@@ -177,7 +195,7 @@ class CheckpointPod:
             aborted = self.exchange.run_id
             self.exchange.abort(f"pod {self.pod_index}: restoring a checkpoint")
         try:
-            return self._restore(setup, path, run_id, deadline)
+            return self._restore(setup, path, run_id, deadline, warm_start)
         except BaseException:
             if aborted is not None and self.exchange is not None and self.exchange.run_id == aborted:
                 # Refused: the pod keeps a working link under its old run id, as it was.
@@ -186,12 +204,13 @@ class CheckpointPod:
                 old.close()
             raise
 
-    def _read_checkpoint(self, trainer: PodTrainer, path: str) -> tuple[dict, dict]:
+    def _read_checkpoint(self, trainer: PodTrainer, path: str, warm_start: bool = False) -> tuple[dict, dict]:
         """(state, metadata) of the checkpoint at `path`, read straight onto this host's devices
         laid out as `trainer`'s state (orbax reshards a checkpoint written by another device or
-        host count), and checked against its fingerprint before anyone uses it (CorruptCheckpoint)."""
+        host count), and checked against its fingerprint before anyone uses it (CorruptCheckpoint).
+        `warm_start`: an every-step checkpoint, read without an outer state."""
         target = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
-        if trainer.outer is not None:
+        if trainer.outer is not None and not warm_start:
             saved = checkpoint.read_metadata(path).get("outer")
             if not isinstance(saved, dict):
                 raise CheckpointError(f"checkpoint {path} holds no DiLoCo outer state (sync.mode = \"diloco\")")
@@ -209,15 +228,18 @@ class CheckpointPod:
                                     f"!= the fingerprint saved with it {metadata.get('fingerprint')}")
         return state, metadata
 
-    def _restore(self, setup, path: str, run_id: str, deadline: float) -> Restored:
+    def _restore(self, setup, path: str, run_id: str, deadline: float, warm_start: bool = False) -> Restored:
         with self.seq.hold("a restore", deadline, state=pb.WORKER_STATE_RESTORING):
             setup = self.setup()
             trainer = setup.trainer
-            state, metadata = self._read_checkpoint(trainer, path)
+            state, metadata = self._read_checkpoint(trainer, path, warm_start)
             fp = metadata["fingerprint"]
             trainer.load_state(state["params"], state["opt_state"], state["step"])
             if trainer.outer is not None:
-                trainer.outer.load(state["outer"], metadata["outer"], trainer.step)
+                if warm_start:   # every pod read the same state: the agreed values start as its parameters
+                    trainer.outer.start_from(trainer.params, trainer.step)
+                else:
+                    trainer.outer.load(state["outer"], metadata["outer"], trainer.step)
                 # The history starts afresh at the restored checkpoint, now the last good one: the
                 # next save trims from here, not from a save of the abandoned timeline.
                 self._saved_at = trainer.step
@@ -232,4 +254,4 @@ class CheckpointPod:
             self.exchange.inbox.set_next_step(trainer.exchange_key)
             epoch = self.seq.reset(trainer.step, "restored to a checkpoint")
             self._setup = dataclasses.replace(setup, epoch=epoch, run_id=run_id or setup.run_id)
-        return Restored(path=path, step=trainer.step, fingerprint=fp, metadata=metadata)
+        return Restored(path=path, step=trainer.step, fingerprint=fp, metadata=metadata, warm_start=warm_start)

@@ -350,6 +350,19 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         self.replicas, self.history, self.history_from, self.history_bytes = {}, [], count, 0
         self.version += 1
 
+    def start_from(self, params, count: int) -> None:
+        """Start the outer state afresh from `params`, taken after `count` inner steps: the agreed
+        values become a copy of them and the outer optimizer's state its initial one, as at the
+        start of a run (a warm start from an every-step checkpoint, which every pod restores alike).
+        The outer syncs go on from `count` on the same cycle as a run that began there."""
+        self.agreed = [jnp.copy(leaf) for leaf in jax.tree.leaves(params)]
+        self.states = [program["init"]([self.agreed[i] for i in leaves])
+                       for program, leaves in zip(self._programs, self.fragments)]
+        self.pending = None
+        self.applied = count // self.sync.period
+        self.replicas, self.history, self.history_from, self.history_bytes = {}, [], count, 0
+        self.version += 1
+
     def _result(self, pending: _Pending, timeout_s: float | None) -> tuple:
         """The pending sync's exchange result; if it failed, this host still takes part in the
         gather of a pod of several hosts (the others wait for it there) before raising."""

@@ -50,19 +50,26 @@ class StateRpcs:
     @handler
     def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         """Load a checkpoint: `path`, or the newest one under `directory` that each of `parts` also
-        holds whole (older than before_step if set); the newer ones passed over are in `skipped`."""
+        holds whole (older than before_step if set); the newer ones passed over are in `skipped`.
+        DiLoCo: warm_start (with path) or warm_start_directory (with directory) take an
+        every-step checkpoint, from which the outer state starts afresh."""
         self.pod.setup()
         if bool(request.path) == bool(request.directory):
             raise invalid("give exactly one of path (a checkpoint) or directory (restore its newest checkpoint)")
-        if request.path and (request.parts or request.before_step):
-            raise invalid("parts and before_step go with directory, not with path")
+        if request.path and (request.parts or request.before_step or request.warm_start_directory):
+            raise invalid("parts, before_step and warm_start_directory go with directory, not with path")
+        if request.directory and request.warm_start:
+            raise invalid("warm_start goes with path; with directory, give warm_start_directory")
         if any(not part for part in request.parts):
             raise invalid("parts holds an empty folder name")
         restored = self.pod.restore(request.path or None, request.directory or None, request.run_id,
-                                    deadline(context), parts=tuple(request.parts), before=int(request.before_step))
+                                    deadline(context), parts=tuple(request.parts), before=int(request.before_step),
+                                    warm_start_directory=request.warm_start_directory,
+                                    warm_start=request.warm_start)
         return pb.RestoreReply(step=restored.step, fingerprint=restored.fingerprint,
                                metadata_json=json.dumps(restored.metadata), path=restored.path,
-                               skipped=checkpoint_parts.to_proto(restored.skipped))
+                               skipped=checkpoint_parts.to_proto(restored.skipped),
+                               warm_start=restored.warm_start)
 
     @handler
     def SetMembership(self, request: pb.MembershipRequest, context) -> pb.MembershipReply:

@@ -324,32 +324,38 @@ class SaveReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path", "directory", "run_id", "parts", "before_step")
+    __slots__ = ("path", "directory", "run_id", "parts", "before_step", "warm_start_directory", "warm_start")
     PATH_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     BEFORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    WARM_START_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    WARM_START_FIELD_NUMBER: _ClassVar[int]
     path: str
     directory: str
     run_id: str
     parts: _containers.RepeatedScalarFieldContainer[str]
     before_step: int
-    def __init__(self, path: _Optional[str] = ..., directory: _Optional[str] = ..., run_id: _Optional[str] = ..., parts: _Optional[_Iterable[str]] = ..., before_step: _Optional[int] = ...) -> None: ...
+    warm_start_directory: str
+    warm_start: bool
+    def __init__(self, path: _Optional[str] = ..., directory: _Optional[str] = ..., run_id: _Optional[str] = ..., parts: _Optional[_Iterable[str]] = ..., before_step: _Optional[int] = ..., warm_start_directory: _Optional[str] = ..., warm_start: _Optional[bool] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
-    __slots__ = ("step", "fingerprint", "metadata_json", "path", "skipped")
+    __slots__ = ("step", "fingerprint", "metadata_json", "path", "skipped", "warm_start")
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    WARM_START_FIELD_NUMBER: _ClassVar[int]
     step: int
     fingerprint: str
     metadata_json: str
     path: str
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedCheckpoint]
-    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ..., path: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedCheckpoint, _Mapping]]] = ...) -> None: ...
+    warm_start: bool
+    def __init__(self, step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., metadata_json: _Optional[str] = ..., path: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedCheckpoint, _Mapping]]] = ..., warm_start: _Optional[bool] = ...) -> None: ...
 
 class SkippedCheckpoint(_message.Message):
     __slots__ = ("step", "problems")

@@ -223,7 +223,11 @@ class Checkpointer:
         """Restore every pod to the newest whole checkpoint in the directory (in DiLoCo mode, one
         every pod's part of which is complete and readable; a newer one that is not is skipped,
         saying why), refusing one trained on other data; the data offset continues from it.
-        Returns its step."""
+        Returns its step.
+
+        In DiLoCo mode with no part saved yet, the newest checkpoint of an every-step run in the
+        same directory is taken instead (a warm start): every pod restores it, the outer state
+        starts afresh from its parameters, and a baseline of the DiLoCo run is saved at once."""
         return self._restore(directory=self.directory)
 
     def _restore(self, path: str = "", directory: str = "") -> int:
@@ -244,6 +248,7 @@ class Checkpointer:
                 skipped.append({"step": exc.step, "parts": {str(exc.pod): "corrupt"}})
         meta = json.loads(replies[0].metadata_json)
         step = int(replies[0].step)
+        warm = replies[0].warm_start
         if directory:
             data_path = self.cluster.config.data.path
             if meta.get("data_path", "") != data_path:
@@ -251,16 +256,26 @@ class Checkpointer:
                                   f"{meta.get('data_path') or 'the default corpus'!r}, "
                                   f"this run reads {data_path or 'the default corpus'!r}")
             self.data_offset = int(meta.get("data_offset", 0))
-        self.last_good = Saved(step, path)
+        if warm:
+            # Not a checkpoint of this DiLoCo run: the first step boundary saves its baseline, which
+            # a rewind or a replay then starts from.
+            self.last_good, self._baseline_taken = None, False
+            out(f"DiLoCo warm start: every pod took the every-step checkpoint {path} (step {step}, data position "
+                f"{step + self.data_offset}); the outer state starts afresh from its parameters")
+        else:
+            self.last_good = Saved(step, path)
         self.events.write(EventKind.RESTORED, step=step, path=path, data_offset=self.data_offset,
-                          fingerprint=replies[0].fingerprint, **({"skipped": skipped} if skipped else {}))
+                          fingerprint=replies[0].fingerprint, **({"warm_start": True} if warm else {}),
+                          **({"skipped": skipped} if skipped else {}))
         return step
 
     def _restore_once(self, path: str, directory: str, before: int, skipped: list[dict]) -> tuple[list, str]:
         """Every live pod restored to one checkpoint: `path`, or (with `directory`) the newest
         whole one before step `before` (0: any), which the first live pod chooses; the newer ones
         it passed over are reported and added to `skipped`. (replies, the first part's path).
-        _PartUnreadable if another pod's part of the chosen one is corrupt."""
+        _PartUnreadable if another pod's part of the chosen one is corrupt. In DiLoCo mode the
+        first pod may choose an every-step checkpoint instead (RestoreReply.warm_start, resume):
+        the others then restore that same one."""
         clients = self.cluster.live_clients       # in degraded mode the failed pods rejoin later
         run_id = self.cluster.next_generation()    # the pods' DCN links start afresh
         timeout = self.cluster.config.run.step_timeout_s + self.cluster.config.dcn.timeout_s + 60.0
@@ -268,13 +283,17 @@ class Checkpointer:
         if directory:   # the first pod chooses the newest whole checkpoint; the others restore that one
             own = clients[0].pod_index
             parts = [self._directory(k) for k in range(self.cluster.size) if k != own] if self.per_pod else []
-            first = [clients[0].restore(pb.RestoreRequest(directory=self._directory(own), parts=parts,
-                                                          before_step=before, run_id=run_id), timeout)]
+            first = [clients[0].restore(pb.RestoreRequest(
+                directory=self._directory(own), parts=parts, before_step=before, run_id=run_id,
+                warm_start_directory=self.directory if self.per_pod else ""), timeout)]
             path = first[0].path
             skipped.extend(self._report_skipped(first[0].skipped))
+        warm = bool(first and first[0].warm_start)
         step = int(first[0].step) if first else self.last_good.step if self.last_good else -1
         def restore(client):
             try:
+                if warm:
+                    return client.restore(pb.RestoreRequest(path=path, run_id=run_id, warm_start=True), timeout)
                 return client.restore(pb.RestoreRequest(path=self._path(client.pod_index, step, path),
                                                         run_id=run_id), timeout)
             except WorkerError as exc:

@@ -175,8 +175,9 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
                                   f"resume with --steps {start} or more")
         elif resume:
             start = checkpointer.resume()
-            out(f"resumed from {checkpointer.last_good.path} (step {start}, "
-                f"data position {start + checkpointer.data_offset})")
+            if checkpointer.last_good is not None:     # None: a DiLoCo warm start, which said so
+                out(f"resumed from {checkpointer.last_good.path} (step {start}, "
+                    f"data position {start + checkpointer.data_offset})")
             if start > run.steps:
                 raise ConfigError("run.steps", f"{run.steps} is behind the checkpoint's step {start}; "
                                   f"resume with --steps {start} or more")

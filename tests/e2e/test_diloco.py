@@ -59,6 +59,39 @@ def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path):
     assert {s: r["loss"] for s, r in resumed.items()} == {s: r["loss"] for s, r in records.items()}
 
 
+def test_a_diloco_run_warm_starts_from_an_every_step_run_s_checkpoint(tmp_path):
+    """The DiLoCo paper's warm start, as a user gets it: 4 steps of every-step sync, then `--resume`
+    with sync.mode = "diloco". Every pod takes the every-step checkpoint of step 4, the outer state
+    starts afresh from it (a baseline of the DiLoCo run is saved at once, the same on both pods), the
+    cycle goes on from 4 inner steps, and only the outer step moves bytes over the DCN."""
+    run_dir = tmp_path / "run"
+    every_step = [arg for setting in SYNC[5:] for arg in ("--set", setting)]
+    first = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "4",
+                    "--no-report", "--run-dir", str(run_dir), *every_step)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sets = [arg for setting in SYNC for arg in ("--set", setting)]
+    done = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "8",
+                   "--no-report", "--run-dir", str(run_dir), "--resume", *sets, "--set", "sample.tokens=8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "DiLoCo warm start" in done.stdout, done.stdout[-3000:]
+
+    restored = [e for e in _events(run_dir) if e["event"] == "restored"]
+    assert [(e["step"], e.get("warm_start")) for e in restored] == [(4, True)]
+    assert restored[0]["path"] == str(run_dir / "checkpoints" / "4")
+    assert len(set(_final_fingerprints(run_dir, 4))) == 1, "both pods start the DiLoCo run from one state"
+    final = _final_fingerprints(run_dir, 8)
+    assert final[0] != final[1], "the pods' inner states should differ after their own inner steps"
+
+    records = {r["step"]: r for r in read_metrics(run_dir)}
+    assert sorted(records) == list(range(8))
+    # Sync 2 would have started after inner step 4, in the every-step part: the first is sync 3.
+    assert {s: (r["outer_sync"], r["outer_fragment"]) for s, r in records.items() if r.get("outer_sync")} == \
+        {6: (3, 0)}
+    assert all(records[s]["dcn_bytes_sent"] > 0 for s in (0, 1, 2, 3, 6))
+    assert all(records[s]["dcn_bytes_sent"] == 0 for s in (4, 5, 7))
+    assert json.loads((run_dir / "summary.json").read_text())["sample"]
+
+
 def test_diloco_on_pods_of_two_hosts_trains_bitwise_like_one_host_with_both_devices(tmp_path):
     """2 pods of 2 hosts (each host exchanges its half of a fragment with the same host of the other
     pod; the pod's hosts gather the halves) against 2 pods of one host with 2 devices, int4 outer
