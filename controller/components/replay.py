@@ -7,6 +7,9 @@ slot's replica beside its own shard, so the outer steps stay bitwise the uninter
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pods import Cluster
@@ -15,6 +18,9 @@ from multipod.controller.data.batches import step_data, token_dtype
 from multipod.controller.observe.events import EventKind, EventLog
 from multipod.controller.observe.metrics import out
 from multipod.protos import multipod_pb2 as pb
+
+if TYPE_CHECKING:
+    from multipod.controller.core.run_config import Config
 
 
 class Replayer:
@@ -62,3 +68,29 @@ class Replayer:
             return
         for slot in (s for s, host in enumerate(self.cluster.hosts) if host != s):
             self.replay(slot, step, timeout_s)
+
+
+def history_warning(config: Config, param_count: int) -> str | None:
+    """Before a DiLoCo run with sync.on_pod_failure = "replay": a warning if, at this checkpoint
+    interval, the replay history (the agreed values of every outer step since a pod's checkpoint
+    before last, which each pod keeps in host memory: pod_worker/diloco_replicas.py) will outgrow
+    sync.replay_history_mb. Past the bound a pod forgets it, and a pod that dies before the next
+    checkpoint cannot be replayed. None if it fits, or if nothing is replayed."""
+    sync = config.sync
+    if not sync.diloco or sync.on_pod_failure != "replay" or param_count <= 0:
+        return None
+    every, steps = config.checkpoint.every, config.run.steps
+    span = min(2 * every, steps) if every else steps     # inner steps whose outer steps a pod may hold
+    fragment_bytes = param_count * np.dtype(config.model.weight_dtype).itemsize / sync.fragments
+    need = span // sync.period * fragment_bytes          # one fragment's values per outer step
+    budget = sync.replay_history_mb << 20
+    if need <= budget:
+        return None
+    fits = int(budget // fragment_bytes) * sync.period   # the inner steps whose outer steps fit in the bound
+    why = (f"checkpoints every {every} steps keep up to {span}" if every else
+           f"with no checkpoint but the first (checkpoint.every = 0) it spans the run's {span} steps")
+    return (f"sync.replay_history_mb = {sync.replay_history_mb} holds the outer steps of about {fits} inner steps "
+            f"per pod; {why}, about {need / 2**20:,.0f} MiB of host memory per pod. Past the bound a pod "
+            f"forgets them, and a pod that dies before the next checkpoint cannot be replayed. Save every "
+            f"{max(1, fits // 2)} steps or fewer (--checkpoint-every), or raise sync.replay_history_mb to "
+            f"{int(need / 2**20) + 1}")

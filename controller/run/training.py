@@ -15,7 +15,7 @@ from multipod.controller.components.checkpointer import Checkpointer
 from multipod.controller.components.evaluation import Evaluator
 from multipod.controller.components.failover import Failover
 from multipod.controller.components.recovery import Recovery
-from multipod.controller.components.replay import Replayer
+from multipod.controller.components.replay import Replayer, history_warning
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import Divergence, PodFailure, RunError
 from multipod.controller.core.policies import OnPodFailure
@@ -164,6 +164,9 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
     failover = Failover(config.recovery, cluster, events, supervisor, pool)
     if config.sync.diloco:
         failover.replayer = recovery.replayer = Replayer(cluster, checkpointer, data.dataset, events)
+        warning = history_warning(config, int(replies[0].param_count))
+        if warning:
+            out(f"WARNING: {warning}")
         failover.restore_checkpoint = recovery.restore_last_good
     try:
         if reattached is not None:
