@@ -160,6 +160,10 @@ class CheckpointPod:
             return self._restore_path(path, run_id, deadline, warm_start)
         warm = bool(warm_start_directory) and not checkpoint_parts.holds_any([str(directory), *parts])
         if warm:
+            if not checkpoint_parts.holds_any([warm_start_directory]):
+                raise CheckpointError(f"no checkpoint to resume from: none in {directory}"
+                                      + (f" (and its parts {', '.join(parts)})" if parts else "")
+                                      + f", nor an every-step one in {warm_start_directory} to warm-start from")
             directory, parts = warm_start_directory, ()
         skipped: tuple[checkpoint_parts.Skipped, ...] = ()
         while True:     # each pass looks strictly further back: it ends with a checkpoint or CheckpointError

@@ -92,6 +92,9 @@ def test_pods_warm_started_from_an_every_step_checkpoint_start_their_agreed_stat
 
         # The pods' own folders hold no DiLoCo checkpoint: a restore from them takes the every-step one.
         parts = [str(tmp_path / "diloco" / f"pod-{k}") for k in (0, 1)]
+        with pytest.raises(CheckpointError, match="nor an every-step one in .*empty to warm-start from"):
+            pods.pods[0].restore(None, parts[0], f"warm-{next(_runs)}", _deadline(), parts=(parts[1],),
+                                 warm_start_directory=str(tmp_path / "empty"))
         run_id = f"warm-{next(_runs)}"
         again = [pod.restore(None, parts[k], run_id, _deadline(), parts=(parts[1 - k],),
                              warm_start_directory=str(tmp_path / "every-step")) for k, pod in enumerate(pods.pods)]
