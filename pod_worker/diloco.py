@@ -122,6 +122,7 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         self.history: list[tuple[int, int, int, list[np.ndarray]]] = []
         self.history_from: int | None = None
         self.history_bytes, self.history_budget_bytes = 0, sync.replay_history_mb << 20
+        self.history_too_big_warned = False
         self.hosts = None if assembler is None else HostFragments(assembler, self.fragments,
                                                                   [leaf.dtype for leaf in self.agreed])
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")

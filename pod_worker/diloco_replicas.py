@@ -39,6 +39,7 @@ class OuterReplicas:
     history_from: int | None                    # the inner step count the history starts after
     history_bytes: int                          # what the history's values take in host memory
     history_budget_bytes: int                   # sync.replay_history_mb
+    history_too_big_warned: bool                # one outer step alone was past the budget (warned once)
 
     def _merge(self, replica: Replica, fragment: int, values: list) -> None:
         """The replica's fragment takes the given agreed values (as the pod's own does)."""
@@ -53,8 +54,18 @@ class OuterReplicas:
         whole parameters, but not as one addressable array."""
         if self.history_from is None:
             return
-        values = [host_value(v) for v in agreed]
-        size = sum(v.nbytes for v in values)
+        size = sum(int(v.nbytes) for v in agreed)
+        if size > self.history_budget_bytes:
+            # One outer step alone is past the bound: nothing can be kept, so nothing is copied to
+            # the host, and the warning is given once, not at every outer step.
+            if not self.history_too_big_warned:
+                log.warning("one outer step's values (%d MiB) take more than sync.replay_history_mb = %d MiB: this "
+                            "pod keeps no history, and a pod that fails can be replayed only from a checkpoint with "
+                            "no outer step applied since (raise sync.replay_history_mb)", size >> 20,
+                            self.history_budget_bytes >> 20)
+                self.history_too_big_warned = True
+            self.history, self.history_bytes, self.history_from = [], 0, apply_at
+            return
         if self.history_bytes + size > self.history_budget_bytes:
             # Forget rather than run out of memory (a run checkpointing rarely, or never after its
             # baseline, would hold a copy of the model every H steps): no replay can start before
@@ -65,6 +76,7 @@ class OuterReplicas:
                         self.history_budget_bytes >> 20)
             self.history, self.history_bytes, self.history_from = [], 0, apply_at
             return
+        values = [host_value(v) for v in agreed]
         self.history.append((sync, apply_at, fragment, values))
         self.history_bytes += size
 

@@ -73,3 +73,20 @@ def test_a_budget_of_nothing_is_refused_naming_the_field():
     with pytest.raises(ConfigError) as caught:
         SyncConfig(mode="diloco", replay_history_mb=0).validate()
     assert caught.value.field == "sync.replay_history_mb"
+
+
+def test_an_outer_step_alone_past_the_budget_keeps_nothing_and_warns_once(caplog):
+    trainer = _trainer()
+    outer = trainer.outer
+    model_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(trainer.params))
+    # The tiny model is under the smallest bound the config takes (1 MiB): the test sets the
+    # budget below one outer step's values (H = 1, one fragment: the whole model) directly.
+    outer.history_budget_bytes = model_bytes - 1
+    with caplog.at_level("WARNING", logger="multipod.pod_worker.diloco_replicas"):
+        _train(trainer)
+    warned = [r for r in caplog.records if "one outer step's values" in r.getMessage()]
+    assert len(warned) == 1, "the warning should be given once, not at every outer step"
+    assert outer.history == [] and outer.history_bytes == 0 and outer.history_from == STEPS
+    with pytest.raises(ValueError, match="sync.replay_history_mb"):
+        outer.check_history(STEPS - 1)
+    outer.check_history(STEPS)      # a checkpoint with no outer step since could still be replayed
