@@ -109,8 +109,7 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         self.tx = optax.sgd(sync.outer_lr, momentum=sync.outer_momentum or None,
                             nesterov=sync.outer_optimizer is OuterOptimizer.NESTEROV)
         self._programs = [self._compile(leaves) for leaves in self.fragments]
-        self.states = [program["init"]([self.agreed[i] for i in leaves])
-                       for program, leaves in zip(self._programs, self.fragments)]
+        self.states = self._initial_states()
         self.pending: _Pending | None = None
         self.version = 0        # outer steps applied by this object (the agreed state changes only then)
         self.applied = 0        # the number of the last outer sync applied
@@ -126,6 +125,11 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         self.hosts = None if assembler is None else HostFragments(assembler, self.fragments,
                                                                   [leaf.dtype for leaf in self.agreed])
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
+
+    def _initial_states(self) -> list:
+        """The outer optimizer's initial state of each fragment, for the current agreed values."""
+        return [program["init"]([self.agreed[i] for i in leaves])
+                for program, leaves in zip(self._programs, self.fragments)]
 
     def _compile(self, leaves: list[int]) -> dict:
         shardings = [self._shardings[i] for i in leaves]
@@ -357,8 +361,7 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         start of a run (a warm start from an every-step checkpoint, which every pod restores alike).
         The outer syncs go on from `count` on the same cycle as a run that began there."""
         self.agreed = [jnp.copy(leaf) for leaf in jax.tree.leaves(params)]
-        self.states = [program["init"]([self.agreed[i] for i in leaves])
-                       for program, leaves in zip(self._programs, self.fragments)]
+        self.states = self._initial_states()
         self.pending = None
         self.applied = count // self.sync.period
         self.replicas, self.history, self.history_from, self.history_bytes = {}, [], count, 0
