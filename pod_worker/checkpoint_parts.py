@@ -70,6 +70,14 @@ def holds_any(directories: list[str]) -> bool:
     return any(checkpoint.steps(str(root)) or _unfinished(root) for root in roots)
 
 
+def newest_finished(directories: list[str]) -> tuple[int, str] | None:
+    """The newest finished checkpoint in any of `directories`: (its step, its directory as
+    given), or None if they hold none."""
+    found = [(max(steps), directory) for directory in directories
+             if (steps := checkpoint.steps(str(pathlib.Path(directory).absolute())))]
+    return max(found, key=lambda item: item[0]) if found else None
+
+
 def newest_whole(directory: str, parts: list[str], before: int = 0) -> Choice:
     """The newest checkpoint of `directory` (older than `before`, if not 0) that every folder of
     `parts` also holds whole, and the newer steps any of them holds that were passed over (newest

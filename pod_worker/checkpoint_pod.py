@@ -46,6 +46,17 @@ def _state_fingerprint(state: dict) -> str:
     return fingerprint(state["params"], state["opt_state"], state.get("outer", {}))
 
 
+def _newer_diloco(diloco: tuple[int, str], every_step: int | None) -> CheckpointError:
+    """The refusal of an every-step resume where a DiLoCo run of the same directory saved later."""
+    step, where = diloco
+    offered = f"its newest every-step checkpoint is of step {every_step}" if every_step is not None \
+        else "it holds no whole every-step checkpoint"
+    return CheckpointError(
+        f"a DiLoCo run saved a checkpoint of step {step} in {where}, and {offered}: resuming with every-step "
+        f"sync would go back past the DiLoCo run's work. Resume it with sync.mode = \"diloco\" and the "
+        f"settings it was trained with, or start afresh in another run directory")
+
+
 class CheckpointPod:
     """The checkpoint part of Pod: it works on Pod's state (setup, writer, exchange, sequencer)."""
 
@@ -145,7 +156,7 @@ class CheckpointPod:
 
     def restore(self, path: str | None, directory: str | None, run_id: str, deadline: float,
                 parts: tuple[str, ...] = (), before: int = 0, warm_start_directory: str = "",
-                warm_start: bool = False) -> Restored:
+                warm_start: bool = False, diloco_directories: tuple[str, ...] = ()) -> Restored:
         """Load checkpoint `path`, or the newest one under `directory` that every folder of `parts`
         (the checkpoint's other parts) also holds whole, older than `before` if not 0
         (checkpoint_parts.newest_whole; the newer ones passed over are in Restored.skipped),
@@ -155,7 +166,10 @@ class CheckpointPod:
 
         DiLoCo warm start: with `warm_start` the checkpoint at `path` is an every-step one, whose
         parameters the outer state starts from (_restore); with `warm_start_directory`, the newest
-        checkpoint there is restored that way if `directory` and `parts` hold none at all yet."""
+        checkpoint there is restored that way if `directory` and `parts` hold none at all yet.
+        Every-step sync: a finished checkpoint in `diloco_directories` (a DiLoCo run's folders in
+        the same directory) newer than the one `directory` offers refuses the restore, so that a
+        resume never silently goes back past a DiLoCo run's work."""
         if path:
             return self._restore_path(path, run_id, deadline, warm_start)
         warm = bool(warm_start_directory) and not checkpoint_parts.holds_any([str(directory), *parts])
@@ -166,8 +180,16 @@ class CheckpointPod:
                                       + f", nor an every-step one in {warm_start_directory} to warm-start from")
             directory, parts = warm_start_directory, ()
         skipped: tuple[checkpoint_parts.Skipped, ...] = ()
+        diloco = checkpoint_parts.newest_finished(list(diloco_directories)) if diloco_directories else None
         while True:     # each pass looks strictly further back: it ends with a checkpoint or CheckpointError
-            choice = checkpoint_parts.newest_whole(str(directory), list(parts), before)
+            try:
+                choice = checkpoint_parts.newest_whole(str(directory), list(parts), before)
+            except CheckpointError as exc:
+                if diloco is not None:
+                    raise _newer_diloco(diloco, None) from exc
+                raise
+            if diloco is not None and diloco[0] > choice.step:
+                raise _newer_diloco(diloco, choice.step)
             try:
                 restored = self._restore_path(str(choice.path), run_id, deadline, warm)
             except CorruptCheckpoint as exc:    # this pod's own part of it cannot be read back: an older one

@@ -52,20 +52,26 @@ class StateRpcs:
         """Load a checkpoint: `path`, or the newest one under `directory` that each of `parts` also
         holds whole (older than before_step if set); the newer ones passed over are in `skipped`.
         DiLoCo: warm_start (with path) or warm_start_directory (with directory) take an
-        every-step checkpoint, from which the outer state starts afresh."""
+        every-step checkpoint, from which the outer state starts afresh; an every-step resume
+        refuses to go back past a newer checkpoint in diloco_directories."""
         self.pod.setup()
         if bool(request.path) == bool(request.directory):
             raise invalid("give exactly one of path (a checkpoint) or directory (restore its newest checkpoint)")
-        if request.path and (request.parts or request.before_step or request.warm_start_directory):
-            raise invalid("parts, before_step and warm_start_directory go with directory, not with path")
+        if request.path and (request.parts or request.before_step or request.warm_start_directory
+                             or request.diloco_directories):
+            raise invalid("parts, before_step, warm_start_directory and diloco_directories go with directory, "
+                          "not with path")
         if request.directory and request.warm_start:
             raise invalid("warm_start goes with path; with directory, give warm_start_directory")
         if any(not part for part in request.parts):
             raise invalid("parts holds an empty folder name")
+        if any(not folder for folder in request.diloco_directories):
+            raise invalid("diloco_directories holds an empty folder name")
         restored = self.pod.restore(request.path or None, request.directory or None, request.run_id,
                                     deadline(context), parts=tuple(request.parts), before=int(request.before_step),
                                     warm_start_directory=request.warm_start_directory,
-                                    warm_start=request.warm_start)
+                                    warm_start=request.warm_start,
+                                    diloco_directories=tuple(request.diloco_directories))
         return pb.RestoreReply(step=restored.step, fingerprint=restored.fingerprint,
                                metadata_json=json.dumps(restored.metadata), path=restored.path,
                                skipped=checkpoint_parts.to_proto(restored.skipped),

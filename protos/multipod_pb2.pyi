@@ -324,7 +324,7 @@ class SaveReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path", "directory", "run_id", "parts", "before_step", "warm_start_directory", "warm_start")
+    __slots__ = ("path", "directory", "run_id", "parts", "before_step", "warm_start_directory", "warm_start", "diloco_directories")
     PATH_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +332,7 @@ class RestoreRequest(_message.Message):
     BEFORE_STEP_FIELD_NUMBER: _ClassVar[int]
     WARM_START_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     WARM_START_FIELD_NUMBER: _ClassVar[int]
+    DILOCO_DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
     path: str
     directory: str
     run_id: str
@@ -339,7 +340,8 @@ class RestoreRequest(_message.Message):
     before_step: int
     warm_start_directory: str
     warm_start: bool
-    def __init__(self, path: _Optional[str] = ..., directory: _Optional[str] = ..., run_id: _Optional[str] = ..., parts: _Optional[_Iterable[str]] = ..., before_step: _Optional[int] = ..., warm_start_directory: _Optional[str] = ..., warm_start: _Optional[bool] = ...) -> None: ...
+    diloco_directories: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., directory: _Optional[str] = ..., run_id: _Optional[str] = ..., parts: _Optional[_Iterable[str]] = ..., before_step: _Optional[int] = ..., warm_start_directory: _Optional[str] = ..., warm_start: _Optional[bool] = ..., diloco_directories: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("step", "fingerprint", "metadata_json", "path", "skipped", "warm_start")

@@ -283,9 +283,11 @@ class Checkpointer:
         if directory:   # the first pod chooses the newest whole checkpoint; the others restore that one
             own = clients[0].pod_index
             parts = [self._directory(k) for k in range(self.cluster.size) if k != own] if self.per_pod else []
+            # Every-step sync refuses to go back past a DiLoCo run's newer checkpoint in the same directory.
+            diloco = [] if self.per_pod else [pod_directory(self.directory, k) for k in range(self.cluster.size)]
             first = [clients[0].restore(pb.RestoreRequest(
                 directory=self._directory(own), parts=parts, before_step=before, run_id=run_id,
-                warm_start_directory=self.directory if self.per_pod else ""), timeout)]
+                warm_start_directory=self.directory if self.per_pod else "", diloco_directories=diloco), timeout)]
             path = first[0].path
             skipped.extend(self._report_skipped(first[0].skipped))
         warm = bool(first and first[0].warm_start)

@@ -59,6 +59,12 @@ def test_a_resume_takes_the_newest_step_every_part_holds_whole_and_names_the_one
     with pytest.raises(grpc.RpcError) as info:
         worker.stub.Restore(pb.RestoreRequest(path=str(own / str(first)), parts=[str(missing)]), timeout=120)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parts" in info.value.details()
+    for bad in ({"path": str(own / str(first)), "diloco_directories": [str(missing)]},
+                {"directory": str(own), "diloco_directories": [""]}):
+        with pytest.raises(grpc.RpcError) as info:
+            worker.stub.Restore(pb.RestoreRequest(**bad), timeout=120)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "diloco_directories" in info.value.details()
+    assert worker.fingerprint() == before
 
 
 def test_a_part_whose_arrays_do_not_read_back_is_skipped_for_the_one_before(worker, tmp_path):

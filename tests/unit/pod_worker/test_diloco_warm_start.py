@@ -8,12 +8,15 @@ an every-step run's checkpoint with sync.mode = "diloco".
     every-step run it was taken from (to float tolerance);
   - a restore from the pods' own folders takes a DiLoCo checkpoint once one exists, and the
     every-step one only while none does;
-  - a warm start refuses a DiLoCo checkpoint, and a pod that syncs every step refuses it.
+  - a warm start refuses a DiLoCo checkpoint, and a pod that syncs every step refuses it;
+  - an every-step resume refuses to go back past a newer checkpoint of a DiLoCo run in the same
+    directory, and changes nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 import time
 
 import jax
@@ -136,5 +139,31 @@ def test_a_pod_that_syncs_every_step_refuses_a_warm_start(tmp_path):
     try:
         with pytest.raises(InvalidRequest, match="a warm start is for a pod in DiLoCo mode"):
             pods.pods[0].restore(path, None, f"warm-{next(_runs)}", _deadline(), warm_start=True)
+    finally:
+        pods.close()
+
+
+def test_an_every_step_resume_refuses_to_go_back_past_a_newer_diloco_checkpoint(tmp_path):
+    path, _ = _every_step_checkpoint(tmp_path, 1, WARM_AT + 1)
+    directory = tmp_path / "every-step"
+    diloco = (str(directory / "pod-0"), str(directory / "pod-1"))
+    pods = Pods(_every_step(1), 1)
+    try:
+        pod = pods.pods[0]
+        # A DiLoCo run warm-started there saved only its baseline, of the same step: nothing is lost.
+        shutil.copytree(path, directory / "pod-0" / str(WARM_AT))
+        assert pod.restore(None, str(directory), f"warm-{next(_runs)}", _deadline(),
+                           diloco_directories=diloco).step == WARM_AT
+        state = fingerprint(pod.trainer.params, pod.trainer.opt_state)
+        # Once it has saved a later step, an every-step resume would go back past its work: refused.
+        shutil.copytree(path, directory / "pod-1" / str(WARM_AT + 5))
+        refused = (f"DiLoCo run saved a checkpoint of step {WARM_AT + 5} in .*pod-1, "
+                   f"and its newest every-step checkpoint is of step {WARM_AT}")
+        with pytest.raises(CheckpointError, match=refused):
+            pod.restore(None, str(directory), f"warm-{next(_runs)}", _deadline(), diloco_directories=diloco)
+        assert fingerprint(pod.trainer.params, pod.trainer.opt_state) == state and pod.trainer.step == WARM_AT
+        # A directory that holds only a DiLoCo run's parts says so, not merely that it is empty.
+        with pytest.raises(CheckpointError, match="holds no whole every-step checkpoint.*sync.mode = \"diloco\""):
+            pod.restore(None, str(tmp_path / "none"), f"warm-{next(_runs)}", _deadline(), diloco_directories=diloco)
     finally:
         pods.close()

@@ -141,6 +141,8 @@ def test_resume_refuses_a_checkpoint_trained_on_other_data_and_takes_its_data_of
     assert checkpointer.data_offset == 4 and checkpointer.last_good == Saved(7, "ckpt/7")
     # Pod 0 found the newest checkpoint in the directory; the other pod restored that one.
     assert pods[0].calls[-1][1].directory == "ckpt" and pods[1].calls[-1][1].path == "ckpt/7"
+    # ... and was told where a DiLoCo run of the same directory keeps its parts, not to go back past them.
+    assert list(pods[0].calls[-1][1].diloco_directories) == ["ckpt/pod-0", "ckpt/pod-1"]
 
 
 # -- DiLoCo: one part per slot, a failed slot's written on its behalf -----------------------------

@@ -43,7 +43,7 @@ def test_resume_takes_the_newest_checkpoint_every_part_holds_and_says_which_it_s
     assert checkpointer.last_good == Saved(8, "ckpt/pod-0/8")
     asked = pods[0].calls[-1][1]
     assert asked.directory == "ckpt/pod-0" and list(asked.parts) == ["ckpt/pod-1", "ckpt/pod-2"]
-    assert asked.before_step == 0
+    assert asked.before_step == 0 and not asked.diloco_directories
     assert [pod.calls[-1][1].path for pod in pods[1:]] == ["ckpt/pod-1/8", "ckpt/pod-2/8"]
     printed = capsys.readouterr().out
     assert "skipping the checkpoint of step 12, it is not whole: pod 1's part is missing" in printed
