@@ -2,7 +2,8 @@
 checkpoint_parts.newest_whole), through a real worker in this process: a part that is missing, only
 orbax's temporary folder (a write that never completed), unreadable, or whose arrays do not read
 back is passed over, each named with its PartState in RestoreReply.skipped; with none whole the
-restore is refused naming why and changes nothing."""
+restore is refused naming why and changes nothing. An every-step resume refuses to go back past a
+newer checkpoint in a DiLoCo run's folders (RestoreRequest.diloco_directories)."""
 from __future__ import annotations
 
 import shutil
@@ -47,6 +48,13 @@ def test_a_resume_takes_the_newest_step_every_part_holds_whole_and_names_the_one
     assert worker.stub.Restore(pb.RestoreRequest(directory=str(own)), timeout=120).step == third
     older = worker.stub.Restore(pb.RestoreRequest(directory=str(own), before_step=third), timeout=120)
     assert older.step == second and not older.skipped
+    # An every-step resume does not go back past a newer checkpoint in a DiLoCo run's folders.
+    with pytest.raises(grpc.RpcError) as info:
+        worker.stub.Restore(pb.RestoreRequest(directory=str(missing), diloco_directories=[str(own)]), timeout=120)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"DiLoCo run saved a checkpoint of step {third} in {own}" in info.value.details()
+    assert worker.stub.Restore(pb.RestoreRequest(directory=str(own), diloco_directories=[str(unfinished)]),
+                               timeout=120).step == third
 
     # Metadata that does not read: unreadable; with no step whole the restore is refused naming why.
     (missing / str(first) / "meta" / "metadata").write_bytes(b"\x00{not json")
