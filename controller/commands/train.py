@@ -42,6 +42,9 @@ def train_run(args, addresses_fn) -> int:
                           "--set checkpoint.dir=DIR")
     if args.resume and not (args.run_dir or config.checkpoint.dir):
         raise ConfigError("--resume", "say which run to continue: --run-dir of that run, or --checkpoint-dir")
+    if config.checkpoint.warm_start_from and not args.resume:
+        raise ConfigError("checkpoint.warm_start_from", "a warm start is how --resume begins a DiLoCo run that "
+                          "has saved no checkpoint yet: run with --resume")
     security = security_from_args(args)
     launched = mode in LAUNCHERS     # we start the workers (local, ray), not the user
     if launched and not security.token:

@@ -175,6 +175,13 @@ class Checkpointer:
         """Whether every pod writes its own state (DiLoCo mode), not pod 0 alone."""
         return self.cluster.config.sync.diloco
 
+    @property
+    def warm_start_directory(self) -> str:
+        """DiLoCo --resume with no part saved yet: where the every-step checkpoint to start from is
+        (checkpoint.warm_start_from, made absolute as the pods may run elsewhere; else this run's own)."""
+        from_elsewhere = self.config.warm_start_from
+        return str(pathlib.Path(from_elsewhere).absolute()) if from_elsewhere else self.directory
+
     def _directory(self, pod: int) -> str:
         """Where pod `pod` writes and finds its checkpoints."""
         return pod_directory(self.directory, pod) if self.per_pod else self.directory
@@ -226,8 +233,9 @@ class Checkpointer:
         Returns its step.
 
         In DiLoCo mode with no part saved yet, the newest checkpoint of an every-step run in the
-        same directory is taken instead (a warm start): every pod restores it, the outer state
-        starts afresh from its parameters, and a baseline of the DiLoCo run is saved at once."""
+        same directory (or in checkpoint.warm_start_from) is taken instead (a warm start): every pod
+        restores it, the outer state starts afresh from its parameters, and a baseline of the DiLoCo
+        run is saved at once."""
         return self._restore(directory=self.directory)
 
     def _restore(self, path: str = "", directory: str = "") -> int:
@@ -287,7 +295,8 @@ class Checkpointer:
             diloco = [] if self.per_pod else [pod_directory(self.directory, k) for k in range(self.cluster.size)]
             first = [clients[0].restore(pb.RestoreRequest(
                 directory=self._directory(own), parts=parts, before_step=before, run_id=run_id,
-                warm_start_directory=self.directory if self.per_pod else "", diloco_directories=diloco), timeout)]
+                warm_start_directory=self.warm_start_directory if self.per_pod else "",
+                diloco_directories=diloco), timeout)]
             path = first[0].path
             skipped.extend(self._report_skipped(first[0].skipped))
         warm = bool(first and first[0].warm_start)

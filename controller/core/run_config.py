@@ -122,6 +122,9 @@ class CheckpointConfig:
     every: int = 100              # save every N steps, at the start and at the end (0: only start and end)
     keep: int = 3                 # keep the newest k checkpoints
     dir: str = ""                 # "" = <run dir>/checkpoints; must be readable by every pod
+    # DiLoCo --resume while this run has saved no checkpoint: the directory of an every-step run's
+    # checkpoints whose newest one the pods warm-start from ("" = this run's own directory, `dir`).
+    warm_start_from: str = ""
 
     def validate(self) -> None:
         non_negative("checkpoint.every", self.every)
@@ -269,6 +272,9 @@ class Config:
         """Check every section and the cross-section rules (the worker's too: a bad overlap or
         prompt is refused on load, not only when a worker configures); return self."""
         validate_sections(self, "data.seq_len", self.data.seq_len)
+        if self.checkpoint.warm_start_from and not self.sync.diloco:
+            raise ConfigError("checkpoint.warm_start_from", "a warm start begins a DiLoCo run from an every-step "
+                              "run's checkpoint: it needs sync.mode = \"diloco\"")
         return self
 
     def to_dict(self) -> dict:

@@ -161,3 +161,18 @@ def test_a_vocabulary_larger_than_the_model_allows_is_refused(tmp_path):
                      "--run-dir", str(tmp_path / "run"), timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "more than model.vocab_size = 256 allows" in result.stderr and "tokenizer.json" in result.stderr
+
+
+def test_a_warm_start_from_elsewhere_needs_diloco_and_resume(tmp_path):
+    """checkpoint.warm_start_from is where --resume begins a DiLoCo run: refused, before any worker
+    starts, for every-step sync and without --resume."""
+    elsewhere = f"checkpoint.warm_start_from={tmp_path / 'every-step'}"
+    every_step = run_cli("local", "--config", TINY, "--run-dir", str(tmp_path / "a"), "--resume",
+                         "--set", elsewhere, timeout=60)
+    assert every_step.returncode == 2 and "checkpoint.warm_start_from" in every_step.stderr
+    assert 'sync.mode = "diloco"' in every_step.stderr
+    no_resume = run_cli("local", "--config", TINY, "--run-dir", str(tmp_path / "b"), "--set", "sync.mode=diloco",
+                        "--set", elsewhere, timeout=60)
+    assert no_resume.returncode == 2 and "checkpoint.warm_start_from" in no_resume.stderr
+    assert "--resume" in no_resume.stderr
+    assert not list((tmp_path / "b").glob("worker-*.log")), "no worker may start"

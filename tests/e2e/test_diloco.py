@@ -62,15 +62,18 @@ def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path):
 
 def test_a_diloco_run_warm_starts_from_an_every_step_run_s_checkpoint(tmp_path, tmp_path_factory, env):
     """The DiLoCo paper's warm start, as a user gets it, on pods of two hosts: the every-step run of
-    test_hosts (shared by the session) saved step 4; `--resume` with sync.mode = "diloco" from it.
+    test_hosts (shared by the session) saved step 4, kept in a folder of its own; `--resume` of a new
+    run directory with sync.mode = "diloco" and checkpoint.warm_start_from naming that folder.
     Every pod takes that checkpoint, the outer state starts afresh from it (a baseline of the DiLoCo
     run is saved at once, the same on both pods), the cycle goes on from 4 inner steps, only the
-    outer step moves bytes over the DCN, and the closing sample is written."""
+    outer step moves bytes over the DCN, and the closing sample is written. (The run's own
+    checkpoint directory, the default, is the same path with another folder: test_resume.py.)"""
     every_step = two_hosts_reference(tmp_path_factory, env).run_dir / "checkpoints" / "4"
+    elsewhere = tmp_path / "every-step-run"
+    shutil.copytree(every_step, elsewhere / "4")
     run_dir = tmp_path / "run"
-    shutil.copytree(every_step, run_dir / "checkpoints" / "4")
     # The shared run's schedule (8 steps) and its evaluation and sample; DiLoCo's settings from SYNC.
-    sets = [arg for setting in SYNC[:6] for arg in ("--set", setting)]
+    sets = [arg for setting in [*SYNC[:6], f"checkpoint.warm_start_from={elsewhere}"] for arg in ("--set", setting)]
     done = run_cli("local", *TWO_HOSTS, "--config", TINY, "--steps", "8", "--no-report", "--run-dir", str(run_dir),
                    "--resume", "--set", "dcn.timeout_s=30", "--set", "run.step_timeout_s=90", *sets, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -78,7 +81,7 @@ def test_a_diloco_run_warm_starts_from_an_every_step_run_s_checkpoint(tmp_path, 
 
     restored = [e for e in _events(run_dir) if e["event"] == "restored"]
     assert [(e["step"], e.get("warm_start")) for e in restored] == [(4, True)]
-    assert restored[0]["path"] == str(run_dir / "checkpoints" / "4")
+    assert restored[0]["path"] == str(elsewhere / "4")
     assert len(set(_final_fingerprints(run_dir, 4))) == 1, "both pods start the DiLoCo run from one state"
     final = _final_fingerprints(run_dir, 8)
     assert final[0] != final[1], "the pods' inner states should differ after their own inner steps"

@@ -1,12 +1,15 @@
 """--resume of a DiLoCo run takes the newest whole checkpoint: the first pod chooses the newest step
 every pod's part holds complete (RestoreRequest.parts), the controller says which newer ones it
 skipped and why (RestoreReply.skipped), and a part another pod cannot read back (DATA_LOSS) sends
-the choice one checkpoint further back."""
+the choice one checkpoint further back. With no part saved yet, a warm start: every pod takes the
+newest every-step checkpoint of the run's own directory or of checkpoint.warm_start_from."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import grpc
+import pytest
 
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.components.checkpointer import Saved
@@ -79,3 +82,35 @@ def test_a_restore_of_the_last_good_checkpoint_sends_no_parts(tmp_path):
     assert checkpointer.restore() == 6
     assert [pod.calls[-1][1].path for pod in pods] == ["ckpt/pod-0/6", "ckpt/pod-1/6"]
     assert not pods[0].calls[-1][1].parts
+
+
+def _warm_starter(pods):
+    """Pod 0 answers a restore from its own folder, which holds no part yet, with the newest
+    checkpoint of the warm start's folder (RestoreReply.warm_start); a path restore as asked."""
+    def restore(request, timeout_s):
+        pods[0].calls.append(("Restore", request))
+        path = request.path or f"{request.warm_start_directory}/6"
+        return pb.RestoreReply(step=6, fingerprint="fp", path=path, metadata_json=json.dumps(pods[0].metadata),
+                               warm_start=not request.path or request.warm_start)
+    pods[0].restore = restore
+
+
+@pytest.mark.parametrize("warm_start_from", ["", "elsewhere/checkpoints"])
+def test_a_diloco_resume_with_no_part_saved_warm_starts_every_pod_from_one_every_step_checkpoint(
+        tmp_path, capsys, monkeypatch, warm_start_from):
+    monkeypatch.chdir(tmp_path)
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1, 2])
+    checkpointer.config = dataclasses.replace(checkpointer.config, warm_start_from=warm_start_from)
+    _warm_starter(pods)
+    assert checkpointer.resume() == 6
+    asked = pods[0].calls[-1][1]
+    # This run's own directory, or checkpoint.warm_start_from made absolute (the pods may run elsewhere).
+    want = str(tmp_path / warm_start_from) if warm_start_from else "ckpt"
+    assert asked.directory == "ckpt/pod-0" and asked.warm_start_directory == want
+    # The others restore the very checkpoint pod 0 chose, as a warm start.
+    assert [(p.calls[-1][1].path, p.calls[-1][1].warm_start) for p in pods[1:]] == [(f"{want}/6", True)] * 2
+    # Not a checkpoint of this run: the first step boundary saves its baseline, and a rewind needs one.
+    assert checkpointer.last_good is None and checkpointer.due(6)
+    assert "DiLoCo warm start: every pod took the every-step checkpoint" in capsys.readouterr().out
+    restored = [e for e in _events(tmp_path) if e["event"] == "restored"][-1]
+    assert restored["step"] == 6 and restored["warm_start"] is True and restored["path"] == f"{want}/6"
