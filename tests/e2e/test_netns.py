@@ -57,6 +57,18 @@ def _nothing_left(run_id: str, pids: list[int]) -> None:
     assert not [p for p in pids if pid_alive(p)], "workers left behind"
 
 
+def _wait_inside(pid: int, namespace: str, deadline_s: float = 10.0) -> None:
+    """Wait until `pid` has entered `namespace`: `ip netns exec` opens the namespace before it
+    joins it, so a namespace removed in between would leave the process running outside it."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        listed = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True)
+        if namespace in listed.stdout.split():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not enter {namespace} within {deadline_s} s")
+
+
 def _pids(run_dir) -> list[int]:
     return [int(p) for pattern in ("worker-*.log", "spare-*.log") for log in run_dir.glob(pattern)
             for p in re.findall(r"\(pid (\d+)\)", log.read_text())]
@@ -107,6 +119,7 @@ def test_the_network_is_shaped_reachable_and_removed_and_a_killed_run_s_is_clean
     stale.create()
     sleeper = subprocess.Popen(stale.wrap(0, 0, ["sleep", "600"]))
     try:
+        _wait_inside(sleeper.pid, f"multipod-{dead.pid}-0-p0h0")
         removed = netns.clean_stale()
         assert f"multipod-{dead.pid}-0-p0h0" in removed and f"mp{dead.pid}-0" in removed
         assert not wait_gone(stale.run_id)
