@@ -74,8 +74,14 @@ def read_evals(run_dir: pathlib.Path) -> list[dict]:
     return [r for r in _records(run_dir) if "eval_loss" in r]
 
 
+def jsonl(path: pathlib.Path) -> list[dict]:
+    """The records of a .jsonl file a run may still be writing: a last line without its newline
+    is a record being written, left out (a finished file ends with one)."""
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+
+
 def _records(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return jsonl(run_dir / "metrics.jsonl")
 
 
 def worker_pids(run_dir: pathlib.Path) -> list[int]:

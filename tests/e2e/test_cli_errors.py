@@ -1,4 +1,5 @@
 """The CLI's errors for bad input: they name what is wrong, and come within a deadline."""
+import contextlib
 import socket
 import time
 
@@ -11,10 +12,13 @@ from multipod.protos import multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from tests.helpers import TINY, run_cli
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def _port_nobody_listens_on():
+    """A loopback port held bound but not listening while the block runs: a connection to it is
+    refused, and no other process (the other test process, say) can take it meanwhile."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def test_unknown_config_key_names_the_field():
@@ -51,11 +55,12 @@ def test_train_without_a_checkpoint_dir_is_refused_before_contacting_a_worker(tm
 
 
 def test_unreachable_worker_is_reported_by_address_within_the_deadline(tmp_path):
-    address = f"127.0.0.1:{_free_port()}"
-    start = time.monotonic()
-    result = run_cli("train", "--workers", address, "--config", TINY, "--set", "run.connect_timeout_s=2",
-                     "--set", f"checkpoint.dir={tmp_path / 'checkpoints'}", "--run-dir", str(tmp_path / "run"),
-                     timeout=60)
+    with _port_nobody_listens_on() as port:
+        address = f"127.0.0.1:{port}"
+        start = time.monotonic()
+        result = run_cli("train", "--workers", address, "--config", TINY, "--set", "run.connect_timeout_s=2",
+                         "--set", f"checkpoint.dir={tmp_path / 'checkpoints'}", "--run-dir", str(tmp_path / "run"),
+                         timeout=60)
     assert result.returncode == 1
     assert f"pod 0 ({address}) is unreachable" in result.stderr
     assert time.monotonic() - start < 30

@@ -137,10 +137,11 @@ def test_a_controller_error_after_the_pods_started_tears_them_down(cluster, ray_
 
 def test_no_cluster_at_the_address_is_a_clear_error(tmp_path):
     import socket
-    with socket.socket() as s:      # a port where nothing listens
+    with socket.socket() as s:      # a port where nothing listens, held so that nothing else takes it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = run_cli("ray", "--address", f"127.0.0.1:{port}", "--run-dir", str(tmp_path), *_args(2), timeout=120)
+        result = run_cli("ray", "--address", f"127.0.0.1:{port}", "--run-dir", str(tmp_path), *_args(2),
+                         timeout=120)
     assert result.returncode == 1
     assert f"no Ray cluster at --address 127.0.0.1:{port}" in result.stderr
 

@@ -28,7 +28,7 @@ import pytest
 from multipod.controller.launch.local import LocalPods
 from multipod.pod_worker import checkpoint
 from multipod.protos.channels import Security
-from tests.helpers import ROOT, TINY, cli_argv, pid_alive, read_metrics
+from tests.helpers import ROOT, TINY, cli_argv, jsonl, pid_alive, read_metrics
 
 STEPS = 10
 COMMON = ("--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(STEPS), "--no-report",
@@ -59,7 +59,7 @@ def _final(run_dir: pathlib.Path) -> dict[int, dict]:
 
 
 def _events(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return jsonl(run_dir / "events.jsonl")
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: pathlib.Path, step: int, timeout: float = 400) -> None:
@@ -103,12 +103,15 @@ class _Live:
         """The next stdout line (after the ones earlier waits returned) that contains text."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            ended = self.proc.poll() is not None
+            if ended:       # what it printed last may still be in the pumps: let them drain first
+                for t in self._threads:
+                    t.join(timeout=10)
             for index in range(self._seen, len(self.out)):
                 if text in self.out[index]:
                     self._seen = index + 1
                     return self.out[index]
-            assert self.proc.poll() is None or any(text in l for l in self.out[self._seen:]), \
-                "".join(self.out + self.err)
+            assert not ended, f"the run ended without printing {text!r}:\n" + "".join(self.out + self.err)
             time.sleep(0.05)
         raise AssertionError(f"{text!r} not printed within {timeout}s:\n" + "".join(self.out + self.err))
 

@@ -173,11 +173,11 @@ def test_auto_turns_packing_on_over_a_slow_link_and_the_sums_stay_exact(pods_fac
 def test_auto_does_not_pack_while_a_pod_only_waits_on_a_late_peer(pods_factory, monkeypatch):  # noqa: F811
     # A fast link, and pod 1 starting every exchange 0.5 s after pod 0: pod 0 waits far longer
     # than packing would cost, but on a pod still computing, which packing cannot shorten. (Waits
-    # under 0.15 s count for nothing here, so that a loaded machine's scheduling delays on the
+    # under 0.3 s count for nothing here, so that a loaded machine's scheduling delays on the
     # wire cannot turn packing on; the 0.5 s wait on pod 1 still would, if it counted.)
     import concurrent.futures
     import time
-    monkeypatch.setattr(LosslessPolicy, "MIN_WAIT_S", 0.15)
+    monkeypatch.setattr(LosslessPolicy, "MIN_WAIT_S", 0.3)
     pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="auto")
     for step in range(5):
         grads = gradients(2, seed=step)

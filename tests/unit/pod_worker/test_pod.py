@@ -48,9 +48,11 @@ def test_status_reports_ready_after_configure(worker):
 def test_a_step_whose_predecessor_never_comes_is_aborted_before_the_rpc_deadline(worker):
     ahead = worker.status().step + 1
     start = time.monotonic()
-    error = _error(worker.stub.Step, worker.step_request(ahead), timeout=2.0)
+    # Deadlines of 5 s or more leave the worker its whole answer margin (rpc_handler.wait_budget:
+    # 0.5 s), which a loaded machine needs; a shorter one leaves a tenth of it.
+    error = _error(worker.stub.Step, worker.step_request(ahead), timeout=5.0)
     assert error.code() == grpc.StatusCode.ABORTED, error.details()
-    assert "did not finish in time" in error.details() and time.monotonic() - start < 2.0
+    assert "did not finish in time" in error.details() and time.monotonic() - start < 5.0
     assert worker.train().checksum             # the pod steps on
 
 
@@ -67,9 +69,9 @@ def test_save_and_restore_while_the_pod_is_busy_say_failed_precondition(worker, 
     thread.start()
     try:
         assert held.wait(10)
-        error = _error(worker.stub.Save, pb.SaveRequest(step=step, directory=str(tmp_path)), timeout=1.5)
+        error = _error(worker.stub.Save, pb.SaveRequest(step=step, directory=str(tmp_path)), timeout=5)
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "still running" in error.details()
-        error = _error(worker.stub.Restore, pb.RestoreRequest(directory=str(tmp_path)), timeout=1.5)
+        error = _error(worker.stub.Restore, pb.RestoreRequest(directory=str(tmp_path)), timeout=5)
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "still running" in error.details()
         assert worker.status().state == pb.WORKER_STATE_READY    # a hold without a state of its own
     finally:

@@ -2,6 +2,7 @@
 and errors, and the configure check that a restarted pod matches the pods that stayed up."""
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -172,10 +173,15 @@ def test_pods_with_different_device_counts_are_refused_before_any_compiles():
 def test_pods_sharing_a_compilation_cache_configure_pod_0_first_and_the_rest_together(shared_cache):
     events: list[tuple[str, int]] = []
     pods = [FakePod(p) for p in range(3)]
+    # The pods that must be configured at once meet at a barrier: configured one after another,
+    # the first would wait there alone, the barrier would break, and the configure would fail.
+    together = [1, 2] if shared_cache else [0, 1, 2]
+    meeting = threading.Barrier(len(together), timeout=30)
     for pod in pods:
         def answer(request, pod=pod):
             events.append(("start", pod.pod_index))
-            time.sleep(0.05)    # long enough for pods configured together to overlap
+            if pod.pod_index in together:
+                meeting.wait()
             events.append(("end", pod.pod_index))
             return configure_reply(pod.pod_index)
         pod.on_configure = answer

@@ -61,7 +61,8 @@ def test_a_crash_is_charged_to_the_running_candidate_and_the_search_goes_on(tmp_
 
 def test_a_hang_is_charged_by_its_deadline(tmp_path, monkeypatch):
     candidates = [Candidate(2, 1, False, 1, "selective"), Candidate(2, 1, False, 1, "none")]
-    results, _, starts = _run(candidates, tmp_path, monkeypatch, timeout_s=1.5)
-    assert results[0] == {"status": "error", "error": "timed out: this candidate took more than 1.5s"}
+    # The deadline also covers starting a fresh Python for the probe, so it is not cut to the bone.
+    results, _, starts = _run(candidates, tmp_path, monkeypatch, timeout_s=5.0)
+    assert results[0] == {"status": "error", "error": "timed out: this candidate took more than 5s"}
     assert results[1]["status"] == "ok"
     assert starts == [[0, 1], [1]]
