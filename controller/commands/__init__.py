@@ -7,9 +7,9 @@
   tune        tune: search one pod's layout (the search itself is controller/tune/)
   plan        plan: project the cross-pod sync settings onto a cluster on paper (tune/cost.py)
 
-report, tokenizer and peak-flops call straight into their concern's module (observe/report.py,
-data/tokenizer.py, observe/peak.py). The entry module, multipod.cli, adds `worker` from the worker
-side.
+report, tokenizer, cache and peak-flops call straight into their concern's module
+(observe/report.py, data/tokenizer.py, data/cache_store.py, observe/peak.py). The entry module,
+multipod.cli, adds `worker` from the worker side.
 
 Kept free of jax imports at module level: `multipod --help` needs only the standard library.
 """
@@ -97,6 +97,21 @@ def add_commands(sub) -> None:
     bpe.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, special tokens included")
     bpe.add_argument("--out", required=True, metavar="PATH", help="where tokenizer.json goes")
 
+    cache = sub.add_parser("cache", help="list the data cache (token caches, trained tokenizers), or remove what no "
+                           "run has used for a while")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    for name, text in (("list", "every entry: size, days since a run used it, what it was made from"),
+                       ("prune", "remove the entries no run has used for --older-than-days (a run that needs one "
+                                 "again rebuilds it)")):
+        command = cache_sub.add_parser(name, help=text)
+        command.add_argument("--cache-dir", metavar="DIR",
+                             help="the cache root (default: $MULTIPOD_CACHE_DIR, else ~/.cache/multipod; a run's "
+                                  "data.cache_dir)")
+        if name == "prune":
+            command.add_argument("--older-than-days", type=float, required=True, metavar="DAYS",
+                                 help="remove what no run has used for this many days (0: everything)")
+            command.add_argument("--dry-run", action="store_true", help="say what would go, and remove nothing")
+
     from multipod.controller.commands.ptune import add_arguments as add_ptune_arguments
     ptune = sub.add_parser("ptune", help="prompt tuning or p-tuning of a checkpoint on a task of input/output pairs: "
                            "the base stays frozen; across simulated pods, or --workers")
@@ -144,6 +159,26 @@ def attach(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache_command(args: argparse.Namespace) -> int:
+    """`multipod cache list|prune`: what the data cache holds, and removing what no run used lately."""
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.data import cache_store
+    root = pathlib.Path(args.cache_dir).expanduser() if args.cache_dir else cache_store.default_root()
+    if args.cache_dir and not root.is_dir():
+        raise ConfigError("--cache-dir", f"{root} is not a directory")
+    if args.cache_command == "list":
+        print(f"cache {root}:")
+        print(cache_store.table(cache_store.entries(root)))
+        return 0
+    if not args.older_than_days >= 0:
+        raise ConfigError("--older-than-days", f"must be 0 or more, got {args.older_than_days:g}")
+    gone = cache_store.prune(root, args.older_than_days, dry_run=args.dry_run)
+    print(f"cache {root}: {'would remove' if args.dry_run else 'removed'} what no run used for "
+          f"{args.older_than_days:g} days:")
+    print(cache_store.table(gone))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one controller command; returns the exit code (errors are printed, not raised)."""
     from multipod.controller.cluster.client import WorkerError
@@ -188,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "tokenizer":
             from multipod.controller.data.tokenizer import train_main
             return train_main(args)
+        if args.command == "cache":
+            return cache_command(args)
         if args.command == "tune":
             from multipod.controller.commands.tune import main as tune_main
             return tune_main(args)

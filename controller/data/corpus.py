@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import shutil
 import time
 
 from multipod.controller.core.run_config import Config, ConfigError
+from multipod.controller.data.cache_store import default_root, mark_used
 from multipod.controller.data.dataset import TokenDataset
 from multipod.controller.data.sources import iter_documents, source_fingerprint
 from multipod.controller.data.token_cache import SPLIT_RULE, held_out, open_cache
@@ -45,8 +45,7 @@ class RunData:
 
 def cache_root(config: Config) -> pathlib.Path:
     """data.cache_dir, else $MULTIPOD_CACHE_DIR, else ~/.cache/multipod."""
-    chosen = config.data.cache_dir or os.environ.get("MULTIPOD_CACHE_DIR")
-    return pathlib.Path(chosen) if chosen else pathlib.Path.home() / ".cache" / "multipod"
+    return pathlib.Path(config.data.cache_dir) if config.data.cache_dir else default_root()
 
 
 def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
@@ -62,6 +61,7 @@ def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
     path = root / "tokenizers" / key / "tokenizer.json"
     if path.is_file():
         tokenizer = load_tokenizer(str(path))
+        mark_used(path.parent)      # what `multipod cache prune` goes by
         out(f"tokenizer: reusing the BPE of {size:,} tokens trained on this corpus ({path})")
         return tokenizer
     out(f"tokenizer: training a byte-level BPE of {size:,} tokens on the corpus (once; cached in {path.parent})")

@@ -36,6 +36,7 @@ import numpy as np
 
 from multipod.controller.data import sources
 from multipod.controller.data.batches import DataError
+from multipod.controller.data.cache_store import mark_used
 
 # Bump when the layout or the meaning of the files changes: old caches are then never reused.
 FORMAT_VERSION = 1
@@ -148,6 +149,7 @@ def open_cache(path: str, tokenizer, cache_root: pathlib.Path, text_field: str =
     else:
         out(cache.report_summary)
         out(f"token cache: reusing {final} ({cache.describe()})")
+    mark_used(final)        # what `multipod cache prune` goes by
     return cache
 
 

@@ -87,7 +87,7 @@ def test_the_installed_wheel_trains_two_pods_and_generates_from_a_neutral_direct
     assert found.returncode == 0 and found.stdout.startswith(str(installed.parent)), found.stdout + found.stderr
     helped = _run(installed / "multipod", "--help", cwd=neutral)
     assert helped.returncode == 0, helped.stderr
-    for command in ("worker", "train", "local", "tune", "peak-flops", "generate", "ptune", "report"):
+    for command in ("worker", "train", "local", "tune", "peak-flops", "generate", "ptune", "report", "cache"):
         assert command in helped.stdout
 
     # What a user runs: the console script of the installed wheel, 2 pods on the tiny config,
@@ -102,6 +102,8 @@ def test_the_installed_wheel_trains_two_pods_and_generates_from_a_neutral_direct
                      "--max-tokens", "4", "--temperature", "0", cwd=neutral, env=env)
     assert generated.returncode == 0, generated.stdout + generated.stderr
     assert generated.stdout.startswith("def ") and "4 token(s) in" in generated.stderr
+    listed = _run(installed / "multipod", "cache", "list", cwd=neutral, env=env)     # the run's token cache in it
+    assert listed.returncode == 0 and " tokens " in listed.stdout, listed.stdout + listed.stderr
 
 
 def test_building_the_command_line_imports_no_jax():
@@ -109,6 +111,6 @@ def test_building_the_command_line_imports_no_jax():
     parsing any command but tune's --remat leaves jax unimported."""
     code = ("import sys, multipod.cli as c; p = c.build_parser(); "
             "[p.parse_args(a) for a in (['worker', '--pod-index', '0'], ['train', '--workers', 'x:1'], "
-            "['local'], ['tune'], ['peak-flops'])]; print('jax' in sys.modules)")
+            "['local'], ['tune'], ['peak-flops'], ['cache', 'list'])]; print('jax' in sys.modules)")
     result = _run(sys.executable, "-c", code, cwd=ROOT)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr
