@@ -50,7 +50,16 @@ class _Collective:
         try:
             return self.inbox.wait_leaf(step, phase, leaf, deadline)
         finally:
-            stats.idle_s += time.monotonic() - start
+            self._waited(step, start, stats)
+
+    def _waited(self, step: int, start: float, stats) -> None:
+        """Account a wait on peers' chunks that began at `start` and ends now: all of it in
+        idle_s, and in wire_wait_s the part from the first chunk that landed during it."""
+        end = time.monotonic()
+        stats.idle_s += end - start
+        landed = self.inbox.first_landed_since(step, start)
+        if landed is not None and landed < end:
+            stats.wire_wait_s += end - landed
 
     def _put(self, step: int, deadline: float, peer: int, phase: int, leaf: int, offset: int, payload) -> int:
         """Queue one chunk for `peer`; the bytes it takes on the wire."""
@@ -157,7 +166,7 @@ class SlotGather(_Collective):
             try:
                 got = self.inbox.wait_slots(step, i, deadline)
             finally:
-                stats.idle_s += time.monotonic() - start
+                self._waited(step, start, stats)
             parts = [decoded[s][i] if s in decoded else got[s] for s in range(plan.num_pods)]
             total = state.output[i]
             if plan.whole:      # WholeGradient: own + peer, which is slot 0 + slot 1 (addition commutes)

@@ -35,6 +35,11 @@ class ExchangeStats:
     # The part of idle_s before every peer's first chunk of the step had landed: waiting on a pod
     # still computing (a straggler), not on the link. The rest of idle_s is bytes on the wire.
     peer_wait_s: float = 0.0
+    # The part of idle_s from the first chunk that landed during each wait to the wait's end: the
+    # link delivering bytes while the step thread waited. What dcn.lossless = auto goes by: a wait
+    # on a peer still computing a leaf (none of its chunks landing) is not the link's doing, and
+    # the overlapped step makes such waits after the peer's first chunk, which peer_wait_s misses.
+    wire_wait_s: float = 0.0
     packed: bool = False       # this step's chunks were queued to go zstd-packed (dcn.lossless)
     first_wait_at: float | None = None     # when the step thread first waited (time.monotonic())
 
@@ -203,7 +208,7 @@ class Exchange:
             stats.peer_wait_s = min(stats.idle_s, max(0.0, began - stats.first_wait_at))
         stats.bytes_sent += self._partial_bytes.pop(step, 0)
         # Packing pays only for waits on the wire, never for a wait on a pod still computing.
-        if self.outbox is not None and self.lossless.update(stats.bytes_sent, stats.idle_s - stats.peer_wait_s):
+        if self.outbox is not None and self.lossless.update(stats.bytes_sent, stats.wire_wait_s):
             self._log_packing(step, stats)
         for old in [s for s in self._partial_bytes if s < step]:     # steps that failed before their exchange
             del self._partial_bytes[old]
@@ -215,7 +220,7 @@ class Exchange:
         so_far = f"; packed so far: {wire / raw:.3f} of the bytes" if raw else ""
         log.info("pod %d, exchange %d: waited %.3f s on peers' bytes on the wire for %d bytes sent: chunks go %s "
                  "from the next exchange on (dcn.lossless = auto%s)", self.pod_index, step,
-                 stats.idle_s - stats.peer_wait_s, stats.bytes_sent,
+                 stats.wire_wait_s, stats.bytes_sent,
                  "zstd-packed" if self.lossless.packing else "raw", so_far)
 
     # -- the state vote: every live pod starts a step from the same state -------------------------

@@ -19,6 +19,7 @@ abort() makes every wait fail at once and refuses every later chunk (the exchang
 """
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +81,10 @@ class _StepState:
         # pod -> when its first gradient chunk of the step had landed (time.monotonic()): from then
         # on, waiting on that pod is waiting on the link, not on a pod still computing.
         self.first_chunk_at: dict[int, float] = {}
+        # When each gradient chunk of the step landed (time.monotonic(), in order): a wait during
+        # which chunks kept landing is a wait on the link; one during which none did is a wait on
+        # a peer still computing the leaf (the overlapped step sends each leaf as it is ready).
+        self.landed: list[float] = []
         self.slots: dict[tuple[int, int], _Slot] = {}
         # The result. 2 pods: the peer's chunks are added to this pod's own values as they arrive
         # (own + peer == peer + own bitwise: IEEE addition commutes), so the sum is done when the
@@ -262,7 +267,9 @@ class Inbox:
             if phase < PHASE_PARTIAL_BASE and phase != PHASE_VOTE:     # the gradient itself
                 state = self._steps.get(step)
                 if state is not None:
-                    state.first_chunk_at.setdefault(pod, time.monotonic())
+                    now = time.monotonic()
+                    state.first_chunk_at.setdefault(pod, now)
+                    state.landed.append(now)
             slot.bytes += len(payload)
             slot.missing[leaf] -= 1
             if slot.missing[leaf] == 0:
@@ -326,6 +333,16 @@ class Inbox:
             times = [state.first_chunk_at.get(p) for p in pods] if state is not None else []
         known = [t for t in times if t is not None]
         return max(known) if known and len(known) == len(times) else None
+
+    def first_landed_since(self, step: int, since: float) -> float | None:
+        """When the first gradient chunk of `step` to land at or after `since` landed
+        (time.monotonic()); None if none has."""
+        with self._cond:
+            state = self._steps.get(step)
+            if state is None:
+                return None
+            index = bisect.bisect_left(state.landed, since)
+            return state.landed[index] if index < len(state.landed) else None
 
     def wait_leaf(self, step: int, phase: int, leaf: int, deadline: float) -> dict[int, np.ndarray]:
         """Block until every peer's part of `leaf` in `phase` has arrived; returns it by pod.

@@ -101,9 +101,9 @@ class LosslessPolicy:
 
     def update(self, bytes_sent: int, wire_wait_s: float) -> bool:
         """After an exchange that queued `bytes_sent` and waited `wire_wait_s` for the peers'
-        bytes once they had begun sending (ExchangeStats.idle_s - peer_wait_s: a wait on a pod still
-        computing is none of the link's doing, and packing would not shorten it): whether the next
-        one packs. True when the choice changed."""
+        bytes while they were landing (ExchangeStats.wire_wait_s: a wait on a pod still computing
+        is none of the link's doing, and packing would not shorten it): whether the next one
+        packs. True when the choice changed."""
         self._seen += 1
         if self.mode != Lossless.AUTO or self._seen <= self.SETTLE:
             return False

@@ -3,6 +3,8 @@ the N-pod sums stay bitwise what they are unpacked, and `auto` packs only while 
 pod waiting."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -175,7 +177,6 @@ def test_auto_does_not_pack_while_a_pod_only_waits_on_a_late_peer(pods_factory, 
     # than packing would cost, but on a pod still computing, which packing cannot shorten. (Waits
     # under 0.3 s count for nothing here, so that a loaded machine's scheduling delays on the
     # wire cannot turn packing on; the 0.5 s wait on pod 1 still would, if it counted.)
-    import concurrent.futures
     import time
     monkeypatch.setattr(LosslessPolicy, "MIN_WAIT_S", 0.3)
     pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="auto")
@@ -189,6 +190,45 @@ def test_auto_does_not_pack_while_a_pod_only_waits_on_a_late_peer(pods_factory, 
             summed1, stats1 = pods.exchanges[1].all_reduce(step, grads[1])
             summed0, stats0 = early.result(timeout=60)
         assert stats0.idle_s > 0.25 and stats0.peer_wait_s > 0.25, stats0     # it did wait, on pod 1
+        for summed in (summed0, summed1):
+            for got, want in zip(summed, pod_order_sum(grads)):
+                assert_bitwise(np.asarray(got), want)
+        assert not stats0.packed and not stats1.packed
+    assert not any(ex.lossless.packing for ex in pods.exchanges)
+
+
+class _Late:
+    """A leaf whose values are ready `delay_s` after the exchange asks for them, as the overlapped
+    step's later leaves are while the backward pass still computes them."""
+
+    def __init__(self, values: np.ndarray, delay_s: float):
+        self.values, self.delay_s = values, delay_s
+
+    def __array__(self, dtype=None, copy=None):
+        import time
+        time.sleep(self.delay_s)
+        return self.values
+
+
+def test_auto_does_not_pack_while_a_peer_computes_a_leaf_after_its_first_ones_went(pods_factory, monkeypatch):  # noqa: F811
+    # The overlapped step's case: pod 1 sends its first leaf at once, then computes the next for
+    # 0.6 s. Pod 0 waits that long on a peer whose first chunk has landed, so the split at the
+    # first chunk (peer_wait_s) calls the wait the link's; no chunk lands during it, and the
+    # wire wait counts only the burst that ends it. (Waits under 0.2 s count for nothing here,
+    # so that a loaded machine's scheduling cannot turn packing on either way.)
+    monkeypatch.setattr(LosslessPolicy, "MIN_WAIT_S", 0.2)
+    pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="auto")
+    for step in range(5):
+        grads = gradients(2, seed=step)
+        for ex in pods.exchanges:
+            ex.inbox.set_next_step(step)
+        late = [grads[1][0], _Late(grads[1][1], 0.6), grads[1][2]]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(pods.exchanges[0].all_reduce, step, grads[0])
+            summed1, stats1 = pods.exchanges[1].all_reduce(step, late)
+            summed0, stats0 = first.result(timeout=60)
+        assert stats0.idle_s - stats0.peer_wait_s > 0.4, stats0      # what used to count as the link's
+        assert stats0.wire_wait_s < 0.2, stats0
         for summed in (summed0, summed1):
             for got, want in zip(summed, pod_order_sum(grads)):
                 assert_bitwise(np.asarray(got), want)
