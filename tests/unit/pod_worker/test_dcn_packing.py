@@ -177,24 +177,32 @@ def test_auto_does_not_pack_while_a_pod_only_waits_on_a_late_peer(pods_factory, 
     # than packing would cost, but on a pod still computing, which packing cannot shorten. (Waits
     # under 0.3 s count for nothing here, so that a loaded machine's scheduling delays on the
     # wire cannot turn packing on; the 0.5 s wait on pod 1 still would, if it counted.)
-    import time
     monkeypatch.setattr(LosslessPolicy, "MIN_WAIT_S", 0.3)
     pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="auto")
     for step in range(5):
         grads = gradients(2, seed=step)
-        for ex in pods.exchanges:
-            ex.inbox.set_next_step(step)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            early = pool.submit(pods.exchanges[0].all_reduce, step, grads[0])
-            time.sleep(0.5)
-            summed1, stats1 = pods.exchanges[1].all_reduce(step, grads[1])
-            summed0, stats0 = early.result(timeout=60)
+        stats0, stats1 = _exchange_both(pods, step, grads, grads[1], pod1_after_s=0.5)
         assert stats0.idle_s > 0.25 and stats0.peer_wait_s > 0.25, stats0     # it did wait, on pod 1
-        for summed in (summed0, summed1):
-            for got, want in zip(summed, pod_order_sum(grads)):
-                assert_bitwise(np.asarray(got), want)
         assert not stats0.packed and not stats1.packed
     assert not any(ex.lossless.packing for ex in pods.exchanges)
+
+
+def _exchange_both(pods, step: int, grads, pod1_leaves, pod1_after_s: float = 0.0):
+    """One exchange of 2 pods: pod 0 starts at once with grads[0], pod 1 `pod1_after_s` later
+    with `pod1_leaves` (grads[1], or stand-ins for them); both sums are checked bitwise against
+    the pod-order sum. Returns both pods' ExchangeStats."""
+    import time
+    for ex in pods.exchanges:
+        ex.inbox.set_next_step(step)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(pods.exchanges[0].all_reduce, step, grads[0])
+        time.sleep(pod1_after_s)
+        summed1, stats1 = pods.exchanges[1].all_reduce(step, pod1_leaves)
+        summed0, stats0 = first.result(timeout=60)
+    for summed in (summed0, summed1):
+        for got, want in zip(summed, pod_order_sum(grads)):
+            assert_bitwise(np.asarray(got), want)
+    return stats0, stats1
 
 
 class _Late:
@@ -220,17 +228,9 @@ def test_auto_does_not_pack_while_a_peer_computes_a_leaf_after_its_first_ones_we
     pods = pods_factory(2, leaves=LEAVES, chunk=CHUNK, lossless="auto")
     for step in range(5):
         grads = gradients(2, seed=step)
-        for ex in pods.exchanges:
-            ex.inbox.set_next_step(step)
         late = [grads[1][0], _Late(grads[1][1], 0.6), grads[1][2]]
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(pods.exchanges[0].all_reduce, step, grads[0])
-            summed1, stats1 = pods.exchanges[1].all_reduce(step, late)
-            summed0, stats0 = first.result(timeout=60)
+        stats0, stats1 = _exchange_both(pods, step, grads, late)
         assert stats0.idle_s - stats0.peer_wait_s > 0.4, stats0      # what used to count as the link's
         assert stats0.wire_wait_s < 0.2, stats0
-        for summed in (summed0, summed1):
-            for got, want in zip(summed, pod_order_sum(grads)):
-                assert_bitwise(np.asarray(got), want)
         assert not stats0.packed and not stats1.packed
     assert not any(ex.lossless.packing for ex in pods.exchanges)
