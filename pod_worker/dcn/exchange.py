@@ -33,7 +33,8 @@ class ExchangeStats:
     bytes_received: int = 0
     idle_s: float = 0.0        # time the step thread sat waiting on peers' chunks
     # The part of idle_s before every peer's first chunk of the step had landed: waiting on a pod
-    # still computing (a straggler), not on the link. The rest of idle_s is bytes on the wire.
+    # still computing (a straggler), not on the link. The rest is not all the wire's: with the
+    # overlapped step a peer may still be computing a later leaf (wire_wait_s tells them apart).
     peer_wait_s: float = 0.0
     # The part of idle_s from the first chunk that landed during each wait to the wait's end: the
     # link delivering bytes while the step thread waited. What dcn.lossless = auto goes by: a wait

@@ -78,8 +78,8 @@ class _StepState:
 
     def __init__(self, plan: Plan, pod: int):
         self.errors: dict[int, str] = {}       # pod -> why its part of the step failed
-        # pod -> when its first gradient chunk of the step had landed (time.monotonic()): from then
-        # on, waiting on that pod is waiting on the link, not on a pod still computing.
+        # pod -> when its first gradient chunk of the step had landed (time.monotonic()): a wait
+        # before then is a wait on a pod still computing (ExchangeStats.peer_wait_s).
         self.first_chunk_at: dict[int, float] = {}
         # When each gradient chunk of the step landed (time.monotonic(), in order): a wait during
         # which chunks kept landing is a wait on the link; one during which none did is a wait on
