@@ -64,6 +64,7 @@ class TrainingRpcs:
                                    fingerprint_s=outcome.fingerprint_s,
                                    idle_s=link.idle_s if link else 0.0,
                                    peer_wait_s=link.peer_wait_s if link else 0.0,
+                                   wire_wait_s=link.wire_wait_s if link else 0.0,
                                    exposed_exchange_s=outcome.exposed_exchange_s),
             dcn_bytes_sent=link.bytes_sent if link else 0,
             dcn_bytes_received=link.bytes_received if link else 0, dcn_packed=bool(link and link.packed),

@@ -142,7 +142,7 @@ class ShardResult(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., loss_sum: _Optional[float] = ..., z_loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "checksum_s", "idle_s", "exposed_exchange_s", "fingerprint_s", "peer_wait_s")
+    __slots__ = ("wait_s", "compute_s", "exchange_s", "update_s", "checksum_s", "idle_s", "exposed_exchange_s", "fingerprint_s", "peer_wait_s", "wire_wait_s")
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class StepTimings(_message.Message):
     EXPOSED_EXCHANGE_S_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_S_FIELD_NUMBER: _ClassVar[int]
     PEER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WIRE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     wait_s: float
     compute_s: float
     exchange_s: float
@@ -161,7 +162,8 @@ class StepTimings(_message.Message):
     exposed_exchange_s: float
     fingerprint_s: float
     peer_wait_s: float
-    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ..., peer_wait_s: _Optional[float] = ...) -> None: ...
+    wire_wait_s: float
+    def __init__(self, wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., exchange_s: _Optional[float] = ..., update_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., exposed_exchange_s: _Optional[float] = ..., fingerprint_s: _Optional[float] = ..., peer_wait_s: _Optional[float] = ..., wire_wait_s: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("step", "pod_index", "loss_sum", "z_loss_sum", "tokens", "grad_norm", "learning_rate", "skipped", "checksum", "timings", "dcn_bytes_sent", "dcn_bytes_received", "fingerprint", "shards", "outer", "dcn_packed")

@@ -66,7 +66,7 @@ def step_record(step: int, replies, step_time_s: float, accounting: Accounting, 
                             exposed_exchange_s=r.timings.exposed_exchange_s, update_s=r.timings.update_s,
                             wait_s=r.timings.wait_s, checksum_s=r.timings.checksum_s,
                             fingerprint_s=r.timings.fingerprint_s, idle_s=r.timings.idle_s,
-                            peer_wait_s=r.timings.peer_wait_s,
+                            peer_wait_s=r.timings.peer_wait_s, wire_wait_s=r.timings.wire_wait_s,
                             dcn_bytes_sent=r.dcn_bytes_sent, dcn_packed=r.dcn_packed) for r in replies)
     return StepRecord(
         step=step, loss=sum(r.loss_sum for r in shards) / tokens, z_loss=sum(r.z_loss_sum for r in shards) / tokens,

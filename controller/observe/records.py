@@ -39,6 +39,9 @@ class PodTimings:
     # The part of idle_s before every peer's first chunk had landed: waiting on a pod still
     # computing (a straggler), not on the link. 0.0 in files written before it was recorded.
     peer_wait_s: float = 0.0
+    # The part of idle_s after a peer's chunk had landed during the wait: bytes on the wire. 0.0 in
+    # files written before it was recorded.
+    wire_wait_s: float = 0.0
     dcn_bytes_sent: int         # bytes this pod put on the data plane, after compression, before packing
     dcn_packed: bool = False    # its chunks went zstd-packed (dcn.lossless): fewer bytes crossed the link
 

@@ -35,19 +35,23 @@ class Summary:
     # Per pod ("0", "1", ...), the median over the timed steps of its peer_wait_s: how long it waited
     # each step on a pod that had not begun sending its gradient (a slower pod, not the link).
     median_peer_wait_s: dict[str, float] = field(default_factory=dict)
+    # Per pod, the median of its wire_wait_s: how long it waited each step while a peer's chunks
+    # were landing (the link, not a slower pod).
+    median_wire_wait_s: dict[str, float] = field(default_factory=dict)
 
 
 # A wait on slower pods under this share of the median step is not worth a line of its own.
 STRAGGLER_SHARE = 0.05
 
 
-def median_peer_waits(records: list[StepRecord]) -> dict[str, float]:
-    """Per pod, the median of its peer_wait_s over the steps it took part in (none for one pod)."""
+def median_waits(records: list[StepRecord], kind: str = "peer_wait_s") -> dict[str, float]:
+    """Per pod, the median of its wait of this kind (a PodTimings field: peer_wait_s or
+    wire_wait_s) over the steps it took part in (none for one pod)."""
     waits: dict[int, list[float]] = {}
     for record in records:
         if len(record.pods) > 1:
             for pod in record.pods:
-                waits.setdefault(pod.pod, []).append(pod.peer_wait_s)
+                waits.setdefault(pod.pod, []).append(getattr(pod, kind))
     return {str(pod): statistics.median(values) for pod, values in sorted(waits.items())}
 
 
@@ -61,6 +65,17 @@ def straggler_line(summary: Summary) -> str | None:
     each = ", ".join(f"pod {pod} {1e3 * wait:.0f} ms" for pod, wait in waits.items())
     return (f"waiting on slower pods, median per step: {each} (of a {summary.median_step_time_s:.3f}s step); "
             f"the others waited on pod {slowest}, the last to reach the exchange")
+
+
+def link_line(summary: Summary) -> str | None:
+    """A line naming the waits on the link (peers' chunks landing) when they are a noticeable
+    share of the step, with the settings that shorten them; None otherwise."""
+    waits = summary.median_wire_wait_s
+    if len(waits) < 2 or max(waits.values()) < STRAGGLER_SHARE * summary.median_step_time_s:
+        return None
+    each = ", ".join(f"pod {pod} {1e3 * wait:.0f} ms" for pod, wait in waits.items())
+    return (f"waiting on the link, median per step: {each} (of a {summary.median_step_time_s:.3f}s step); "
+            "`multipod tune --dcn` picks the cross-pod settings for this link (docs/usage.md)")
 
 
 def sample(client, config: Config, tokenizer) -> str | None:
@@ -98,7 +113,7 @@ def finish(config: Config, client, run_dir: pathlib.Path, tokenizer, last_eval: 
         median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed) if timed else 0.0,
         median_mfu=statistics.median(mfus) if mfus else None,
         median_hfu=statistics.median(hfus) if hfus else None, sample=text, run_dir=str(run_dir),
-        median_peer_wait_s=median_peer_waits(timed))
+        median_peer_wait_s=median_waits(timed, "peer_wait_s"), median_wire_wait_s=median_waits(timed, "wire_wait_s"))
     (run_dir / "summary.json").write_text(json.dumps({**summary.__dict__, **(extra or {})}, indent=2) + "\n")
     return summary
 
@@ -112,9 +127,9 @@ def print_summary(summary: Summary) -> None:
         + (f", held-out loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
         + (f" ({summary.eval_bits_per_byte:.3f} bits/byte)" if summary.eval_bits_per_byte is not None else ""))
     out(f"median step {summary.median_step_time_s:.3f}s, {summary.median_tokens_per_s:,.0f} tokens/s, MFU {mfu_text}")
-    straggler = straggler_line(summary)
-    if straggler:
-        out(straggler)
+    for line in (straggler_line(summary), link_line(summary)):
+        if line:
+            out(line)
     out(f"final state checksum {summary.checksum} (identical on every pod)")
     out(f"run directory: {summary.run_dir}")
     if summary.sample is not None:

@@ -70,6 +70,10 @@ def test_metrics_and_run_directory(two_pods):
     # Each pod's median wait on a slower pod, from its step records' peer_wait_s.
     waits = summary["median_peer_wait_s"]
     assert sorted(waits) == ["0", "1"] and all(0.0 <= w < 10.0 for w in waits.values())
+    # Each pod's waits split into the two kinds the worker measures, never more than it idled.
+    for pod in (p for r in read_metrics(run_dir) for p in r["pods"]):
+        assert pod["peer_wait_s"] >= 0.0 and pod["wire_wait_s"] >= 0.0, pod
+        assert pod["peer_wait_s"] <= pod["idle_s"] + 1e-9 and pod["wire_wait_s"] <= pod["idle_s"] + 1e-9, pod
     assert "sample:" in result.stdout and "done: 20 steps" in result.stdout
     # The run ends with its report (controller/observe/report.py; its unit test checks the panels).
     assert f"report: {run_dir / 'report.png'}" in result.stdout

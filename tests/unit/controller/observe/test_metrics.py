@@ -54,13 +54,15 @@ def test_recorder_keeps_the_latest_record_of_a_replayed_step_and_counts_skips():
     assert recorder.note_skipped(5, False) == 1
 
 
-def test_the_record_shows_the_exposed_exchange_checksum_and_fingerprint_per_pod_and_at_most():
+def test_the_record_shows_the_exposed_exchange_waits_checksum_and_fingerprint_per_pod_and_at_most():
     replies = _replies()
     replies[0].timings.exposed_exchange_s, replies[1].timings.exposed_exchange_s = 0.02, 0.05
     replies[0].timings.checksum_s, replies[1].timings.checksum_s = 0.004, 0.003
     replies[0].timings.idle_s, replies[1].timings.idle_s = 0.01, 0.0
+    replies[0].timings.peer_wait_s, replies[0].timings.wire_wait_s = 0.006, 0.003
     record = _record(replies)
     assert [p.exposed_exchange_s for p in record.pods] == [0.02, 0.05]
+    assert [(p.peer_wait_s, p.wire_wait_s) for p in record.pods] == [(0.006, 0.003), (0.0, 0.0)]
     assert [p.checksum_s for p in record.pods] == [0.004, 0.003]
     assert (record.exposed_exchange_s, record.checksum_time_s, record.idle_time_s) == (0.05, 0.004, 0.01)
     assert record.checksums == ("f", "f") and record.fingerprints is None and record.fingerprint_time_s == 0.0
