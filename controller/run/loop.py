@@ -18,6 +18,7 @@ from multipod.controller.cluster.pods import Cluster, Watchdog
 from multipod.controller.components.failover import split_microbatches
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import Divergence, RunError
+from multipod.controller.core.fault_hooks import StepHold
 from multipod.controller.data.batches import Prefetcher, StepData, token_dtype
 from multipod.controller.observe.metrics import Accounting, Recorder, step_record
 from multipod.controller.observe.records import StepRecord
@@ -66,6 +67,7 @@ class StepLoop:
         self._restarts = 0
         # [(step, clients, hosts, replies)] of the steps some pods finished when another failed
         self._partials: list[tuple] = []
+        self._hold = StepHold()     # test hook (controller/core/fault_hooks.py); holds nothing in a run
 
     def run(self, start: int, data_offset: int = 0, restarts: int = 0) -> None:
         """Steps start..run.steps-1, step s training on batch s + data_offset, then the final
@@ -84,6 +86,8 @@ class StepLoop:
         try:
             try:
                 for step in range(start, stop):
+                    if self._hold.at(step, self.drain):
+                        self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
                     self._boundary(step)
                     if self.failover is not None and self.failover.on_step(step, self.drain):
                         self._watchdog.stop()          # a pod rejoined: watch it too

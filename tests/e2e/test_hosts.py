@@ -20,7 +20,7 @@ import pytest
 
 from multipod.pod_worker import checkpoint
 from tests.e2e import ptune_task
-from tests.e2e.pod_failure import kill_and_finish
+from tests.e2e.pod_failure import held_env, kill_and_finish
 from tests.e2e.shared_runs import SharedRun, shared_run
 from tests.e2e.test_recovery import _events, _Live, _run
 from tests.helpers import TINY, read_evals, read_metrics, run_cli, run_param_count, same_losses
@@ -122,13 +122,14 @@ def _kill_host_1_of_pod_1(run_dir, two_hosts, env, *extra: str) -> None:
     step 5 the controller waits for the failed pod to be ready again (a test hook,
     controller/core/fault_hooks.py), so its return is an event the run waits for, not a race with
     its end. Checks that every step is recorded once with the shared run's checksums."""
+    hold = run_dir.parent / f"{run_dir.name}-hold"     # the kill lands before step 3 (a test hook too)
     run = _Live("local", "--no-report", *TWO_HOSTS, *COMMON, *extra, "--run-dir", str(run_dir),
-                env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
+                env=held_env(dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"), hold, 3))
 
     def host_1_of_pod_1() -> int:
         return int(re.findall(r"\(pid (\d+)\)", (run_dir / "worker-1-host-1.log").read_text())[-1])
 
-    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods", step=2)
+    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods", step=2, hold=hold)
     assert code == 0, "".join(run.out) + "".join(run.err)
     records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(two_hosts)}
     assert [r["step"] for r in records] == list(range(STEPS))

@@ -26,7 +26,7 @@ from multipod.controller.launch.local import LaunchError
 from multipod.controller.launch.netns import ETC_NETNS, NetnsError, Network, leftovers, wait_gone
 from multipod.controller.launch.netns_pods import NetnsPods
 from multipod.protos.channels import Security
-from tests.e2e.pod_failure import kill_and_finish
+from tests.e2e.pod_failure import held_env, kill_and_finish
 from tests.e2e.test_hosts import COMMON, STEPS, TWO_HOSTS, two_hosts_reference
 from tests.e2e.test_recovery import _events, _Live
 from tests.helpers import ROOT, TINY, cli_argv, pid_alive, read_metrics, require_namespaces, run_cli
@@ -144,13 +144,14 @@ def test_pods_of_two_hosts_in_namespaces_lose_a_pod_and_train_bitwise_as_on_loop
     # still bitwise equal to the uninterrupted one. A pod restarting in place and rejoining is
     # test_hosts.py's (on loopback).
     run_dir = tmp_path / "run"
+    hold = tmp_path / "hold"       # the kill lands before step 3 (a test hook too)
     run = _Live("local", "--netns", "--netns-rate-gbps", "1", *TWO_HOSTS, *COMMON, "--spares", "1", "--no-report",
-                "--run-dir", str(run_dir), env=dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"))
+                "--run-dir", str(run_dir), env=held_env(dict(env, MULTIPOD_TEST_REJOIN_BY_STEP="5"), hold, 3))
 
     def host_1_of_pod_1() -> int:
         return int(re.findall(r"\(pid (\d+)\)", (run_dir / "worker-1-host-1.log").read_text())[-1])
 
-    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods", step=2)
+    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 1/2 pods", step=2, hold=hold)
     out = "".join(run.out)
     assert code == 0, out + "".join(run.err)
     assert "links shaped to 1 Gb/s, TLS + CURVE" in out

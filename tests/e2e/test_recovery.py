@@ -192,16 +192,23 @@ def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrup
                                                                                    common):
     """kill -9 pod 1 mid-run; once the run has recovered, stop the new pod 1 with SIGSTOP: the
     controller names it, has the supervisor replace it, and recovers again. The run ends with
-    the uninterrupted run's state checksum."""
-    run = _Live("local", *common, "--run-dir", str(tmp_path), env=env)
+    the uninterrupted run's state checksum. The controller holds (a test hook) before step 4, for
+    the kill, and before step 5, first reached after the recovery (from the checkpoint of step 3),
+    for the stop: neither can land after the run has ended."""
+    from tests.e2e.pod_failure import held_env, release, wait_held
+    hold = tmp_path / "hold"
+    run = _Live("local", *common, "--run-dir", str(tmp_path), env=held_env(env, hold, 4, 5))
     try:
-        _wait_for_step(run.proc, tmp_path, 3)
+        wait_held(run, hold, 4)
         pid, port = _current_pid(tmp_path, 1)
         os.kill(pid, signal.SIGKILL)
+        release(hold, 4)
         run.wait_for("recovered", 300)
+        wait_held(run, hold, 5)
         hung, hung_port = _current_pid(tmp_path, 1)
         assert hung != pid and hung_port == port          # restarted on the same port
         os.kill(hung, signal.SIGSTOP)
+        release(hold, 5)
         line = run.wait_for("is not responding", 100)
         assert f"pod 1 (127.0.0.1:{port}) is not responding" in line
         code = run.finish(400)

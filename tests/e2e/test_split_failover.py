@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.e2e.pod_failure import kill_and_finish
+from tests.e2e.pod_failure import held_env, kill_and_finish
 from tests.e2e.test_recovery import _current_pid, _events, _Live, _run
 from tests.helpers import TINY, read_metrics
 
@@ -32,8 +32,10 @@ def test_a_killed_pod_s_microbatches_are_spread_over_the_survivors(tmp_path, env
     assert result.returncode == 0, result.stdout + result.stderr
 
     run_dir = tmp_path / "killed"
-    run = _Live("local", *_args(), "--run-dir", str(run_dir), env=env)
-    code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods", step=KILL_AT)
+    hold = tmp_path / "hold"
+    run = _Live("local", *_args(), "--run-dir", str(run_dir), env=held_env(env, hold, KILL_AT + 1))
+    code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods", step=KILL_AT,
+                           hold=hold)
     assert code == 0, "".join(run.out) + "".join(run.err)
 
     records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
@@ -75,12 +77,13 @@ def test_on_pods_of_two_hosts_a_killed_pod_s_microbatches_are_spread_host_by_hos
     assert result.returncode == 0, result.stdout + result.stderr
 
     run_dir = tmp_path / "killed"
-    run = _Live("local", *_host_args(), "--run-dir", str(run_dir), env=env)
+    hold = tmp_path / "hold"      # the kill lands before step 2 whatever the machine's speed
+    run = _Live("local", *_host_args(), "--run-dir", str(run_dir), env=held_env(env, hold, 2))
 
     def host_1_of_pod_1() -> int:    # one host dies; its pod fails as a whole
         return int(re.findall(r"\(pid (\d+)\)", (run_dir / "worker-1-host-1.log").read_text())[-1])
 
-    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 2/3 pods", step=1)
+    code = kill_and_finish(run, run_dir, host_1_of_pod_1, "degraded: 2/3 pods", step=1, hold=hold)
     assert code == 0, "".join(run.out) + "".join(run.err)
 
     records, expected = read_metrics(run_dir), {r["step"]: r for r in read_metrics(reference)}
