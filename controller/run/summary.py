@@ -6,7 +6,7 @@ import json
 import pathlib
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from multipod.controller.data.batches import narrow
 from multipod.controller.observe.metrics import out
@@ -44,9 +44,12 @@ class Summary:
 STRAGGLER_SHARE = 0.05
 
 
-def median_waits(records: list[StepRecord], kind: str = "peer_wait_s") -> dict[str, float]:
-    """Per pod, the median of its wait of this kind (a PodTimings field: peer_wait_s or
-    wire_wait_s) over the steps it took part in (none for one pod)."""
+WaitKind = Literal["peer_wait_s", "wire_wait_s"]     # the PodTimings fields that split idle_s
+
+
+def median_waits(records: list[StepRecord], kind: WaitKind = "peer_wait_s") -> dict[str, float]:
+    """Per pod, the median of its wait of this kind over the steps it took part in (none for one
+    pod)."""
     waits: dict[int, list[float]] = {}
     for record in records:
         if len(record.pods) > 1:
