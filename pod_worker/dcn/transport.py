@@ -132,6 +132,9 @@ class Listener:
         self._sink = None
         self._peers: dict[bytes, _Peer] = {}
         self._by_fd: dict[int, bytes] = {}
+        # Routing ids of closed connections (ZeroMQ never reuses one): frames of theirs still queued
+        # are dropped, not taken for a new connection's on a descriptor that is no longer theirs.
+        self._gone: collections.deque[bytes] = collections.deque(maxlen=256)
         self._closed = threading.Event()
         self.context = zmq.Context(1)
         sock = self.socket = self.context.socket(zmq.ROUTER)
@@ -189,7 +192,7 @@ class Listener:
             try:
                 ready = dict(poller.poll(200))
                 if self._monitor in ready:
-                    self._on_event(parse_monitor_message(self._monitor.recv_multipart()))
+                    self._drain_events()
                 for _ in range(256 if self.socket in ready else 0):
                     try:
                         frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -214,11 +217,26 @@ class Listener:
         if sink is not None and peer is not None and peer.pod is not None and peer.run_id == sink.run_id:
             sink.refused_chunk(peer.pod, why)
 
+    def _drain_events(self) -> None:
+        """Handle every connection event queued so far. All of them, not one: the kernel hands a
+        new connection the lowest free descriptor, often one a closed connection just freed, and
+        ZeroMQ queues a connection's events before its first frame. A disconnection still queued
+        when a new connection's first frame is read would otherwise be taken for the new one's and
+        forget it, and its handshake would be refused halfway (seen in a hot swap under --netns)."""
+        while True:
+            try:
+                message = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_event(parse_monitor_message(message))
+
     def _on_event(self, event: Mapping[str, Any]) -> None:
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
         ident = self._by_fd.pop(int(event["value"]), None)
         peer = self._peers.pop(ident, None) if ident is not None else None
+        if ident is not None:
+            self._gone.append(ident)
         sink = self._sink
         if peer is not None and peer.pod is not None and sink is not None and peer.run_id == sink.run_id:
             sink.lost(peer.pod, peer.steps, "its data-plane connection closed")
@@ -231,6 +249,9 @@ class Listener:
         ident, kind = frames[0].bytes, frames[1].bytes if len(frames) > 1 else b""
         peer = self._peers.get(ident)
         if peer is None:
+            self._drain_events()        # a closed connection's events first: it may have had this fd
+            if ident in self._gone:     # the last frames of a connection that has closed
+                return
             fd = frames[-1].get(zmq.SRCFD)
             peer = self._peers[ident] = _Peer(fd)
             self._by_fd[fd] = ident
