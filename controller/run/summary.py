@@ -58,25 +58,32 @@ def median_waits(records: list[StepRecord], kind: WaitKind = "peer_wait_s") -> d
     return {str(pod): statistics.median(values) for pod, values in sorted(waits.items())}
 
 
+def _noticeable(waits: dict[str, float], summary: Summary) -> str | None:
+    """Each pod's median wait ("pod 0 40 ms, pod 1 0 ms") when pods wait on each other and the
+    longest is a noticeable share of the step (STRAGGLER_SHARE); None otherwise."""
+    if len(waits) < 2 or max(waits.values()) < STRAGGLER_SHARE * summary.median_step_time_s:
+        return None
+    return ", ".join(f"pod {pod} {1e3 * wait:.0f} ms" for pod, wait in waits.items())
+
+
 def straggler_line(summary: Summary) -> str | None:
     """A line naming the waits on slower pods when they are a noticeable share of the step, and
     the pod the others waited for (the one that waited least); None otherwise."""
     waits = summary.median_peer_wait_s
-    if len(waits) < 2 or max(waits.values()) < STRAGGLER_SHARE * summary.median_step_time_s:
+    each = _noticeable(waits, summary)
+    if each is None:
         return None
     slowest = min(waits, key=lambda pod: (waits[pod], int(pod)))
-    each = ", ".join(f"pod {pod} {1e3 * wait:.0f} ms" for pod, wait in waits.items())
     return (f"waiting on slower pods, median per step: {each} (of a {summary.median_step_time_s:.3f}s step); "
             f"the others waited on pod {slowest}, the last to reach the exchange")
 
 
 def link_line(summary: Summary) -> str | None:
     """A line naming the waits on the link (peers' chunks landing) when they are a noticeable
-    share of the step, with the settings that shorten them; None otherwise."""
-    waits = summary.median_wire_wait_s
-    if len(waits) < 2 or max(waits.values()) < STRAGGLER_SHARE * summary.median_step_time_s:
+    share of the step, with the command that picks settings for it; None otherwise."""
+    each = _noticeable(summary.median_wire_wait_s, summary)
+    if each is None:
         return None
-    each = ", ".join(f"pod {pod} {1e3 * wait:.0f} ms" for pod, wait in waits.items())
     return (f"waiting on the link, median per step: {each} (of a {summary.median_step_time_s:.3f}s step); "
             "`multipod tune --dcn` picks the cross-pod settings for this link (docs/usage.md)")
 

@@ -195,7 +195,7 @@ def test_killed_and_hung_workers_are_restarted_and_the_run_ends_as_if_uninterrup
     the uninterrupted run's state checksum. The controller holds (a test hook) before step 4, for
     the kill, and before step 5, first reached after the recovery (from the checkpoint of step 3),
     for the stop: neither can land after the run has ended."""
-    from tests.e2e.pod_failure import held_env, release, wait_held
+    from tests.e2e.pod_failure import held_env, release, wait_held  # here: pod_failure imports this module
     hold = tmp_path / "hold"
     run = _Live("local", *common, "--run-dir", str(tmp_path), env=held_env(env, hold, 4, 5))
     try:
