@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import struct
@@ -62,6 +63,27 @@ PLAIN, CURVE = "tcp://", "curve://"
 
 class LinkError(RuntimeError):
     """A connection to a peer could not be set up or broke."""
+
+
+_MONITORS = itertools.count()
+
+
+def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket that receives `sock`'s `events`. Its in-process address is unique for the
+    process: pyzmq's default names it after the socket's file descriptor, which a new socket can
+    take while the closed one's name is still registered ("Address already in use")."""
+    return sock.get_monitor_socket(events, addr=f"inproc://multipod-monitor-{next(_MONITORS)}")
+
+
+def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Stop monitoring a socket, close it, then close its monitor: with libzmq 4.3.5, closing the
+    monitor first kept the pair's three file descriptors for as long as the context lived, seen
+    with a socket closed before it had connected."""
+    if monitor is not None and not sock.closed:
+        sock.disable_monitor()
+    sock.close(linger=0)
+    if monitor is not None:
+        monitor.close(linger=0)
 
 
 def _event_name(event: Mapping[str, Any]) -> str:
@@ -145,7 +167,7 @@ class Listener:
             _, private = curve_keys(secret, b"server")
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, private)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = _monitor(sock, zmq.EVENT_DISCONNECTED)
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--dcn-listen must be HOST:PORT, got {listen!r}")
@@ -178,9 +200,7 @@ class Listener:
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
-        for s in (getattr(self, "_monitor", None), self.socket):
-            if s is not None:
-                s.close(linger=0)
+        _close_monitored(self.socket, getattr(self, "_monitor", None))
         self.context.term()
 
     # -- the thread -----------------------------------------------------------------------------
@@ -353,14 +373,18 @@ class Connection:
             sock.setsockopt(zmq.CURVE_SERVERKEY, curve_keys(secret, b"server")[0])
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, private)
-        self._monitor = sock.get_monitor_socket(self._BROKEN)
-        self._poller = zmq.Poller()
-        self._poller.register(self._monitor, zmq.POLLIN)
-        sock.connect(endpoint)
+        try:
+            self._monitor = _monitor(sock, self._BROKEN)
+            self._poller = zmq.Poller()
+            self._poller.register(self._monitor, zmq.POLLIN)
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            # An unclosed socket would make the context's term() wait for it forever.
+            _close_monitored(sock, getattr(self, "_monitor", None))
+            raise
 
     def close(self) -> None:
-        self._monitor.close(linger=0)
-        self.socket.close(linger=0)
+        _close_monitored(self.socket, self._monitor)
 
     def _wait(self, flag: int, deadline: float, doing: str) -> None:
         self._poller.register(self.socket, flag)
