@@ -90,19 +90,37 @@ def _boxed_init(config: ModelConfig, key: jax.Array):
     return Transformer(config).init(key, tokens)["params"]
 
 
+def _values(boxed):
+    """The plain tree of a boxed one (each nn.Partitioned's value). Not nn.unbox, which also
+    constrains each value's sharding: jit's out_shardings has placed them already."""
+    return jax.tree_util.tree_map(lambda leaf: leaf.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+@functools.lru_cache(maxsize=16)
+def _init_fn(config: ModelConfig):
+    """The boxed init of `config`, one function object per config: jax caches a trace on the
+    function, so abstract_params' eval_shape and init_params' jit (whatever its out_shardings)
+    trace the model's init once between them, not twice."""
+    return functools.partial(_boxed_init, config)
+
+
 @functools.lru_cache(maxsize=16)
 def _jitted_init(config: ModelConfig, sharding_treedef, sharding_leaves):
     # Cached (keyed on the flattened, hashable shardings) so repeated init_params calls
     # for one config and layout compile once.
     shardings = None
     if sharding_treedef is not None:
-        shardings = jax.tree_util.tree_unflatten(sharding_treedef, sharding_leaves)
-    unboxed = lambda key: nn.unbox(_boxed_init(config, key))
+        # The boxed tree's structure with the shardings as leaves: jit's out_shardings must match
+        # the boxed output (unboxed after the call, which moves no data).
+        boxed = abstract_params(config)
+        if jax.tree_util.tree_structure(_values(boxed)) != sharding_treedef:
+            raise ValueError("init_params: `shardings` must have the parameter tree's structure")
+        shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(boxed), sharding_leaves)
     # On CPU, LLVM-optimising the unrolled threefry rounds of every initializer costs
     # ~0.5 s of compile per parameter for no benefit (init runs once), so skip it there.
     # Values stay a deterministic function of the seed for a given jax version/backend.
     options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-    return jax.jit(unboxed, out_shardings=shardings, compiler_options=options)
+    return jax.jit(_init_fn(config), out_shardings=shardings, compiler_options=options)
 
 
 def init_params(config: ModelConfig, seed: int, shardings=None) -> dict:
@@ -117,7 +135,7 @@ def init_params(config: ModelConfig, seed: int, shardings=None) -> dict:
     leaves: list = []
     if shardings is not None:
         leaves, treedef = jax.tree_util.tree_flatten(shardings)
-    return _jitted_init(config, treedef, tuple(leaves))(jax.random.PRNGKey(seed))
+    return _values(_jitted_init(config, treedef, tuple(leaves))(jax.random.PRNGKey(seed)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -129,4 +147,4 @@ def abstract_params(config: ModelConfig):
     (treat the result as read-only).
     """
     config.validate()
-    return jax.eval_shape(functools.partial(_boxed_init, config), jax.random.PRNGKey(0))
+    return jax.eval_shape(_init_fn(config), jax.random.PRNGKey(0))

@@ -86,8 +86,9 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         table. Identical on every pod: a pure function of the seed, computed locally, never
         transferred."""
         sharding = param_shardings(abstract_params(self.config.model), self.mesh)
-        with activate_rules(self.mesh):
-            params = init_params(self.config.model, self.config.train.seed, shardings=sharding)
+        # Outside activate_rules, as abstract_params traced the init: jax then reuses that trace
+        # (a trace is cached per mesh context). jit's out_shardings lays the parameters out.
+        params = init_params(self.config.model, self.config.train.seed, shardings=sharding)
         return sharding, params
 
     @property

@@ -83,3 +83,20 @@ def test_abstract_params_are_traced_once_per_config(tiny_config):
     first = abstract_params(tiny_config)
     assert abstract_params(tiny_config) is first
     assert abstract_params(dataclasses.replace(tiny_config, d_model=tiny_config.d_model * 2)) is not first
+
+
+def test_a_sharded_init_reuses_the_trace_of_its_shapes(tiny_config, monkeypatch):
+    # A worker asks for the shapes (to lay the parameters out), then for the values in that
+    # layout: the model's init is traced once for both, the way a worker starts.
+    from multipod.model import transformer
+    traced = []
+    real = transformer._boxed_init
+    monkeypatch.setattr(transformer, "_boxed_init", lambda config, key: traced.append(config) or real(config, key))
+    config = dataclasses.replace(tiny_config, mlp_dim=tiny_config.mlp_dim * 3)   # no cached trace yet
+    mesh = partitioning.make_mesh(2, 2)
+    shardings = partitioning.param_shardings(abstract_params(config), mesh)
+    params = init_params(config, seed=0, shardings=shardings)
+    assert len(traced) == 1
+    assert jax.tree.map(lambda p: p.sharding, params) == shardings
+    for sharded, plain in zip(jax.tree.leaves(params), jax.tree.leaves(init_params(config, seed=0))):
+        np.testing.assert_array_equal(np.asarray(sharded), np.asarray(plain))    # the layout changes no value
