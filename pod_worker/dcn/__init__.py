@@ -4,7 +4,10 @@ One job per module, each read top to bottom:
   wire.py         the wire codec: none, bf16, int8 with one scale per block of <= 256 values
   packing.py      lossless zstd packing of a chunk's bytes (dcn.lossless) and when to pack
   plan.py         who sends which slice of which leaf to whom, in which chunks
-  transport.py    zmq sockets, the HMAC handshake that binds a connection to a pod, frames, CURVE
+  transport.py    the protocol: the HMAC handshake that binds a connection to a pod, frames,
+                  addresses, CURVE keys, socket monitors
+  listener.py     Listener: this worker's ROUTER socket, the server's side of the handshake
+  connection.py   Connection: one DEALER stream to a peer, the client's side of the handshake
   inbox.py        validation of every chunk, preallocated receive buffers, waiting for leaves and
                   for the peers' state votes
   outbox.py       the links to the peers (threads that send queued chunks) and the slow-link Pacer
@@ -17,6 +20,7 @@ One job per module, each read top to bottom:
 """
 from multipod.pod_worker.dcn.exchange import Exchange, ExchangeStats
 from multipod.pod_worker.dcn.inbox import ExchangeError, InvalidChunk, StateVoteError
+from multipod.pod_worker.dcn.listener import Listener
 from multipod.pod_worker.dcn.outbox import Pacer
 from multipod.pod_worker.dcn.plan import (
     PHASE_GATHER,
@@ -29,7 +33,6 @@ from multipod.pod_worker.dcn.plan import (
     Plan,
 )
 from multipod.pod_worker.dcn.transfer import StateReceiver, TransferError, TransferStats, send_state
-from multipod.pod_worker.dcn.transport import Listener
 from multipod.pod_worker.dcn.wire import BLOCK, WireCodec
 
 __all__ = ["BLOCK", "PHASE_GATHER", "PHASE_REDUCE", "PHASE_SLOT_BASE", "PHASE_STATE", "PHASE_STATE_MANIFEST",

@@ -25,7 +25,9 @@ import numpy as np
 import zmq
 
 from multipod import protos
-from multipod.pod_worker.dcn.transport import HEADER, Connection, LinkError, Listener
+from multipod.pod_worker.dcn.connection import Connection
+from multipod.pod_worker.dcn.listener import Listener
+from multipod.pod_worker.dcn.transport import HEADER, LinkError
 
 RUN_ID = "curve-rate"
 SETUP_S = 5.0           # the handshake, at most (it takes milliseconds on loopback)

@@ -17,10 +17,11 @@ import numpy as np
 from multipod.model.config import ConfigError
 from multipod.pod_worker.dcn.collectives import ReduceScatterAllGather, SlotGather, WholeGradient
 from multipod.pod_worker.dcn.inbox import ExchangeError, Inbox, StateVoteError
+from multipod.pod_worker.dcn.listener import Listener
 from multipod.pod_worker.dcn.outbox import Outbox, Pacer
 from multipod.pod_worker.dcn.packing import MIN_PACK_BYTES, LosslessPolicy
 from multipod.pod_worker.dcn.plan import PARTIAL_DTYPE, PHASE_VOTE, VOTE_DTYPE, LeafSpec, Plan, partial_phase
-from multipod.pod_worker.dcn.transport import Listener, parse_address
+from multipod.pod_worker.dcn.transport import parse_address
 from multipod.pod_worker.schema import Compression, DcnConfig, Lossless
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,9 @@ import numpy as np
 import zmq
 
 from multipod import protos
+from multipod.pod_worker.dcn.connection import Connection
 from multipod.pod_worker.dcn.packing import Packer
-from multipod.pod_worker.dcn.transport import DATA, HEADER, PACKED, Connection
+from multipod.pod_worker.dcn.transport import DATA, HEADER, PACKED
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ import numpy as np
 import zmq
 
 from multipod import protos
+from multipod.pod_worker.dcn.connection import Connection, receive_any
 from multipod.pod_worker.dcn.inbox import InvalidChunk
 from multipod.pod_worker.dcn.plan import PHASE_STATE, PHASE_STATE_MANIFEST, LeafSpec
-from multipod.pod_worker.dcn.transport import ACK, HEADER, REFUSED, Connection, LinkError, receive_any
+from multipod.pod_worker.dcn.transport import ACK, HEADER, REFUSED, LinkError
 
 MAX_FINGERPRINT_BYTES = 1024
 _MANIFEST_ACK, _COMPLETE_ACK = b"manifest", b"complete"

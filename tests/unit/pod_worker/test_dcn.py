@@ -22,7 +22,8 @@ from multipod.pod_worker.dcn import (
     Plan,
     WireCodec,
 )
-from multipod.pod_worker.dcn.transport import DATA, HEADER, Connection
+from multipod.pod_worker.dcn.connection import Connection
+from multipod.pod_worker.dcn.transport import DATA, HEADER
 
 RUN = "test-run"
 SECRET = "correct-horse-battery-staple-42"

@@ -9,7 +9,8 @@ import time
 
 import zmq
 
-from multipod.pod_worker.dcn.transport import Connection, Listener
+from multipod.pod_worker.dcn.connection import Connection
+from multipod.pod_worker.dcn.listener import Listener
 from tests.unit.pod_worker.test_dcn import RUN, SECRET
 
 LINKS = 16      # many events at once, as when a pod's streams close together

@@ -14,19 +14,19 @@ import pytest
 import zmq
 
 from multipod import protos
+from multipod.pod_worker.dcn.connection import Connection
 from multipod.pod_worker.dcn.transport import (
-    _PODS,
     CHALLENGE,
     DATA,
     HELLO,
     NONCE_BYTES,
     OK,
+    PODS,
     PROOF,
     REFUSED,
-    Connection,
     LinkError,
-    _proof,
-    _transcript,
+    handshake_proof,
+    handshake_transcript,
 )
 from tests.helpers import cli_env
 from tests.unit.pod_worker.test_dcn import RUN, SECRET, assert_bitwise, gradients, pod_order_sum, send_chunk, wait_for
@@ -48,14 +48,15 @@ def raw_handshake(address: str, pod: int, peer: int, secret: str, sniff: list | 
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(address.replace("curve://", "tcp://"))
     nonce_c = os.urandom(NONCE_BYTES)
-    hello = [HELLO, _PODS.pack(protos.PROTOCOL_VERSION, pod, peer), nonce_c, RUN.encode()]
+    hello = [HELLO, PODS.pack(protos.PROTOCOL_VERSION, pod, peer), nonce_c, RUN.encode()]
     sock.send_multipart(hello)
     reply = sock.recv_multipart()
     if sniff is not None:
         sniff += hello + reply
     if reply[0] != CHALLENGE:
         return sock, reply
-    proof = [PROOF, _proof(secret, b"client", _transcript(pod, peer, nonce_c, reply[1], RUN.encode()))]
+    transcript = handshake_transcript(pod, peer, nonce_c, reply[1], RUN.encode())
+    proof = [PROOF, handshake_proof(secret, b"client", transcript)]
     sock.send_multipart(proof)
     reply = sock.recv_multipart()
     if sniff is not None:

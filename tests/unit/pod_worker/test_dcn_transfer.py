@@ -23,7 +23,8 @@ from multipod.pod_worker.dcn import (
     TransferError,
     send_state,
 )
-from multipod.pod_worker.dcn.transport import ACK, DATA, HEADER, REFUSED, Connection, receive_any
+from multipod.pod_worker.dcn.connection import Connection, receive_any
+from multipod.pod_worker.dcn.transport import ACK, DATA, HEADER, REFUSED
 from tests.unit.pod_worker.test_dcn import SECRET, assert_bitwise, wait_for
 
 TRANSFER = "run.transfer.0.1.abcd"

@@ -33,7 +33,8 @@ from multipod.pod_worker.dcn import (
     send_state,
     transfer as transfer_module,
 )
-from multipod.pod_worker.dcn.transport import HEADER, Connection, LinkError
+from multipod.pod_worker.dcn.connection import Connection
+from multipod.pod_worker.dcn.transport import HEADER, LinkError
 from multipod.pod_worker.errors import CorruptTransfer, InvalidRequest, NotReady, StepAborted
 from multipod.pod_worker.pod import Pod
 from multipod.pod_worker.trainer import fingerprint

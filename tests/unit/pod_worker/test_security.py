@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from multipod import protos
 from multipod.pod_worker.dcn import Exchange, Listener
-from multipod.pod_worker.dcn.transport import DATA, HEADER, MAX_FRAME_BYTES, Connection
+from multipod.pod_worker.dcn.connection import Connection
+from multipod.pod_worker.dcn.transport import DATA, HEADER, MAX_FRAME_BYTES
 from multipod.pod_worker.server import MAX_PODS, start_server
 from multipod.protos import codec, multipod_pb2 as pb, multipod_pb2_grpc as pb_grpc
 from multipod.protos.channels import TOKEN_HEADER, Security, SecurityError, open_channel
