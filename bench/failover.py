@@ -350,7 +350,7 @@ def transfer_vs_exchange(repeats: int) -> dict:
 
     from bench.dcn import MODEL as DCN_MODEL, leaf_shapes
     from multipod.pod_worker.dcn import Exchange, LeafSpec, Listener, StateReceiver, send_state
-    from multipod.pod_worker.schema import DcnConfig
+    from multipod.pod_worker.schema import DcnConfig, streams_per_peer
     from multipod.pod_worker.trainer import fingerprint
 
     dcn = DcnConfig()
@@ -385,7 +385,7 @@ def transfer_vs_exchange(repeats: int) -> dict:
         def donor():
             fp = fingerprint(leaves[0]) if verified else "blake2b:bench"
             return send_state(0, receiver.run_id, 1, tl[1].address, leaves[0], step, fp, secret, deadline,
-                              chunk_bytes=dcn.chunk_bytes, streams=dcn.streams)
+                              chunk_bytes=dcn.chunk_bytes, streams=streams_per_peer(dcn.streams))
         start = time.perf_counter()
         sent = pool.submit(donor)
         _, fp, got, _ = receiver.wait(deadline)
@@ -417,7 +417,7 @@ def transfer_vs_exchange(repeats: int) -> dict:
         return {"median_s": round(med, 4), "MB_per_s": round(nbytes / med / 1e6, 1),
                 "rounds_s": [round(t, 4) for t in runs]}
     report = {"payload_bytes": nbytes, "leaves": len(shapes), "model": DCN_MODEL, "repeats": repeats,
-              "chunk_bytes": dcn.chunk_bytes, "streams": dcn.streams,
+              "chunk_bytes": dcn.chunk_bytes, "streams": streams_per_peer(dcn.streams),
               "exchange": summary("exchange"), "transfer": summary("transfer"),
               "transfer_verified": summary("transfer_verified"), "blake2b_hash": summary("hash")}
     x = report["exchange"]["median_s"]

@@ -21,7 +21,7 @@ import numpy as np
 from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.errors import CorruptTransfer, InvalidRequest, NotReady
 from multipod.pod_worker.hosts import HostLayout
-from multipod.pod_worker.schema import WorkerConfig
+from multipod.pod_worker.schema import WorkerConfig, streams_per_peer
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb
@@ -173,7 +173,8 @@ class PodMembership:
             dcn = setup.config.dcn
             stats = send_state(self.pod_index, transfer_id, to_pod, self._host_address(to_address), leaves,
                                trainer.step, fp,
-                               self.listener.secret, deadline, chunk_bytes=dcn.chunk_bytes, streams=dcn.streams)
+                               self.listener.secret, deadline, chunk_bytes=dcn.chunk_bytes,
+                               streams=streams_per_peer(dcn.streams))
         return Transferred(trainer.step, fp, stats.bytes, stats.seconds)
 
     def receive_state(self, transfer_id: str, from_pod: int, deadline: float) -> Transferred:

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 # Handler threads of one worker (Step calls, at most run.dispatch_depth at once, plus status and
 # health calls; gradients travel on the data plane, not here).
 RPC_THREADS = 64
-# A worker runs (pods - 1) x dcn.streams sending threads: a bound keeps that reasonable.
+# A worker runs (pods - 1) x dcn.streams (at most MAX_STREAMS) sending threads: a bound keeps that reasonable.
 MAX_PODS = 32
 
 

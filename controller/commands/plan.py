@@ -59,7 +59,8 @@ FIELDS: dict[str, tuple] = {
     "ici_latency_ms": (float, "ICI latency, ms (default 0.001)"),
     "dcn_gbps": (float, "one pod's DCN bandwidth each way (the sum over its hosts), Gb/s"),
     "dcn_latency_ms": (float, "DCN one-way latency, ms"),
-    "streams": (int, "data-plane connections per peer (default: the config's dcn.streams, else 4)"),
+    "streams": (int, "data-plane connections per peer (default: the config's dcn.streams, else 4; "
+                     "\"auto\" counts as on hosts of 8 or more CPUs: 4)"),
     "tokens_per_step": (parse_count, "tokens of one global step over all pods (or --batch and --seq-len)"),
     "batch": (int, "sequences of one global step over all pods"),
     "seq_len": (int, "tokens per sequence (also the attention FLOPs' length)"),
@@ -161,6 +162,15 @@ class Inputs:
         return value
 
 
+def _streams(config) -> int:
+    """The config's dcn.streams as plan counts it: "auto" as on the hosts of a pod (8 or more
+    CPUs, MAX_AUTO_STREAMS), not as on the machine that runs plan; 4 without a config."""
+    from multipod.pod_worker.schema import MAX_AUTO_STREAMS
+    if config is None or config.dcn.streams == "auto":
+        return MAX_AUTO_STREAMS
+    return config.dcn.streams
+
+
 def resolve(args: argparse.Namespace):
     """(ModelShape, Layout, Chip, Links, Calibration, allow_lossy, notes) from the flags and --from;
     ConfigError naming the flag or the [plan] key of a missing or bad input."""
@@ -220,7 +230,7 @@ def resolve(args: argparse.Namespace):
     chip = cost.Chip(inputs.number("peak_tflops") * 1e12, inputs.number("mfu"))
     links = cost.Links(inputs.number("dcn_gbps"), inputs.number("dcn_latency_ms"), inputs.number("ici_gbps"),
                        inputs.number("ici_latency_ms", float, 0.001),
-                       inputs.number("streams", int, config.dcn.streams if config else 4))
+                       inputs.number("streams", int, _streams(config)))
     calibration = build(cost.Calibration, inputs.calibration_table, "calibration") \
         if inputs.calibration_table is not None else cost.Calibration()
     names = {"peak_flops": inputs.name("peak_tflops"), "layers": inputs.name("layers")}

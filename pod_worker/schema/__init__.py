@@ -9,12 +9,22 @@ imports; it starts nothing (no devices, no server).
 Every name is imported from here (`multipod.pod_worker.schema.X`); one module per concern:
   worker     WorkerConfig, what Configure carries, and the rules that span its sections
   training   the optimizer, mesh, train (TrainShape) and prompt sections
-  dcn        the dcn section (DcnConfig), its encodings (Compression) and packing (Lossless)
+  dcn        the dcn section (DcnConfig), its encodings (Compression), packing (Lossless) and
+             streams per peer (streams_per_peer: what "auto" comes to on this host)
   overlap    dcn.overlap (Overlap) and what it comes to for one pod's step (resolve_overlap)
   sync       the sync section (SyncConfig): every step, or DiLoCo's outer steps
   loader     the typed loader and writer of every config dataclass (build, plain), and the value checks
 """
-from multipod.pod_worker.schema.dcn import MAX_STREAMS, Compression, DcnConfig, Lossless
+from multipod.pod_worker.schema.dcn import (
+    MAX_AUTO_STREAMS,
+    MAX_STREAMS,
+    Compression,
+    DcnConfig,
+    Lossless,
+    streams_for_cpus,
+    streams_per_peer,
+    this_host_cpus,
+)
 from multipod.pod_worker.schema.loader import build, non_negative, plain, positive
 from multipod.pod_worker.schema.overlap import AUTO_MIN_ACTIVATIONS, PROMPT_RUNS_FUSED, Overlap, resolve_overlap
 from multipod.pod_worker.schema.sync import OuterDtype, OuterFailure, OuterOptimizer, SyncConfig, SyncMode
@@ -28,8 +38,9 @@ from multipod.pod_worker.schema.worker import (
 )
 
 __all__ = [
-    "AUTO_MIN_ACTIVATIONS", "MAX_STREAMS", "PROMPT_RUNS_FUSED", "Compression", "DcnConfig", "Lossless", "MeshConfig",
-    "OptimizerConfig", "OuterDtype", "OuterFailure", "OuterOptimizer", "Overlap", "PromptConfig", "SyncConfig",
-    "SyncMode", "TrainShape", "WorkerConfig", "build", "check_fits", "check_prompt", "check_sync", "non_negative",
-    "plain", "positive", "resolve_overlap", "validate_sections",
+    "AUTO_MIN_ACTIVATIONS", "MAX_AUTO_STREAMS", "MAX_STREAMS", "PROMPT_RUNS_FUSED", "Compression", "DcnConfig",
+    "Lossless", "MeshConfig", "OptimizerConfig", "OuterDtype", "OuterFailure", "OuterOptimizer", "Overlap",
+    "PromptConfig", "SyncConfig", "SyncMode", "TrainShape", "WorkerConfig", "build", "check_fits", "check_prompt",
+    "check_sync", "non_negative", "plain", "positive", "resolve_overlap", "streams_for_cpus", "streams_per_peer",
+    "this_host_cpus", "validate_sections",
 ]

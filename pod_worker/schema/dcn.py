@@ -1,9 +1,12 @@
 """The dcn section: the cross-pod gradient link's settings (DcnConfig), its encodings
-(Compression), its lossless packing (Lossless) and the bound on its streams per peer."""
+(Compression), its lossless packing (Lossless), and its streams per peer (the bound, and what
+`dcn.streams = "auto"` comes to on a host: streams_for_cpus)."""
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
+from typing import Literal
 
 from multipod.model.config import ConfigError, to_enum
 from multipod.pod_worker.schema.loader import non_negative, positive
@@ -37,6 +40,34 @@ class Lossless(enum.StrEnum):
 
 # Data-plane connections (ZeroMQ streams) per peer, at most.
 MAX_STREAMS = 8
+# dcn.streams = "auto": one stream per two of the worker's CPUs, 1 to this many.
+MAX_AUTO_STREAMS = 4
+
+
+def streams_for_cpus(cpus: int) -> int:
+    """What dcn.streams = "auto" comes to for a worker that may run on `cpus` CPUs: one stream per
+    two CPUs, at least 1 and at most MAX_AUTO_STREAMS. Each stream is a sending thread beside the
+    pod's own compute, its listener and ZeroMQ's I/O thread; where they outnumber the cores they
+    take turns, and a peer's chunks arrive with gaps: on 2 cores with 2 pods, 1 stream moved the
+    fused exchange's bytes several times as fast as 4 (docs/benchmarks.md, "dcn.streams = auto").
+    Hosts of 8 CPUs or more keep the 4 streams that long links need to fill their windows."""
+    return max(1, min(MAX_AUTO_STREAMS, cpus // 2))
+
+
+def this_host_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which a pinned worker narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):      # not Linux
+        return os.cpu_count() or 1
+
+
+def streams_per_peer(streams: int | str, cpus: int | None = None) -> int:
+    """dcn.streams as a count: itself if a number, else streams_for_cpus of `cpus` (default: this
+    host's, this_host_cpus)."""
+    if streams != "auto":
+        return int(streams)
+    return streams_for_cpus(this_host_cpus() if cpus is None else cpus)
 
 
 @dataclass(frozen=True)
@@ -44,7 +75,8 @@ class DcnConfig:
     """The cross-pod gradient link."""
     chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
     timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
-    streams: int = 4              # parallel data-plane connections per peer
+    # parallel data-plane connections per peer: 1-8, or auto (streams_for_cpus: one per two CPUs)
+    streams: int | Literal["auto"] = "auto"
     compression: Compression = Compression.NONE
     link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)
     link_latency_ms: float = 0.0  # slow-link mode: simulated one-way latency (0: off)
@@ -62,8 +94,10 @@ class DcnConfig:
             raise ConfigError("dcn.chunk_bytes",
                               f"must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
         positive("dcn.timeout_s", self.timeout_s)
-        if not 1 <= self.streams <= MAX_STREAMS:
-            raise ConfigError("dcn.streams", f"must be in [1, {MAX_STREAMS}], got {self.streams}")
+        if self.streams != "auto" and (isinstance(self.streams, bool) or not isinstance(self.streams, int)
+                                       or not 1 <= self.streams <= MAX_STREAMS):
+            raise ConfigError("dcn.streams",
+                              f'must be "auto" or an integer in [1, {MAX_STREAMS}], got {self.streams!r}')
         non_negative("dcn.link_gbps", self.link_gbps)
         non_negative("dcn.link_latency_ms", self.link_latency_ms)
 

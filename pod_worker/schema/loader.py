@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 import typing
 
 from multipod.model.config import ConfigError, to_enum
@@ -45,12 +46,26 @@ def build(cls, data, prefix: str = ""):
 
 def _coerce(name: str, kind, raw):
     """Check raw against the field's type; ints are accepted where floats are expected, a choice's
-    string where an enum is (ConfigError listing the choices), "" where None is."""
+    string where an enum is (ConfigError listing the choices), "" where None is, and a Literal's
+    own values (`int | Literal["auto"]`: a number or "auto")."""
     options = typing.get_args(kind)
     if type(None) in options:     # an optional field: "X | None"
         if raw in ("", None):
             return None
         (kind,) = [option for option in options if option is not type(None)]
+        options = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        if raw in options and not isinstance(raw, bool):
+            return raw
+        raise ConfigError(name, f"expected one of {', '.join(map(repr, options))}, got {raw!r}")
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        for option in options:
+            try:
+                return _coerce(name, option, raw)
+            except ConfigError:
+                pass
+        raise ConfigError(name, f"expected {' or '.join(_describe(o) for o in options)}, got "
+                                f"{type(raw).__name__} {raw!r}")
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return to_enum(name, kind, raw)
     if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
@@ -58,6 +73,12 @@ def _coerce(name: str, kind, raw):
     if (kind is int and isinstance(raw, bool)) or not isinstance(raw, kind):
         raise ConfigError(name, f"expected {kind.__name__}, got {type(raw).__name__} {raw!r}")
     return raw
+
+
+def _describe(kind) -> str:
+    if typing.get_origin(kind) is typing.Literal:
+        return " or ".join(map(repr, typing.get_args(kind)))
+    return getattr(kind, "__name__", str(kind))
 
 
 def positive(name: str, value) -> None:

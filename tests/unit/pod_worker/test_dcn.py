@@ -24,6 +24,7 @@ from multipod.pod_worker.dcn import (
 )
 from multipod.pod_worker.dcn.connection import Connection
 from multipod.pod_worker.dcn.transport import DATA, HEADER
+from multipod.pod_worker.schema import DcnConfig, dcn as dcn_schema
 
 RUN = "test-run"
 SECRET = "correct-horse-battery-staple-42"
@@ -126,6 +127,19 @@ def wait_for(condition, timeout_s: float = 10.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("cpus,links", [(2, 1), (8, 4)])
+def test_auto_streams_open_one_link_per_two_cpus_and_sum_alike(pods_factory, monkeypatch, cpus, links):
+    """dcn.streams = "auto" (the default) on a host of `cpus` CPUs: that many links per peer, and the
+    same bitwise pod-order sum as an explicit count."""
+    monkeypatch.setattr(dcn_schema, "this_host_cpus", lambda: cpus)
+    pods = pods_factory(3, dcn=DcnConfig(chunk_bytes=protos.MIN_CHUNK_BYTES, timeout_s=10.0))
+    assert [sorted(len(ls) for ls in ex.outbox._links.values()) for ex in pods.exchanges] == [[links, links]] * 3
+    grads = gradients(3, seed=5)
+    for summed, _ in pods.all_reduce(0, grads):
+        for got, want in zip(summed, pod_order_sum(grads)):
+            assert_bitwise(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("num_pods,streams", [(2, 1), (2, 3), (3, 1), (4, 2)])

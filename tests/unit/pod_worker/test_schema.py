@@ -11,6 +11,9 @@ from multipod.pod_worker.schema import (
     TrainShape,
     WorkerConfig,
     build,
+    streams_for_cpus,
+    streams_per_peer,
+    this_host_cpus,
 )
 
 
@@ -51,6 +54,26 @@ def test_state_key_covers_the_schedule_length():
     assert dataclasses.replace(short, optimizer=fixed).state_key() == \
         dataclasses.replace(long, optimizer=fixed).state_key()   # an explicit decay length decides alone
     assert WorkerConfig(dcn=DcnConfig(streams=1)).state_key() == WorkerConfig().state_key()
+
+
+def test_dcn_streams_are_a_count_or_auto_one_per_two_cpus():
+    assert DcnConfig().streams == "auto"
+    assert [streams_for_cpus(c) for c in (1, 2, 3, 4, 6, 8, 64)] == [1, 1, 1, 2, 3, 4, 4]
+    assert streams_per_peer("auto", cpus=2) == 1 and streams_per_peer("auto", cpus=16) == 4
+    assert streams_per_peer(3, cpus=2) == 3      # a number decides alone
+    assert streams_per_peer("auto") == streams_for_cpus(this_host_cpus())
+    for raw, count in (("auto", "auto"), (1, 1), (8, 8)):
+        loaded = build(DcnConfig, {"streams": raw}, "dcn")
+        loaded.validate()
+        assert loaded.streams == count and WorkerConfig.from_json(WorkerConfig(dcn=loaded).to_json()).dcn == loaded
+    for raw, message in (("three", "dcn.streams: expected int or 'auto', got str 'three'"),
+                         (True, "dcn.streams: expected int or 'auto', got bool"),
+                         (2.5, "dcn.streams: expected int or 'auto', got float")):
+        with pytest.raises(ConfigError, match=message):
+            build(DcnConfig, {"streams": raw}, "dcn")
+    for raw in (0, 9):
+        with pytest.raises(ConfigError, match=r'dcn.streams: must be "auto" or an integer in \[1, 8\]'):
+            build(DcnConfig, {"streams": raw}, "dcn").validate()
 
 
 
