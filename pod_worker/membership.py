@@ -13,6 +13,7 @@ still waiting on a dead peer before the hold is asked for.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -21,13 +22,15 @@ import numpy as np
 from multipod.pod_worker.dcn import Exchange, Listener
 from multipod.pod_worker.errors import CorruptTransfer, InvalidRequest, NotReady
 from multipod.pod_worker.hosts import HostLayout
-from multipod.pod_worker.schema import WorkerConfig, streams_per_peer
+from multipod.pod_worker.schema import WorkerConfig, streams_per_peer, this_host_cpus
 from multipod.pod_worker.sequencer import Sequencer
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from multipod.protos import multipod_pb2 as pb
 
 if TYPE_CHECKING:
     from multipod.pod_worker.pod import Setup
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,13 @@ class PodMembership:
         order) among `hosts` (None: every pod computes its own slot). Also built by configure
         and restore (pod.py)."""
         peers = [self._host_address(a) for a in peers]
-        return Exchange(run_id, self.pod_index, peers, trainer.exchange_specs, self.listener, dcn=config.exchange_dcn(),
+        dcn = config.exchange_dcn()
+        if dcn.streams == "auto":       # the count for this host and the step the pod now runs
+            overlapped = trainer.overlapped and not config.sync.diloco
+            dcn = dataclasses.replace(dcn, streams=streams_per_peer(dcn.streams, overlapped))
+            log.info("pod %d: %d data-plane stream(s) per peer (dcn.streams = auto: %s step, %d CPUs)",
+                     self.pod_index, dcn.streams, "overlapped" if overlapped else "fused", this_host_cpus())
+        return Exchange(run_id, self.pod_index, peers, trainer.exchange_specs, self.listener, dcn=dcn,
                         hosts=list(hosts) if hosts is not None else None)
 
     def _start_timeline(self, run_id: str, hosts: tuple[int, ...] | None, why: str) -> Setup:

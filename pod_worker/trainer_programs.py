@@ -65,6 +65,11 @@ class TrainerPrograms:
                                                           self.summer)
         return overlapped
 
+    @property
+    def overlapped(self) -> bool:
+        """Whether the pod's step is now the overlapped one (the last _choose_step's decision)."""
+        return self._overlapped is not None
+
     def compile_for(self, batch_shape: tuple[int, int]) -> dict:
         """Choose the step (fused or overlapped) and compile its programs ahead of time for a shard
         shape; return compile timings. The fused gradient program is compiled either way: its

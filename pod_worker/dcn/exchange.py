@@ -22,7 +22,7 @@ from multipod.pod_worker.dcn.outbox import Outbox, Pacer
 from multipod.pod_worker.dcn.packing import MIN_PACK_BYTES, LosslessPolicy
 from multipod.pod_worker.dcn.plan import PARTIAL_DTYPE, PHASE_VOTE, VOTE_DTYPE, LeafSpec, Plan, partial_phase
 from multipod.pod_worker.dcn.transport import parse_address
-from multipod.pod_worker.schema import Compression, DcnConfig, Lossless, streams_per_peer, this_host_cpus
+from multipod.pod_worker.schema import Compression, DcnConfig, Lossless, streams_per_peer
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,7 @@ class Exchange:
             chunk_bytes, timeout_s, streams, compression = dcn.chunk_bytes, dcn.timeout_s, dcn.streams, dcn.compression
             link_gbps, link_latency_ms, encrypt = dcn.link_gbps, dcn.link_latency_ms, dcn.encrypt
             lossless = dcn.lossless
-        auto = streams == "auto"
-        streams = streams_per_peer(streams)
+        streams = streams_per_peer(streams)     # "auto": as for a burst (the worker resolves its own)
         if streams < 1:
             raise ValueError("streams must be >= 1")
         if secret is None and listener is not None:
@@ -137,9 +136,6 @@ class Exchange:
                                                      f"(start its worker with --dcn-encrypt)")
             peers = {p: addresses[p] for p in live if p != pod_index}     # never a failed pod's address
             if peers:
-                if auto:
-                    log.info("pod %d: %d data-plane stream(s) per peer (dcn.streams = auto, %d CPUs)", pod_index,
-                             streams, this_host_cpus())
                 self.outbox = Outbox(pod_index, run_id, peers, streams, secret,
                                      Pacer(link_gbps, link_latency_ms / 1e3), self.inbox.fail)
             listener.attach(self.inbox)

@@ -44,13 +44,17 @@ MAX_STREAMS = 8
 MAX_AUTO_STREAMS = 4
 
 
-def streams_for_cpus(cpus: int) -> int:
-    """What dcn.streams = "auto" comes to for a worker that may run on `cpus` CPUs: one stream per
-    two CPUs, at least 1 and at most MAX_AUTO_STREAMS. Each stream is a sending thread beside the
-    pod's own compute, its listener and ZeroMQ's I/O thread; where they outnumber the cores they
-    take turns, and a peer's chunks arrive with gaps: on 2 cores with 2 pods, 1 stream moved the
-    fused exchange's bytes several times as fast as 4 (docs/benchmarks.md, "dcn.streams = auto").
-    Hosts of 8 CPUs or more keep the 4 streams that long links need to fill their windows."""
+def streams_for_cpus(cpus: int, overlapped: bool = False) -> int:
+    """What dcn.streams = "auto" comes to for a worker that may run on `cpus` CPUs. The fused step
+    queues the whole gradient at once, and each stream is a sending thread beside the pod's update
+    and next step, its listener and ZeroMQ's I/O thread: where they outnumber the cores they take
+    turns and a peer's chunks arrive with gaps, so one stream per two CPUs, 1 to MAX_AUTO_STREAMS.
+    The overlapped step's chunks leave a layer at a time during the backward pass, and there 4
+    streams were no slower than 1 even on 2 cores: MAX_AUTO_STREAMS. Both measured side by side
+    on 2 cores with 2 pods (docs/benchmarks.md, "dcn.streams = auto"). Hosts of 8 CPUs or more
+    keep the 4 streams that long links need to fill their windows either way."""
+    if overlapped:
+        return MAX_AUTO_STREAMS
     return max(1, min(MAX_AUTO_STREAMS, cpus // 2))
 
 
@@ -62,12 +66,13 @@ def this_host_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def streams_per_peer(streams: int | str, cpus: int | None = None) -> int:
-    """dcn.streams as a count: itself if a number, else streams_for_cpus of `cpus` (default: this
-    host's, this_host_cpus)."""
+def streams_per_peer(streams: int | str, overlapped: bool = False, cpus: int | None = None) -> int:
+    """dcn.streams as a count: itself if a number, else streams_for_cpus for a pod whose step is
+    overlapped or not (False: what travels in one burst, as the fused step's gradient, DiLoCo's
+    outer gradients or a state transfer) on `cpus` CPUs (default: this host's, this_host_cpus)."""
     if streams != "auto":
         return int(streams)
-    return streams_for_cpus(this_host_cpus() if cpus is None else cpus)
+    return streams_for_cpus(this_host_cpus() if cpus is None else cpus, overlapped)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class DcnConfig:
     """The cross-pod gradient link."""
     chunk_bytes: int = 2 << 20    # gradient chunk size on the wire, 1-4 MiB
     timeout_s: float = 60.0       # deadline for a peer's gradient to arrive
-    # parallel data-plane connections per peer: 1-8, or auto (streams_for_cpus: one per two CPUs)
+    # parallel data-plane connections per peer: 1-8, or auto (streams_for_cpus: by the host's CPUs
+    # and the pod's step)
     streams: int | Literal["auto"] = "auto"
     compression: Compression = Compression.NONE
     link_gbps: float = 0.0        # slow-link mode: simulated egress bandwidth per pod (0: off)

@@ -60,6 +60,8 @@ def test_dcn_streams_are_a_count_or_auto_one_per_two_cpus():
     assert DcnConfig().streams == "auto"
     assert [streams_for_cpus(c) for c in (1, 2, 3, 4, 6, 8, 64)] == [1, 1, 1, 2, 3, 4, 4]
     assert streams_per_peer("auto", cpus=2) == 1 and streams_per_peer("auto", cpus=16) == 4
+    assert [streams_for_cpus(c, overlapped=True) for c in (1, 2, 8)] == [4, 4, 4]
+    assert streams_per_peer("auto", overlapped=True, cpus=2) == 4
     assert streams_per_peer(3, cpus=2) == 3      # a number decides alone
     assert streams_per_peer("auto") == streams_for_cpus(this_host_cpus())
     for raw, count in (("auto", "auto"), (1, 1), (8, 8)):
