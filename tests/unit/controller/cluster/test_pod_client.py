@@ -21,7 +21,7 @@ from multipod.controller.cluster.pod_client import PodClient, make_pod_client, p
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.commands.train import local_devices
 from multipod.controller.core.errors import RunError
-from multipod.controller.launch.local import LocalPods, free_ports
+from multipod.controller.launch.local import PORTS_BELOW_EPHEMERAL, LocalPods, ephemeral_range, free_ports
 from multipod.model.config import ConfigError
 from multipod.protos import codec, multipod_pb2 as pb
 from multipod.protos.channels import Security
@@ -360,6 +360,17 @@ def test_free_ports_are_all_different_and_free():
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))      # nothing holds it any more
     assert free_ports(0) == []
+
+
+def test_free_ports_lie_below_the_ephemeral_range_where_no_port_0_bind_lands():
+    low, _ = ephemeral_range()
+    ports = free_ports(4)
+    assert all(low - PORTS_BELOW_EPHEMERAL <= port < low for port in ports), (ports, low)
+    with socket.socket() as held:        # a port in use is passed over
+        held.bind(("127.0.0.1", ports[0]))
+        held.listen()
+        for _ in range(20):
+            assert ports[0] not in free_ports(4)
 
 
 def test_local_pods_split_each_pods_devices_over_its_hosts(tmp_path):
