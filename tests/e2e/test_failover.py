@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.e2e.pod_failure import kill_and_finish
+from tests.e2e.pod_failure import held_env, kill_and_finish, wait_held
 from tests.e2e.test_recovery import _current_pid, _events, _Live, _run, _wait_for_step
 from tests.helpers import TINY, read_metrics
 
@@ -228,13 +228,29 @@ def _spare_worker(tmp_path: pathlib.Path, name: str, env: dict, *flags: str) -> 
     return proc, f"127.0.0.1:{port_file.read_text().strip()}"
 
 
+def _wait_refused(run: _Live, addresses: set[str], timeout: float) -> None:
+    """Wait until the run has printed a refusal of every standby worker at `addresses`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        refused = {a for a in addresses for line in list(run.out) if f"spare refused: spare {a} " in line}
+        if refused == addresses:
+            return
+        assert run.proc.poll() is None, "the run ended before refusing " + ", ".join(addresses - refused)
+        assert time.monotonic() < deadline, f"{sorted(addresses - refused)} not refused within {timeout:g}s:\n" + \
+            "".join(run.out + run.err)
+        time.sleep(0.05)
+
+
 def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_path, env):
     """Hot-swap: `local --spares 1`, pod 1 killed with SIGKILL and not restarted; the spare, at its
     own port, takes slot 1 from a live peer's state and the run ends bitwise as the uninterrupted
     one. Two standby pods offered with `multipod attach` are refused by name, and the run goes on:
     one without the run's secret, one with another device count."""
     token = "hot-swap-test-token-0123456789abcdef"
-    run_env = _rejoin_by(dict(env, MULTIPOD_AUTH_TOKEN=token))
+    hold = tmp_path / "hold"
+    # The controller holds before step SWAP_KILL_AT + 1 until both offers are refused and pod 1 is
+    # killed: on a fast machine the 60 steps outrun the two `attach` processes otherwise.
+    run_env = held_env(_rejoin_by(dict(env, MULTIPOD_AUTH_TOKEN=token)), hold, SWAP_KILL_AT + 1)
     other_secret = dict(env, MULTIPOD_AUTH_TOKEN="not-the-run-s-secret-0123")
     stranger, stranger_at = _spare_worker(tmp_path, "stranger", other_secret, "--devices", "1")
     wide, wide_at = _spare_worker(tmp_path, "wide", dict(env, MULTIPOD_AUTH_TOKEN=token), "--devices", "2")
@@ -249,11 +265,13 @@ def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_pa
             for address in (stranger_at, wide_at):
                 offered = _run("attach", str(run_dir), "--worker", address, env=env, timeout=60)
                 assert offered.returncode == 0, offered.stdout + offered.stderr
+            wait_held(run, hold, SWAP_KILL_AT + 1)
+            _wait_refused(run, {stranger_at, wide_at}, timeout=120)
         except BaseException:
             run.proc.kill()
             raise
         code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "degraded: 2/3 pods",
-                               step=SWAP_KILL_AT)
+                               step=SWAP_KILL_AT, hold=hold)
     finally:
         for proc in (stranger, wide):
             proc.kill()
