@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from multipod.pod_worker.main import run
         return run(args)
     from multipod.controller.commands import run
-    return run(args)
+    from multipod.controller.core.exit_deadline import arm
+    code = run(args)
+    arm(code)       # the interpreter's teardown after the command has a deadline too
+    return code
 
 
 if __name__ == "__main__":

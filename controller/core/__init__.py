@@ -4,4 +4,5 @@
   policies     the run's policy choices (on a pod failure, on a loss spike) as enums, free of jax
   errors       RunError and PodFailure: what stops a run, and what a recovery can fix
   fault_hooks  fault injection for tests, read from the environment, never from the config
+  exit_deadline  a deadline on the process's exit once its command has returned
 """
