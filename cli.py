@@ -33,11 +33,20 @@ def main(argv: list[str] | None = None) -> int:
         from multipod.pod_worker.main import run
         return run(args)
     from multipod.controller.commands import run
-    from multipod.controller.core.exit_deadline import arm
-    code = run(args)
-    arm(code)       # the interpreter's teardown after the command has a deadline too
-    return code
+    return run(args)
+
+
+def entry() -> None:
+    """The process's entry (the `multipod` script, `python -m multipod.cli`): run the command,
+    then give the interpreter's teardown a deadline (controller/core/exit_deadline.py). Only
+    here, never in `main`: a caller that runs `main` in its own process (a test, a notebook)
+    must not have that process ended under it 20 s later."""
+    code = main()
+    if sys.argv[1:2] != ["worker"]:
+        from multipod.controller.core.exit_deadline import arm
+        arm(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -17,9 +17,10 @@ import threading
 EXIT_DEADLINE_S = 20.0
 
 
-def arm(code: int, seconds: float = EXIT_DEADLINE_S) -> threading.Thread:
-    """Start the watch: if the process is still alive `seconds` from now, say so, dump every
-    thread's stack to stderr and leave with exit code `code`."""
+def arm(code: int, seconds: float | None = None) -> threading.Thread:
+    """Start the watch: if the process is still alive `seconds` (default EXIT_DEADLINE_S) from
+    now, say so, dump every thread's stack to stderr and leave with exit code `code`."""
+    seconds = EXIT_DEADLINE_S if seconds is None else seconds
     def watch() -> None:
         threading.Event().wait(seconds)
         try:
