@@ -37,8 +37,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from multipod.model import ModelConfig, init_params, loss_sums
-    from multipod.model import layers
+    from multipod.model import ModelConfig, init_params, layers, loss_sums
 
     with open(args.config, "rb") as f:
         model = ModelConfig(**tomllib.load(f)["model"])
