@@ -115,14 +115,45 @@ class RayPods(RayReplacement, Launched):
                              scheduling_strategy=self._bundle(pod, host), **actor_options(self.resources))
                 .remote(specs[pod][host], self.security.token)
                 for host in range(self.hosts_per_pod)])
-        infos = self._get([a.ready.remote(self.start_timeout_s) for hosts in self.actors for a in hosts],
-                          self.start_timeout_s + 30, "start")
+        infos = self._ready([a for hosts in self.actors for a in hosts])
         for pod in range(self.num_pods):
             mine = infos[pod * self.hosts_per_pod:(pod + 1) * self.hosts_per_pod]
             self.host_addresses.append([info["address"] for info in mine])
             self.nodes.append([info["node"] for info in mine])
             self.pids.append([info["pid"] for info in mine])
         self._monitor.start()
+
+    def _ready(self, actors: list) -> list[dict]:
+        """Each actor's ready() (its worker's addresses), within the start deadline. An actor that
+        dies while it starts (its worker exited: a crash, or a port taken on the node between the
+        probe and the worker's bind) is what Ray restarts: it is asked again, of its next
+        incarnation, up to max_restarts times, instead of failing the run's start."""
+        ray = self.ray
+        deadline = time.monotonic() + self.start_timeout_s + 30
+        infos = []
+        for index, actor in enumerate(actors):
+            pod, host = divmod(index, self.hosts_per_pod)
+            name = f"pod {pod}" + (f" host {host}" if self.multi_host else "")
+            for attempt in range(self.max_restarts + 1):
+                try:
+                    infos.append(ray.get(actor.ready.remote(self.start_timeout_s),
+                                         timeout=max(deadline - time.monotonic(), 0.1)))
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    raise LaunchError(f"could not start {name} within {self.start_timeout_s + 30:g}s "
+                                      f"(see {self.log_path(pod, host)})") from None
+                except ray.exceptions.ActorUnavailableError as exc:
+                    if attempt == self.max_restarts:
+                        raise LaunchError(f"could not start {name}: its actor died while starting {attempt + 1} "
+                                          f"times; last: {exc} (see {self.log_path(pod, host)})") from None
+                    out(f"{name}'s actor died while starting; asking its restarted incarnation "
+                        f"(see {self.log_path(pod, host)})")
+                    time.sleep(0.5)
+                except ray.exceptions.RayTaskError as exc:
+                    raise LaunchError(f"could not start {name}: {exc.cause}") from None
+                except ray.exceptions.RayError as exc:
+                    raise LaunchError(f"could not start {name}: {exc}") from None
+        return infos
 
     def _bundle(self, pod: int, host: int, group=None):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -174,3 +174,53 @@ def test_a_disconnect_that_hangs_is_said_and_not_waited_on(capsys):
             calls.append("shutdown")
     _disconnect(Ray(), timeout_s=5)
     assert calls == ["shutdown"] and "did not finish" not in capsys.readouterr().out
+
+
+class _FakeRay:
+    """What RayPods._ready uses of ray: get(ref, timeout) and the exceptions it tells apart."""
+
+    class exceptions:
+        class RayError(Exception):
+            pass
+
+        class GetTimeoutError(RayError):
+            pass
+
+        class ActorUnavailableError(RayError):
+            pass
+
+        class RayTaskError(RayError):
+            cause = "boom"
+
+    def get(self, ref, timeout):
+        return ref()
+
+
+class _StartingActor:
+    """An actor whose first `dies` ready() calls find it restarting (its worker could not listen)."""
+
+    def __init__(self, name: str, dies: int):
+        self.name, self.dies, self.calls = name, dies, 0
+        self.ready = self
+
+    def remote(self, timeout_s):
+        self.calls += 1
+        def answer():
+            if self.calls <= self.dies:
+                raise _FakeRay.exceptions.ActorUnavailableError("The actor is temporarily unavailable")
+            return {"address": self.name}
+        return answer
+
+
+def test_an_actor_that_dies_while_starting_is_asked_again_of_its_restarted_incarnation(monkeypatch):
+    monkeypatch.setattr("multipod.controller.launch.ray_pods.time.sleep", lambda s: None)
+    printed: list[str] = []
+    monkeypatch.setattr("multipod.controller.launch.ray_pods.out", printed.append)
+    pods = RayPods(_FakeRay(), 2, 1, {"CPU": 1.0}, pathlib.Path("/runs/x"), max_restarts=2)
+    actors = [_StartingActor("a0", dies=1), _StartingActor("a1", dies=0)]
+    assert pods._ready(actors) == [{"address": "a0"}, {"address": "a1"}]
+    assert [a.calls for a in actors] == [2, 1]
+    assert printed == ["pod 0's actor died while starting; asking its restarted incarnation (see /runs/x/worker-0.log)"]
+    # Past max_restarts the start fails, naming the pod and how often its actor died.
+    with pytest.raises(LaunchError, match=r"could not start pod 1: its actor died while starting 3 times"):
+        pods._ready([_StartingActor("b0", dies=0), _StartingActor("b1", dies=5)])
