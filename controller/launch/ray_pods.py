@@ -123,17 +123,17 @@ class RayPods(RayReplacement, Launched):
             self.pids.append([info["pid"] for info in mine])
         self._monitor.start()
 
-    def _ready(self, actors: list) -> list[dict]:
-        """Each actor's ready() (its worker's addresses), within the start deadline. An actor that
-        dies while it starts (its worker exited: a crash, or a port taken on the node between the
-        probe and the worker's bind) is what Ray restarts: it is asked again, of its next
-        incarnation, up to max_restarts times, instead of failing the run's start."""
+    def _ready(self, actors: list, spare: int | None = None) -> list[dict]:
+        """Each actor's ready() (its worker's addresses), within the start deadline: the pods'
+        actors in pod-major order, or with `spare` (its number) the hosts of one replacement. An
+        actor that dies while it starts (its worker exited: a crash, or a port taken on the node
+        between the probe and the worker's bind) is what Ray restarts: it is asked again, of its
+        next incarnation, up to max_restarts times, instead of failing the start."""
         ray = self.ray
         deadline = time.monotonic() + self.start_timeout_s + 30
         infos = []
         for index, actor in enumerate(actors):
-            pod, host = divmod(index, self.hosts_per_pod)
-            name = f"pod {pod}" + (f" host {host}" if self.multi_host else "")
+            name, log = self._where(index, spare)
             for attempt in range(self.max_restarts + 1):
                 try:
                     infos.append(ray.get(actor.ready.remote(self.start_timeout_s),
@@ -141,19 +141,28 @@ class RayPods(RayReplacement, Launched):
                     break
                 except ray.exceptions.GetTimeoutError:
                     raise LaunchError(f"could not start {name} within {self.start_timeout_s + 30:g}s "
-                                      f"(see {self.log_path(pod, host)})") from None
+                                      f"(see {log})") from None
                 except ray.exceptions.ActorUnavailableError as exc:
                     if attempt == self.max_restarts:
                         raise LaunchError(f"could not start {name}: its actor died while starting {attempt + 1} "
-                                          f"times; last: {exc} (see {self.log_path(pod, host)})") from None
-                    out(f"{name}'s actor died while starting; asking its restarted incarnation "
-                        f"(see {self.log_path(pod, host)})")
+                                          f"times; last: {exc} (see {log})") from None
+                    out(f"{name}'s actor died while starting; asking its restarted incarnation (see {log})")
                     time.sleep(0.5)
-                except ray.exceptions.RayTaskError as exc:
-                    raise LaunchError(f"could not start {name}: {exc.cause}") from None
                 except ray.exceptions.RayError as exc:
-                    raise LaunchError(f"could not start {name}: {exc}") from None
+                    raise self._failure(exc, "start", name) from None
         return infos
+
+    def _where(self, index: int, spare: int | None = None) -> tuple[str, pathlib.Path]:
+        """The name and worker log of the host at `index` (pod-major over the pods, or over one
+        spare's hosts), as errors and progress lines say them."""
+        pod, host = divmod(index, self.hosts_per_pod)
+        name = (f"pod {pod}" if spare is None else f"spare {spare}") + (f" host {host}" if self.multi_host else "")
+        return name, self.log_path(pod if spare is None else spare, host, spare is not None)
+
+    def _failure(self, exc, what: str, name: str) -> LaunchError:
+        """Ray's error from a host's task as a LaunchError: a task's own exception by its cause."""
+        cause = exc.cause if isinstance(exc, self.ray.exceptions.RayTaskError) else exc
+        return LaunchError(f"could not {what} {name}: {cause}")
 
     def _bundle(self, pod: int, host: int, group=None):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -168,7 +177,7 @@ class RayPods(RayReplacement, Launched):
         groups = groups or self.groups
         refs = [[probe.options(scheduling_strategy=self._bundle(pod, host, group), **actor_options(self.resources))
                  .remote(count) for host in range(self.hosts_per_pod)] for pod, group in enumerate(groups)]
-        found = self._get([r for hosts in refs for r in hosts], self.place_timeout_s, "probe ports on")
+        found = self._get([r for hosts in refs for r in hosts], self.place_timeout_s, "probe ports on", spare)
         here = self.ray.util.get_node_ip_address()
         # Loopback when the whole run is on the controller's machine: nothing then leaves it (and
         # the workers need no encryption); otherwise each worker listens on its node's address.
@@ -191,23 +200,20 @@ class RayPods(RayReplacement, Launched):
                           for h, (_, ports) in enumerate(mine)])
         return specs
 
-    def _get(self, refs: list, timeout_s: float, what: str) -> list:
+    def _get(self, refs: list, timeout_s: float, what: str, spare: int | None = None) -> list:
         """ray.get with a deadline; a failure is a LaunchError saying which host and why."""
         ray = self.ray
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         done = {r.hex() for r in ready}
         results = []
         for index, ref in enumerate(refs):
-            pod, host = divmod(index, self.hosts_per_pod)
-            name = f"pod {pod}" + (f" host {host}" if self.multi_host else "")
+            name, log = self._where(index, spare)
             if ref.hex() not in done:
-                raise LaunchError(f"could not {what} {name} within {timeout_s:g}s (see {self.log_path(pod, host)})")
+                raise LaunchError(f"could not {what} {name} within {timeout_s:g}s (see {log})")
             try:
                 results.append(ray.get(ref))
-            except ray.exceptions.RayTaskError as exc:
-                raise LaunchError(f"could not {what} {name}: {exc.cause}") from None
             except ray.exceptions.RayError as exc:
-                raise LaunchError(f"could not {what} {name}: {exc}") from None
+                raise self._failure(exc, what, name) from None
         return results
 
     # -- while the run goes on -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from multipod.controller.observe.metrics import out
 
 class RayReplacement:
     """The replacement part of RayPods: it works on RayPods' state (ray, groups, actors, the
-    addresses, the monitor's bookkeeping) and its helpers (_host_specs, _bundle, _get)."""
+    addresses, the monitor's bookkeeping) and its helpers (_host_specs, _bundle, _ready)."""
 
     def _replace(self, pod: int) -> None:
         """A replacement for `pod` wherever Ray finds room (a placement group of its own, its
@@ -38,8 +38,7 @@ class RayReplacement:
                                    max_restarts=self.max_restarts, max_task_retries=0, max_concurrency=4,
                                    scheduling_strategy=self._bundle(0, host, group), **actor_options(self.resources))
                       .remote(specs[host], self.security.token) for host in range(self.hosts_per_pod)]
-            infos = self._get([a.ready.remote(self.start_timeout_s) for a in actors], self.start_timeout_s + 30,
-                              "start the replacement of")
+            infos = self._ready(actors, spare=number)
         except (LaunchError, ray.exceptions.RayError) as exc:
             out(f"pod {pod}: no replacement: {exc}")
             for actor in actors:

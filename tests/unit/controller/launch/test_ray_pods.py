@@ -3,6 +3,7 @@ command line, and what the monitor says about a pod that Ray does not bring back
 cluster here (tests/e2e/test_ray.py runs one)."""
 from __future__ import annotations
 
+import importlib
 import pathlib
 import threading
 
@@ -199,8 +200,8 @@ class _FakeRay:
 class _StartingActor:
     """An actor whose first `dies` ready() calls find it restarting (its worker could not listen)."""
 
-    def __init__(self, name: str, dies: int):
-        self.name, self.dies, self.calls = name, dies, 0
+    def __init__(self, name: str, dies: int, **info):
+        self.name, self.dies, self.calls, self.info = name, dies, 0, info
         self.ready = self
 
     def remote(self, timeout_s):
@@ -208,7 +209,7 @@ class _StartingActor:
         def answer():
             if self.calls <= self.dies:
                 raise _FakeRay.exceptions.ActorUnavailableError("The actor is temporarily unavailable")
-            return {"address": self.name}
+            return {"address": self.name, **self.info}
         return answer
 
 
@@ -224,3 +225,73 @@ def test_an_actor_that_dies_while_starting_is_asked_again_of_its_restarted_incar
     # Past max_restarts the start fails, naming the pod and how often its actor died.
     with pytest.raises(LaunchError, match=r"could not start pod 1: its actor died while starting 3 times"):
         pods._ready([_StartingActor("b0", dies=0), _StartingActor("b1", dies=5)])
+
+
+class _Group:
+    def ready(self):
+        return "placed"
+
+
+class _SparesRay(_FakeRay):
+    """_FakeRay plus what a replacement's start uses: wait on its group, remote() of the host
+    class (each host's actor dies while starting as often as `dies` says), kill."""
+
+    def __init__(self, dies: list[int]):
+        self.dies, self.started, self.killed = dies, [], []
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs, []
+
+    def remote(self, cls):
+        ray = self
+
+        class Options:
+            def options(self, **kwargs):
+                return self
+
+            def remote(self, spec, token):
+                actor = _StartingActor(spec, ray.dies[len(ray.started)], node="10.0.0.9", pid=len(ray.started))
+                ray.started.append(actor)
+                return actor
+        return Options()
+
+    def kill(self, actor, no_restart):
+        self.killed.append(actor)
+
+
+def _replacing(dies: list[int], tmp_path, monkeypatch) -> tuple[RayPods, _SparesRay, list[str]]:
+    monkeypatch.setattr("multipod.controller.launch.ray_pods.time.sleep", lambda s: None)
+    printed: list[str] = []
+    monkeypatch.setattr("multipod.controller.launch.ray_pods.out", printed.append)
+    monkeypatch.setattr("multipod.controller.launch.ray_replacement.out", printed.append)
+    # The module, not ray.util's function of the same name that shadows it as an attribute.
+    groups = importlib.import_module("ray.util.placement_group")
+    monkeypatch.setattr(groups, "placement_group", lambda *a, **k: _Group())
+    monkeypatch.setattr(groups, "remove_placement_group", lambda group: None)
+    ray = _SparesRay(dies)
+    pods = RayPods(ray, 2, len(dies), {"CPU": 1.0}, tmp_path, max_restarts=2)
+    monkeypatch.setattr(pods, "_host_specs", lambda groups, spare: [[f"10.0.0.9:{7000 + h}" for h in range(len(dies))]])
+    return pods, ray, printed
+
+
+def test_a_replacement_whose_actor_dies_while_starting_is_asked_again_and_offered(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    pods, ray, printed = _replacing([0, 1], tmp_path, monkeypatch)
+    pods._replacing.add(1)
+    pods._replace(1)
+    assert [a.calls for a in ray.started] == [1, 2] and ray.killed == []
+    assert (tmp_path / "spares").read_text() == "10.0.0.9:7000,10.0.0.9:7001\n"
+    assert printed[0] == ("spare 1 host 1's actor died while starting; asking its restarted incarnation "
+                          f"(see {tmp_path.absolute()}/spare-1-host-1.log)")
+    assert printed[1].startswith("pod 1: Ray placed a replacement (spare 1) at 10.0.0.9:7000,10.0.0.9:7001")
+
+
+def test_a_replacement_that_keeps_dying_is_given_up_naming_the_spare_and_its_actors_are_killed(tmp_path,
+                                                                                              monkeypatch):
+    pytest.importorskip("ray")
+    pods, ray, printed = _replacing([9], tmp_path, monkeypatch)
+    pods._replacing.add(0)
+    pods._replace(0)
+    assert ray.killed == ray.started and 0 not in pods._replacing and not (tmp_path / "spares").exists()
+    assert printed[-1].startswith("pod 0: no replacement: could not start spare 1: its actor died while starting "
+                                  "3 times")
