@@ -39,8 +39,7 @@ def cluster(env):
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE",)}
     os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
-        context = ray.init(address="local", num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
-                           configure_logging=False)
+        context = _start_local_ray()
         yield context.address_info["gcs_address"]
     finally:
         ray.shutdown()
@@ -49,6 +48,22 @@ def cluster(env):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _start_local_ray(attempts: int = 2):
+    """ray.init of a local cluster, tried again once if Ray's own start fails. On this loaded
+    2-core machine Ray's raylet has once never registered with its GCS (Ray waits a fixed 30 s,
+    then raises "The current node timed out during startup"; the session's logs held no raylet
+    log at all). That is Ray starting, before any of multipod's code runs."""
+    for attempt in range(attempts):
+        try:
+            return ray.init(address="local", num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
+                            configure_logging=False)
+        except Exception as exc:    # Ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt + 1 == attempts or "timed out during startup" not in str(exc):
+                raise
+            print(f"Ray's local cluster did not start ({exc}); starting it again")
 
 
 @pytest.fixture(scope="module")
