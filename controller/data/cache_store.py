@@ -3,7 +3,10 @@
 The cache root (data.cache_dir, else $MULTIPOD_CACHE_DIR, else ~/.cache/multipod) holds:
 - `tokens/<key>/`: a token cache (token_cache.py), one per source, tokenizer and text field;
 - `tokenizers/<key>/tokenizer.json`: a "bpe:N" tokenizer trained on a corpus (corpus.py);
-- `tokens/.<key>.tmp-*`: the build folder of a token cache, left by a process killed mid-build.
+- `tokens/.<key>.tmp-*`: the build folder of a token cache, left by a process killed mid-build;
+- `jax/`: jax's persistent compilation cache of `multipod local`'s workers (launch/local.py),
+  which jax itself bounds (evicting the least recently used programs); it counts as used when
+  a program in it was last read or written.
 A corpus that changes gets a new key, so old entries are never reused, only kept. Every open of
 an entry marks it used (the folder's modification time), and `prune` removes the entries not
 used for a given time: a run that needs one again rebuilds it.
@@ -16,15 +19,22 @@ import os
 import pathlib
 import shutil
 import time
+from collections.abc import Mapping
 
 # A build folder touched within this many seconds may belong to a build still running.
 BUILD_IN_PROGRESS_S = 3600.0
 
 
-def default_root() -> pathlib.Path:
-    """$MULTIPOD_CACHE_DIR, else ~/.cache/multipod (data.cache_dir overrides both in a run)."""
-    chosen = os.environ.get("MULTIPOD_CACHE_DIR")
+def default_root(environ: Mapping[str, str] | None = None) -> pathlib.Path:
+    """$MULTIPOD_CACHE_DIR, else ~/.cache/multipod (data.cache_dir overrides both in a run), in
+    `environ` (default: this process's environment)."""
+    chosen = (os.environ if environ is None else environ).get("MULTIPOD_CACHE_DIR")
     return pathlib.Path(chosen) if chosen else pathlib.Path.home() / ".cache" / "multipod"
+
+
+def compiled_dir(root: pathlib.Path) -> pathlib.Path:
+    """The compilation cache's folder under the cache root `root`."""
+    return root / "jax"
 
 
 def mark_used(directory: pathlib.Path) -> None:
@@ -37,7 +47,8 @@ def mark_used(directory: pathlib.Path) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CacheEntry:
-    """One entry of the cache: kind is "tokens", "tokenizer" or "unfinished build"."""
+    """One entry of the cache: kind is "tokens", "tokenizer", "unfinished build" or
+    "compiled programs"."""
     kind: str
     path: pathlib.Path
     size_bytes: int
@@ -57,6 +68,17 @@ def _size(folder: pathlib.Path) -> int:
         except OSError:
             continue        # removed meanwhile
     return total
+
+
+def _newest(folder: pathlib.Path) -> float:
+    """The latest modification time of `folder` and the files in it."""
+    newest = 0.0
+    for path in [folder, *folder.iterdir()]:
+        try:
+            newest = max(newest, path.stat().st_mtime)
+        except OSError:
+            continue        # evicted meanwhile
+    return newest
 
 
 def _token_cache_describes(folder: pathlib.Path) -> str:
@@ -89,6 +111,11 @@ def entries(root: pathlib.Path) -> list[CacheEntry]:
             else:
                 entry_kind, describes = kind, "a BPE trained on a corpus"
             found.append(CacheEntry(entry_kind, folder, _size(folder), last_used, describes))
+    compiled = compiled_dir(root)
+    if compiled.is_dir():
+        # jax rewrites a program's "-atime" file at every read: the newest file is the last use.
+        found.append(CacheEntry("compiled programs", compiled, _size(compiled), _newest(compiled),
+                                "jax's compilation cache of multipod local's workers"))
     return sorted(found, key=lambda e: e.last_used)
 
 

@@ -92,18 +92,36 @@ def test_the_installed_wheel_trains_two_pods_and_generates_from_a_neutral_direct
 
     # What a user runs: the console script of the installed wheel, 2 pods on the tiny config,
     # the closing sample and the report included; then generate from the checkpoint it wrote.
-    env = cached_env
+    # As in a user's environment, no JAX_COMPILATION_CACHE_DIR: the workers keep their programs
+    # in the machine's cache, here a cache root of the test's own that borrows the test session's
+    # token caches (so the corpus is not tokenized again).
+    env = {k: v for k, v in cached_env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    shared, root = pathlib.Path(cached_env["MULTIPOD_CACHE_DIR"]), tmp_path / "cache"
+    root.mkdir()
+    for kind in ("tokens", "tokenizers"):
+        (shared / kind).mkdir(parents=True, exist_ok=True)
+        (root / kind).symlink_to(shared / kind)
+    env["MULTIPOD_CACHE_DIR"] = str(root)
     trained = _run(installed / "multipod", "local", "--config", TINY, "--pods", "2", "--devices-per-pod", "1",
                    "--steps", "4", "--run-dir", "run", cwd=neutral, env=env)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "done: 4 steps" in trained.stdout and "sample:" in trained.stdout
     assert (neutral / "run" / "report.png").is_file()
+    # The run's programs are in the machine's cache, none in the run directory.
+    compiled = root / "jax"
+    used = {path.name: path.stat().st_mtime_ns for path in compiled.glob("*-atime")}
+    assert any(name.startswith("jit_apply_update-") for name in used), sorted(used)
+    assert not (neutral / "run" / ".jax-cache").exists()
     generated = _run(installed / "multipod", "generate", "--checkpoint", "run/checkpoints", "--prompt", "def ",
                      "--max-tokens", "4", "--temperature", "0", cwd=neutral, env=env)
     assert generated.returncode == 0, generated.stdout + generated.stderr
     assert generated.stdout.startswith("def ") and "4 token(s) in" in generated.stderr
-    listed = _run(installed / "multipod", "cache", "list", cwd=neutral, env=env)     # the run's token cache in it
-    assert listed.returncode == 0 and " tokens " in listed.stdout, listed.stdout + listed.stderr
+    # generate's worker, a new process, loaded programs the run compiled (jax marks a program
+    # read from its cache by rewriting its -atime file).
+    assert any(compiled.joinpath(name).stat().st_mtime_ns > then for name, then in used.items())
+    listed = _run(installed / "multipod", "cache", "list", cwd=neutral, env=env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert " tokens " in listed.stdout and f"compiled programs {compiled}" in listed.stdout, listed.stdout
 
 
 def test_building_the_command_line_imports_no_jax():

@@ -90,3 +90,21 @@ def test_bad_arguments_name_the_option(tmp_path, capsys):
     assert f"--cache-dir: {tmp_path / 'missing'} is not a directory" in capsys.readouterr().err
     with pytest.raises(ValueError, match="older-than-days must be 0 or more"):
         cache_store.prune(tmp_path, float("nan"))
+
+
+def test_the_compilation_cache_is_listed_by_its_last_read_and_pruned_with_the_rest(prepared, capsys):
+    _, root = prepared
+    compiled = root / "jax"     # as jax's bounded cache writes it: a program and its last-read time
+    compiled.mkdir()
+    program, read = compiled / "jit_step-abc-cache", compiled / "jit_step-abc-atime"
+    program.write_bytes(b"\0" * 1000)
+    read.write_bytes(b"\0" * 8)
+    for path in (compiled, program):
+        _age(path, 30)
+    _age(read, 3)                # read 3 days ago, written 30 days ago
+    entry = next(e for e in cache_store.entries(root) if e.kind == "compiled programs")
+    assert entry.path == compiled and entry.size_bytes == 1008 and 2.9 < entry.age_days(time.time()) < 3.1
+    assert cli.main(["cache", "list", "--cache-dir", str(root)]) == 0
+    assert f"compiled programs {compiled}" in capsys.readouterr().out
+    assert compiled not in {e.path for e in cache_store.prune(root, 5)} and compiled.exists()
+    assert compiled in {e.path for e in cache_store.prune(root, 2)} and not compiled.exists()
