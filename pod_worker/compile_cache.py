@@ -1,4 +1,15 @@
-"""Every host of a pod keeps its compiled programs in the persistent compilation cache.
+"""A worker's compiled programs in jax's persistent compilation cache: where, and from every host.
+
+Where: unless JAX_COMPILATION_CACHE_DIR names a cache, the machine's, COMPILED under the cache
+root (pod_worker/schema/caches.py), set before jax starts (default_cache_env, in main.py). So
+a restarted worker loads its step instead of compiling it again, and every later run on the
+machine (each `multipod local` and `multipod generate` starts new workers) loads what an earlier
+one compiled. jax bounds it (COMPILE_CACHE_MAX_BYTES unless JAX_COMPILATION_CACHE_MAX_SIZE says
+otherwise), dropping the programs read least recently; bounded, it also locks the folder around
+each read and write, so that workers of runs side by side never read a program half written.
+Every program is kept however quick its compile: tiny ones add up to seconds at a start.
+
+From every host:
 
 jax writes cache entries from process 0 only: on TPU every process computes the same key, and one
 writer spares a shared filesystem concurrent writes of the same file. On CPU the key also hashes
@@ -14,8 +25,25 @@ those names it does nothing and says so once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+
+from multipod.pod_worker.schema.caches import COMPILED, cache_root
 
 log = logging.getLogger(__name__)
+
+# The default bound on the machine's cache. The default model's programs take about 1 MiB.
+COMPILE_CACHE_MAX_BYTES = 2 << 30
+
+
+def default_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment gets, before jax starts, for the machine's compilation cache:
+    nothing if JAX_COMPILATION_CACHE_DIR names a cache already."""
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": str((cache_root(environ) / COMPILED).absolute()),
+            "JAX_COMPILATION_CACHE_MAX_SIZE": environ.get("JAX_COMPILATION_CACHE_MAX_SIZE",
+                                                          str(COMPILE_CACHE_MAX_BYTES)),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 def let_this_host_write(process_id: int) -> bool:

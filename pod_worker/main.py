@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--pod-index must be >= 0")
     if args.devices < 0:
         raise SystemExit("--devices must be >= 0")
+    # Before anything imports jax, which reads its cache settings when it starts.
+    from multipod.pod_worker.compile_cache import default_cache_env
+    os.environ.update(default_cache_env(os.environ))
     from multipod.pod_worker.hosts import HostLayout, start_distributed
     try:
         layout = HostLayout(args.host_index, args.hosts_per_pod, args.pod_coordinator).check()

@@ -4,7 +4,7 @@ The cache root (data.cache_dir, else $MULTIPOD_CACHE_DIR, else ~/.cache/multipod
 - `tokens/<key>/`: a token cache (token_cache.py), one per source, tokenizer and text field;
 - `tokenizers/<key>/tokenizer.json`: a "bpe:N" tokenizer trained on a corpus (corpus.py);
 - `tokens/.<key>.tmp-*`: the build folder of a token cache, left by a process killed mid-build;
-- `jax/`: jax's persistent compilation cache of `multipod local`'s workers (launch/local.py),
+- `jax/`: jax's persistent compilation cache of the machine's workers (pod_worker/compile_cache.py),
   which jax itself bounds (evicting the least recently used programs); it counts as used when
   a program in it was last read or written.
 A corpus that changes gets a new key, so old entries are never reused, only kept. Every open of
@@ -19,22 +19,21 @@ import os
 import pathlib
 import shutil
 import time
-from collections.abc import Mapping
+
+from multipod.pod_worker.schema import COMPILED, cache_root
 
 # A build folder touched within this many seconds may belong to a build still running.
 BUILD_IN_PROGRESS_S = 3600.0
 
 
-def default_root(environ: Mapping[str, str] | None = None) -> pathlib.Path:
-    """$MULTIPOD_CACHE_DIR, else ~/.cache/multipod (data.cache_dir overrides both in a run), in
-    `environ` (default: this process's environment)."""
-    chosen = (os.environ if environ is None else environ).get("MULTIPOD_CACHE_DIR")
-    return pathlib.Path(chosen) if chosen else pathlib.Path.home() / ".cache" / "multipod"
+def default_root() -> pathlib.Path:
+    """$MULTIPOD_CACHE_DIR, else ~/.cache/multipod (data.cache_dir overrides both in a run)."""
+    return cache_root()
 
 
 def compiled_dir(root: pathlib.Path) -> pathlib.Path:
-    """The compilation cache's folder under the cache root `root`."""
-    return root / "jax"
+    """The compilation cache's folder under the cache root `root` (the workers')."""
+    return root / COMPILED
 
 
 def mark_used(directory: pathlib.Path) -> None:
@@ -115,7 +114,7 @@ def entries(root: pathlib.Path) -> list[CacheEntry]:
     if compiled.is_dir():
         # jax rewrites a program's "-atime" file at every read: the newest file is the last use.
         found.append(CacheEntry("compiled programs", compiled, _size(compiled), _newest(compiled),
-                                "jax's compilation cache of multipod local's workers"))
+                                "jax's compilation cache of this machine's workers"))
     return sorted(found, key=lambda e: e.last_used)
 
 

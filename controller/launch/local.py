@@ -29,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 
 from multipod.protos.channels import TOKEN_ENV, Security, default_security
 
@@ -60,27 +59,6 @@ class Launched:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-# The bound on the machine's compilation cache (jax evicts the least recently used programs
-# beyond it). The default model's programs take about 1 MiB; a bound keeps a cache in the user's
-# home from growing without end, and it is what makes jax lock the folder around each read and
-# write, so that two runs on the machine never read a program half written.
-COMPILE_CACHE_MAX_BYTES = 2 << 30
-
-
-def compile_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """What the workers' environment adds for jax's persistent compilation cache, unless
-    JAX_COMPILATION_CACHE_DIR names one already: the machine's (cache_store.compiled_dir, beside
-    the token caches), bounded, keeping every program however quick its compile. Every run on the
-    machine then loads the programs an earlier run compiled, and a restarted worker its step."""
-    if environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return {}
-    from multipod.controller.data.cache_store import compiled_dir, default_root
-    return {"JAX_COMPILATION_CACHE_DIR": str(compiled_dir(default_root(environ)).absolute()),
-            "JAX_COMPILATION_CACHE_MAX_SIZE": environ.get("JAX_COMPILATION_CACHE_MAX_SIZE",
-                                                          str(COMPILE_CACHE_MAX_BYTES)),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 class LocalPods(Launched):
@@ -219,7 +197,8 @@ class LocalPods(Launched):
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)   # the worker sets its own device count
         env.pop(TOKEN_ENV, None)
-        env.update(compile_cache_env(env))
+        # The workers' compilation cache is theirs to choose (pod_worker/compile_cache.py): the
+        # machine's, under the cache root this environment names, so every run here shares it.
         cmd = self.command(pod, host, listen, port_file, dcn_listen)
         if self.security.token:
             env[TOKEN_ENV] = self.security.token   # the environment, not argv: argv is world-readable

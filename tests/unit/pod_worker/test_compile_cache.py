@@ -1,12 +1,31 @@
-"""pod_worker/compile_cache.py: a host other than host 0 writes its compiled programs to the
-persistent compilation cache, by jax's rules but the process check."""
+"""pod_worker/compile_cache.py: a worker's cache is the machine's, under the cache root, bounded,
+unless the environment names one; and a host other than host 0 writes its compiled programs to
+it, by jax's rules but the process check."""
 from __future__ import annotations
+
+import pathlib
 
 import jax
 import pytest
 from jax._src import compilation_cache, compiler
 
-from multipod.pod_worker.compile_cache import let_this_host_write
+from multipod.pod_worker.compile_cache import COMPILE_CACHE_MAX_BYTES, default_cache_env, let_this_host_write
+
+
+def test_a_worker_uses_the_machine_s_bounded_cache_beside_the_token_caches(tmp_path):
+    env = default_cache_env({"MULTIPOD_CACHE_DIR": str(tmp_path)})
+    assert env == {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"),
+                   "JAX_COMPILATION_CACHE_MAX_SIZE": str(COMPILE_CACHE_MAX_BYTES),
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    # Without MULTIPOD_CACHE_DIR, the user's ~/.cache/multipod.
+    home = pathlib.Path.home() / ".cache" / "multipod" / "jax"
+    assert default_cache_env({})["JAX_COMPILATION_CACHE_DIR"] == str(home)
+
+
+def test_a_bound_or_a_cache_the_environment_names_is_kept(tmp_path):
+    assert default_cache_env({"MULTIPOD_CACHE_DIR": str(tmp_path), "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"})[
+        "JAX_COMPILATION_CACHE_MAX_SIZE"] == "-1"
+    assert default_cache_env({"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "mine")}) == {}
 
 
 @pytest.fixture
