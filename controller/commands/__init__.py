@@ -97,7 +97,7 @@ def add_commands(sub) -> None:
     bpe.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, special tokens included")
     bpe.add_argument("--out", required=True, metavar="PATH", help="where tokenizer.json goes")
 
-    cache = sub.add_parser("cache", help="list the cache (token caches, trained tokenizers, multipod local's compiled "
+    cache = sub.add_parser("cache", help="list the cache (token caches, trained tokenizers, the workers' compiled "
                            "programs), or remove what no run has used for a while")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
     for name, text in (("list", "every entry: size, days since a run used it, what it was made from"),

@@ -20,7 +20,7 @@ import pathlib
 import shutil
 import time
 
-from multipod.pod_worker.schema import COMPILED, cache_root
+from multipod.pod_worker.schema import COMPILED, default_cache_root
 
 # A build folder touched within this many seconds may belong to a build still running.
 BUILD_IN_PROGRESS_S = 3600.0
@@ -28,7 +28,7 @@ BUILD_IN_PROGRESS_S = 3600.0
 
 def default_root() -> pathlib.Path:
     """$MULTIPOD_CACHE_DIR, else ~/.cache/multipod (data.cache_dir overrides both in a run)."""
-    return cache_root()
+    return default_cache_root()
 
 
 def compiled_dir(root: pathlib.Path) -> pathlib.Path:

@@ -14,9 +14,9 @@ Every name is imported from here (`multipod.pod_worker.schema.X`); one module pe
   overlap    dcn.overlap (Overlap) and what it comes to for one pod's step (resolve_overlap)
   sync       the sync section (SyncConfig): every step, or DiLoCo's outer steps
   loader     the typed loader and writer of every config dataclass (build, plain), and the value checks
-  caches     where both sides keep their caches (cache_root, COMPILED)
+  caches     where both sides keep their caches (default_cache_root, COMPILED)
 """
-from multipod.pod_worker.schema.caches import COMPILED, cache_root
+from multipod.pod_worker.schema.caches import COMPILED, default_cache_root
 from multipod.pod_worker.schema.dcn import (
     MAX_AUTO_STREAMS,
     MAX_STREAMS,
@@ -42,7 +42,7 @@ from multipod.pod_worker.schema.worker import (
 __all__ = [
     "AUTO_MIN_ACTIVATIONS", "COMPILED", "MAX_AUTO_STREAMS", "MAX_STREAMS", "PROMPT_RUNS_FUSED", "Compression",
     "DcnConfig", "Lossless", "MeshConfig", "OptimizerConfig", "OuterDtype", "OuterFailure", "OuterOptimizer",
-    "Overlap", "PromptConfig", "SyncConfig", "SyncMode", "TrainShape", "WorkerConfig", "build", "cache_root",
+    "Overlap", "PromptConfig", "SyncConfig", "SyncMode", "TrainShape", "WorkerConfig", "build", "default_cache_root",
     "check_fits", "check_prompt", "check_sync", "non_negative", "plain", "positive", "resolve_overlap",
     "streams_for_cpus", "streams_per_peer", "this_host_cpus", "validate_sections",
 ]

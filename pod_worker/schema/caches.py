@@ -11,7 +11,7 @@ from collections.abc import Mapping
 COMPILED = "jax"     # the folder of jax's persistent compilation cache under the root
 
 
-def cache_root(environ: Mapping[str, str] | None = None) -> pathlib.Path:
+def default_cache_root(environ: Mapping[str, str] | None = None) -> pathlib.Path:
     """$MULTIPOD_CACHE_DIR, else ~/.cache/multipod, in `environ` (default: this process's)."""
     chosen = (os.environ if environ is None else environ).get("MULTIPOD_CACHE_DIR")
     return pathlib.Path(chosen) if chosen else pathlib.Path.home() / ".cache" / "multipod"
