@@ -190,6 +190,34 @@ class StepLoop:
             finished.append((step, [c for c in clients if c.pod_index in alive], hosts, replies))
         return finished
 
+    def _keep_partial(self, step: int, clients, hosts, results) -> None:
+        """Keep `step` as finished by the pods whose `results` came back (and, in DiLoCo, the
+        steps in flight after it that they finish too), for run() to record if the survivors
+        carry on from the step after it."""
+        survivors = [c for c in clients if c.pod_index in {r.pod_index for r in results}]
+        self._partials = [(step, survivors, hosts, results)]
+        if self.cluster.config.sync.diloco:
+            self._partials += self._finished_by(survivors)
+
+    def _keep_finished(self, step: int, who: tuple, calls: list, failed: set[int]) -> None:
+        """A pod named in `failed` went silent (watchdog, progress deadline) while `step` was
+        waited for: the pods it does not name may have finished the step all the same (the silent
+        pod sent its gradient, then hung before its reply left). Their replies, if every one of
+        them is in within a short grace, are kept like a failed step's survivors'."""
+        clients, hosts = who
+        results = []
+        for client, call in zip(clients, calls):
+            if client.pod_index in failed:
+                continue
+            if not call.wait(POLL_S):
+                return      # still waiting on the silent pod: the step did not finish
+            try:
+                results.append(call.result())
+            except WorkerError:
+                return
+        if results:
+            self._keep_partial(step, clients, hosts, results)
+
     def _record_partial(self, step: int, clients, hosts, replies) -> None:
         """The record of a step the survivors finished while a failed pod did not: its loss
         counts the shards whose results came back (partial_loss), its state is checked as any."""
@@ -213,10 +241,12 @@ class StepLoop:
         results, errors = [], []
         for client, call in zip(clients, calls):
             while not call.wait(POLL_S):
-                if self._watchdog.failure is not None:
-                    raise self._watchdog.failure
-                if time.monotonic() - self._last_progress > progress_timeout:
-                    raise self.cluster.diagnose(f"step {step}: no step finished for {progress_timeout:g}s")
+                failure = self._watchdog.failure
+                if failure is None and time.monotonic() - self._last_progress > progress_timeout:
+                    failure = self.cluster.diagnose(f"step {step}: no step finished for {progress_timeout:g}s")
+                if failure is not None:
+                    self._keep_finished(step, who, calls, set(failure.pods))
+                    raise failure
             try:
                 results.append(call.result())
             except WorkerError as exc:
@@ -226,10 +256,7 @@ class StepLoop:
                 # Some pods finished the step before one failed (it died after sending its
                 # gradient): if the survivors carry on from the step after it, it is recorded from
                 # their replies (run() does that), never run again.
-                survivors = [c for c in clients if c.pod_index in {r.pod_index for r in results}]
-                self._partials = [(step, survivors, hosts, results)]
-                if self.cluster.config.sync.diloco:
-                    self._partials += self._finished_by(survivors)
+                self._keep_partial(step, clients, hosts, results)
             # The root cause first: a pod that failed outright, not its peers aborting or
             # losing their link to it (or cancelled by it).
             knock_on = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

@@ -114,6 +114,47 @@ def test_a_hung_pod_is_named_by_the_watchdog_within_seconds():
     assert all(call.cancelled for call in hung.hanging)     # nothing is left in flight
 
 
+def test_a_step_finished_by_the_survivors_when_a_pod_hung_before_its_reply_is_recorded_once():
+    # Pod 1 sent its step-2 gradient (pod 0 finished step 2), then hung before its reply left;
+    # pod 0's step 3 waits on it. The survivors carry on from step 3: step 2 comes from pod 0's reply.
+    back = False
+
+    def step(pod, s, data):
+        if not back and ((pod == 1 and s >= 2) or (pod == 0 and s == 3)):
+            return HANG
+        return step_reply(pod, s)
+    hung = FakePod(1, step, probe_when_hung=HUNG)
+    loop, sink = _loop([FakePod(0, step), hung], steps=5, step_timeout_s=300.0, dispatch_depth=2)
+    with pytest.raises(PodFailure) as info:
+        loop.run(0)
+    assert info.value.pods == (1,)
+    back, hung.hanging = True, []      # what degraded mode does next, in short
+    loop.run(3)
+    assert [r.step for r in sink.records] == [0, 1, 2, 3, 4]
+    partial = sink.records[2]
+    assert partial.partial_loss and partial.tokens == 16     # pod 0's shard only
+    assert not any(r.partial_loss for r in sink.records if r.step != 2)
+
+
+def test_a_step_the_survivors_did_not_finish_when_a_pod_hung_is_run_again():
+    # Both pods are stuck in step 2 (pod 1 hung before sending): nothing of step 2 is kept, and
+    # the survivors run it again.
+    back = False
+
+    def step(pod, s, data):
+        if not back and s >= 2:
+            return HANG
+        return step_reply(pod, s)
+    hung = FakePod(1, step, probe_when_hung=HUNG)
+    loop, sink = _loop([FakePod(0, step), hung], steps=4, step_timeout_s=300.0)
+    with pytest.raises(PodFailure):
+        loop.run(0)
+    back, hung.hanging = True, []
+    loop.run(2)
+    assert [r.step for r in sink.records] == [0, 1, 2, 3]
+    assert not any(r.partial_loss for r in sink.records)
+
+
 def test_a_step_that_never_finishes_hits_the_progress_deadline():
     # The pods answer their health checks, yet no step finishes: the progress deadline fires.
     def step(pod, s, data):
