@@ -22,6 +22,7 @@ Tests set them on the process that starts the workers (LocalPods passes its envi
 """
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import signal
@@ -33,6 +34,7 @@ NAN_GRADIENT_ENV = "MULTIPOD_TEST_NAN_GRADIENT"
 HANG_ENV = "MULTIPOD_TEST_HANG"
 FLIP_BIT_ENV = "MULTIPOD_TEST_FLIP_BIT"
 GATHER_TO_ONE_ENV = "MULTIPOD_TEST_GATHER_TO_ONE"
+log = logging.getLogger(__name__)
 _flipped: set[tuple[int, int]] = set()      # (pod, step) flipped in this process: a replay does not flip again
 
 
@@ -55,6 +57,11 @@ def nan_gradient_at(pod_index: int, step: int) -> bool:
 def hang_if_asked(pod_index: int, step: int) -> None:
     """Stop this process (SIGSTOP) if the test hook asks this pod to hang at this step."""
     if _pod_step(HANG_ENV, pod_index, step):
+        # In the log first (a test that fails shows where the pod stopped), flushed: nothing
+        # written after the stop reaches the file.
+        log.warning("test hook: pod %d stops itself (SIGSTOP) as step %d begins", pod_index, step)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
         os.kill(os.getpid(), signal.SIGSTOP)
 
 

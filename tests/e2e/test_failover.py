@@ -74,11 +74,15 @@ def _check_same_as(run_dir: pathlib.Path, reference: pathlib.Path, steps=range(S
 
 
 def _story(run_dir: pathlib.Path) -> str:
-    """The run's failures, memberships and rejoins, one line each (for a failed assertion: a race
-    that loses a step on a loaded machine is hard to reproduce)."""
+    """The run's failures, memberships and rejoins, one line each, then the workers' test-hook
+    lines (for a failed assertion: a race that loses a step on a loaded machine is hard to
+    reproduce)."""
     skip = {"checkpoint_saved", "checkpoint_started"}
-    return "\n".join(json.dumps({k: v for k, v in e.items() if k != "time"})[:400]
-                     for e in _events(run_dir) if e["event"] not in skip)
+    events = [json.dumps({k: v for k, v in e.items() if k != "time"})[:400]
+              for e in _events(run_dir) if e["event"] not in skip]
+    hooks = [line for log in sorted(run_dir.glob("worker-*.log"))
+             for line in log.read_text(errors="replace").splitlines() if "test hook:" in line]
+    return "\n".join(events + hooks)
 
 
 def _degraded_then_whole(records: list[dict], pod: int) -> None:
@@ -142,7 +146,9 @@ def test_pod_0_killed_during_a_checkpoint_save_and_a_hung_pod(reference3, tmp_pa
     records = _check_same_as(tmp_path, reference3)
     _degraded_then_whole(records, 0)
     _degraded_then_whole(records, 2)
-    assert any(r["hosts"][2] != 2 for r in records if r["step"] == HANG_STEP)
+    assert any(r["hosts"][2] != 2 for r in records if r["step"] == HANG_STEP), \
+        f"step {HANG_STEP} ran on pod 2: " + str([(r["step"], r["hosts"]) for r in records
+                                                 if abs(r["step"] - HANG_STEP) <= 2]) + "\n" + _story(tmp_path)
     failures = [e for e in _events(tmp_path) if e["event"] == "pod_failure"]
     assert [f["pods"] for f in failures] == [[0], [2]]
     # Each came back once (together, if pod 0 was not back yet when pod 2 hung).
