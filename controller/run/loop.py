@@ -28,6 +28,19 @@ POLL_S = 0.2          # how often a wait for a step checks the watchdog and the 
 DATA_TIMEOUT_S = 60.0  # the data pipeline must deliver a step's shards within this
 
 
+def _results(calls: list[tuple]) -> list | None:
+    """The replies of [(client, call)], or None unless every call finished with one."""
+    results = []
+    for _, call in calls:
+        if not call.done():
+            return None
+        try:
+            results.append(call.result())
+        except WorkerError:
+            return None
+    return results
+
+
 def check_agreement(step: int, clients, replies) -> None:
     """Divergence (naming the pods, and those a majority outvotes) if the pods' state checksums
     differ, RunError if their fingerprints (when the step took them) or skip decisions do: the
@@ -67,6 +80,9 @@ class StepLoop:
         self._restarts = 0
         # [(step, clients, hosts, replies)] of the steps some pods finished when another failed
         self._partials: list[tuple] = []
+        # (step, survivors, hosts, calls): a step waited for when a pod went silent, whose
+        # survivors had not all answered yet; their calls are left running, to be read next run()
+        self._unanswered: tuple | None = None
         self._hold = StepHold()     # test hook (controller/core/fault_hooks.py); holds nothing in a run
 
     def run(self, start: int, data_offset: int = 0, restarts: int = 0) -> None:
@@ -79,6 +95,7 @@ class StepLoop:
                               dtype=token_dtype(self.cluster.config.model.vocab_size))
         self._watchdog = self.cluster.watchdog()
         self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
+        self._read_unanswered()
         if [p[0] for p in self._partials] == list(range(start - len(self._partials), start)):
             for partial in self._partials:      # the survivors carry on from the step after them
                 self._record_partial(*partial)
@@ -108,9 +125,11 @@ class StepLoop:
                         call.wait(self.run_config.step_timeout_s)
                 raise
         finally:
+            kept = set(map(id, self._unanswered[3])) if self._unanswered is not None else set()
             for _, _, calls in self._pending:
                 for call in calls:
-                    call.cancel()
+                    if id(call) not in kept:
+                        call.cancel()
             self._pending.clear()
             prefetch.close()
             self._watchdog.stop()
@@ -202,21 +221,36 @@ class StepLoop:
     def _keep_finished(self, step: int, who: tuple, calls: list, failed: set[int]) -> None:
         """A pod named in `failed` went silent (watchdog, progress deadline) while `step` was
         waited for: the pods it does not name may have finished the step all the same (the silent
-        pod sent its gradient, then hung before its reply left). Their replies, if every one of
-        them is in within a short grace, are kept like a failed step's survivors'."""
+        pod sent its gradient, then hung before its reply left). Their replies, if all in, are
+        kept like a failed step's survivors'. If some have not come yet, their calls are left
+        running (not cancelled): the membership change that follows ends a step still waiting
+        on the silent pod, so by the next run() each has finished or failed (_read_unanswered)."""
         clients, hosts = who
-        results = []
-        for client, call in zip(clients, calls):
-            if client.pod_index in failed:
-                continue
-            if not call.wait(POLL_S):
-                return      # still waiting on the silent pod: the step did not finish
-            try:
-                results.append(call.result())
-            except WorkerError:
-                return
-        if results:
-            self._keep_partial(step, clients, hosts, results)
+        survivors = [(c, call) for c, call in zip(clients, calls) if c.pod_index not in failed]
+        if not survivors:
+            return
+        if all(call.done() for _, call in survivors):
+            results = _results(survivors)
+            if results is not None:
+                self._keep_partial(step, clients, hosts, results)
+            return
+        self._unanswered = (step, [c for c, _ in survivors], hosts, [call for _, call in survivors])
+
+    def _read_unanswered(self) -> None:
+        """The replies of the survivors' calls _keep_finished left running: if every one finished
+        the step (within the health check's deadline, shared), it is kept as a partial step."""
+        if self._unanswered is None:
+            return
+        step, survivors, hosts, calls = self._unanswered
+        self._unanswered = None
+        deadline = time.monotonic() + self.cluster.config.health.timeout_s
+        for call in calls:
+            call.wait(max(0.0, deadline - time.monotonic()))
+        results = _results(list(zip(survivors, calls)))
+        for call in calls:
+            call.cancel()
+        if results is not None:
+            self._partials = [(step, survivors, hosts, results)]
 
     def _record_partial(self, step: int, clients, hosts, replies) -> None:
         """The record of a step the survivors finished while a failed pod did not: its loss
