@@ -26,6 +26,7 @@ import logging
 import os
 import pathlib
 import signal
+import threading
 import time
 
 import numpy as np
@@ -62,7 +63,10 @@ def hang_if_asked(pod_index: int, step: int) -> None:
         log.warning("test hook: pod %d stops itself (SIGSTOP) as step %d begins", pod_index, step)
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # At this thread, not the process: a process-directed SIGSTOP is taken by whichever
+        # thread the kernel picks, and until that one runs this thread goes on. On a loaded
+        # machine it ran a whole tiny step and sent its gradient first (CI's lost step 40).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def poison(grads: list) -> list:
