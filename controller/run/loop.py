@@ -250,7 +250,7 @@ class StepLoop:
         for call in calls:
             call.cancel()
         if results is not None:
-            self._partials = [(step, survivors, hosts, results)]
+            self._keep_partial(step, survivors, hosts, results)
 
     def _record_partial(self, step: int, clients, hosts, replies) -> None:
         """The record of a step the survivors finished while a failed pod did not: its loss
