@@ -8,7 +8,8 @@
 - the processes tests start may write Python's bytecode cache (__pycache__, ignored by git):
   where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does), every worker and
   controller would compile this package's sources again at each start, about 0.1 s of CPU per
-  process over the suite's hundreds.
+  process over the suite's hundreds;
+- a test process that crashes is named with how it ended (tests/crash_report.py).
 """
 import atexit
 import os
@@ -16,6 +17,7 @@ import shutil
 import tempfile
 
 from multipod.pod_worker.devices import simulate_cpu_devices
+from tests.crash_report import pytest_testnodedown  # noqa: F401  (a hook: pytest finds it here)
 
 simulate_cpu_devices(4, overwrite=False)
 
