@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,15 +96,42 @@ def worker_pids(run_dir: pathlib.Path) -> list[int]:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process (not a zombie, not another process's thread) has the number `pid`."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie still answers kill(0); it has exited all the same.
+    # A zombie still answers kill(0); it has exited all the same. So does a thread id (a dead
+    # worker's number reused for a thread elsewhere): its Tgid is its process's number.
     try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return fields.get("Tgid", "").strip() == str(pid) and not fields.get("State", "").strip().startswith("Z")
+
+
+def hold_process(pid: int) -> int | None:
+    """A pidfd on the live process `pid`, or None if it is gone. A signal sent through it
+    (kill_held) reaches that process or none: never a later process, or a thread of the test
+    process itself, given the same number once it has exited (kill(2) on a thread id signals its
+    whole process)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def kill_held(pidfd: int | None) -> None:
+    """SIGKILL the process hold_process returned `pidfd` for, if it still runs; closes the fd."""
+    if pidfd is None:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def tiny_worker_config():

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.pod_failure import held_env, kill_and_finish, wait_held
 from tests.e2e.test_recovery import _current_pid, _events, _Live, _run, _wait_for_step
-from tests.helpers import TINY, read_metrics
+from tests.helpers import TINY, hold_process, kill_held, read_metrics
 
 # The 3-pod runs: long enough for the failures they inject (a kill at step 10 or during the save of
 # step 20, a hang at HANG_STEP), not for the restarted workers to come back: from REJOIN_BY the
@@ -132,16 +132,12 @@ def test_pod_0_killed_during_a_checkpoint_save_and_a_hung_pod(reference3, tmp_pa
                 break
             time.sleep(0.01)
         os.kill(_current_pid(tmp_path, 0)[0], signal.SIGKILL)
-        hung = _current_pid(tmp_path, 2)[0]
+        hung = hold_process(_current_pid(tmp_path, 2)[0])
         code = run.finish(400)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
-        if hung is not None:     # the worker that stopped itself, if the supervisor has not killed it
-            try:
-                os.kill(hung, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_held(hung)     # the worker that stopped itself, if the supervisor has not killed it
     assert code == 0, "".join(run.out) + "".join(run.err)
     records = _check_same_as(tmp_path, reference3)
     _degraded_then_whole(records, 0)

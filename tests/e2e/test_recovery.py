@@ -267,8 +267,8 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
         hung = None
         try:
             _wait_for_step(run.proc, run_dir, 4)
-            hung = pods.procs[1].pid
-            os.kill(hung, signal.SIGSTOP)
+            hung = pods.procs[1]        # its Popen: a signal after it has been reaped goes nowhere
+            hung.send_signal(signal.SIGSTOP)
             stopped = time.monotonic()
             line = run.wait_for("is not responding", 100)
             named_after = time.monotonic() - stopped
@@ -282,8 +282,8 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
         finally:
             if run.proc.poll() is None:
                 run.proc.kill()
-            if hung is not None and pid_alive(hung):
-                os.kill(hung, signal.SIGKILL)
+            if hung is not None:
+                hung.kill()
     stderr = "".join(run.err)
     assert code == 1, "".join(run.out) + stderr
     assert "pod 1" in stderr and "Giving up after 1 restart(s) (--max-restarts 1)" in stderr
