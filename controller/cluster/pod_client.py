@@ -175,8 +175,10 @@ class PodCall(Generic[Reply]):
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            pending = next(call for call in self.calls if not call.done())
-            pending.wait(min(POLL_S, left))
+            # The calls that were still running when done() looked may all have finished since.
+            pending = next((call for call in self.calls if not call.done()), None)
+            if pending is not None:
+                pending.wait(min(POLL_S, left))
 
     def result(self) -> Reply:
         self._scan()

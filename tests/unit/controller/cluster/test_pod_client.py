@@ -462,3 +462,26 @@ def test_a_one_host_pod_keeps_its_log_and_port_names(tmp_path):
         [argv] = _argv_lines(tmp_path / "worker-1.log")
         assert "--host-index" not in argv and "--pod-coordinator" not in argv
 
+
+
+class _FinishesWhileLookedAt(FakeCall):
+    """A host's call that finishes between the pod call's check and its choice of a call to wait
+    on: done() says False `looks` times, then True (a race seen in a 2-host run)."""
+
+    def __init__(self, looks: int):
+        super().__init__(result="reply", pending=True)
+        self._looks = looks
+
+    def done(self) -> bool:
+        if self._looks > 0:
+            self._looks -= 1
+            return False
+        self.finish("reply")
+        return True
+
+
+def test_a_pod_call_whose_hosts_finish_while_it_looks_is_done_not_an_error():
+    from multipod.controller.cluster.pod_client import PodCall
+    call = PodCall(None, "Step", [FakeCall(result="reply"), _FinishesWhileLookedAt(looks=2)])
+    assert call.wait(5.0) is True
+    assert call.result() == "reply"
