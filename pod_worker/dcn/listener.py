@@ -74,6 +74,10 @@ class Listener:
         # are dropped, not taken for a new connection's on a descriptor that is no longer theirs.
         self._gone: collections.deque[bytes] = collections.deque(maxlen=256)
         self._closed = threading.Event()
+        # close() writes a byte here to wake the thread's poll at once, instead of after its
+        # timeout: a pod that closes its listener (each exchange's end, each worker's exit) would
+        # otherwise wait up to the poll's 200 ms.
+        self._wake_r, self._wake_w = os.pipe()
         self.context = zmq.Context(1)
         sock = self.socket = self.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -112,18 +116,24 @@ class Listener:
             self._sink = None
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
+        os.write(self._wake_w, b"x")
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
         close_monitored(self.socket, getattr(self, "_monitor", None))
         self.context.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._closed.is_set():
             try:
                 ready = dict(poller.poll(200))
