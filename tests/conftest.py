@@ -17,7 +17,8 @@ import shutil
 import tempfile
 
 from multipod.pod_worker.devices import simulate_cpu_devices
-from tests.crash_report import pytest_testnodedown  # noqa: F401  (a hook: pytest finds it here)
+
+pytest_plugins = ["tests.crash_report"]
 
 simulate_cpu_devices(4, overwrite=False)
 

@@ -1,10 +1,14 @@
 """tests/helpers.py's process helpers: a number that once was a worker's is only signalled while
-it still names that worker."""
+it still names that worker. tests/crash_report.py names a test process that died when xdist
+ended the run with an internal error instead of reporting the crash."""
+import signal
 import subprocess
 import sys
 import threading
 import time
+import types
 
+from tests import crash_report
 from tests.helpers import hold_process, kill_held, pid_alive
 
 
@@ -50,3 +54,32 @@ def test_a_held_process_is_killed_once_and_a_reaped_one_is_not_signalled():
     held = hold_process(again.pid)
     again.wait(30)                               # reaped: its number is free for anyone
     kill_held(held)                              # goes nowhere, raises nothing
+
+
+def test_an_internal_error_names_the_dead_test_process_and_the_test_it_had_not_finished(monkeypatch, capsys):
+    """xdist's controller keeps each worker's tests in its scheduler (assigned_work: file ->
+    {test: finished}); a worker that died is named with its signal and its first unfinished test,
+    and a live one is not named."""
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(30)
+
+        class Node:     # xdist's WorkerController, as far as the hook reads it (and hashable)
+            def __init__(self, name, popen):
+                self.gateway = types.SimpleNamespace(id=name, _io=types.SimpleNamespace(popen=popen))
+        gw0, gw1 = Node("gw0", live), Node("gw1", dead)
+        scheduler = types.SimpleNamespace(nodes=[gw0, gw1], assigned_work={
+            gw0: {"a.py": {"a.py::one": False}},
+            gw1: {"b.py": {"b.py::first": True, "b.py::killed": False, "b.py::after": False}}})
+        plugins = {"dsession": types.SimpleNamespace(sched=scheduler)}
+        config = types.SimpleNamespace(pluginmanager=types.SimpleNamespace(getplugin=plugins.get))
+        monkeypatch.setattr(crash_report, "_config", config)
+        crash_report.pytest_internalerror(None, None)
+    finally:
+        live.kill()
+        live.wait(30)
+    err = capsys.readouterr().err
+    assert f"test process gw1 (pid {dead.pid}) ended with signal SIGKILL while running 'b.py::killed'" in err
+    assert "gw0" not in err
