@@ -26,19 +26,25 @@ from multipod.pod_worker.pod import Pod
 from multipod.pod_worker.schema import DcnConfig
 from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import multipod_pb2 as pb
-from tests.helpers import tiny_worker_config
+from tests.helpers import pods_on_device_0, tiny_worker_config
 
 SECRET = "degraded-step-test-secret-0123456789"
 NUM_PODS = 3
-ROWS, COLS = 4, tiny_worker_config().train.seq_len + 1       # one pod's shard: 4 rows over 4 devices
+ROWS, COLS = 4, tiny_worker_config().train.seq_len + 1       # one pod's shard
 GLOBAL_TOKENS = NUM_PODS * ROWS * (COLS - 1)
 DEADLINE_S = 20.0
 _runs = itertools.count()
 
 
+@pytest.fixture(autouse=True)
+def _pods_on_device_0(monkeypatch):
+    """The Pods of this module run side by side in threads: on one device (tests/helpers.py says why)."""
+    pods_on_device_0(monkeypatch)
+
+
 def _config(overlap: bool = False):
     base = tiny_worker_config()
-    # 12 sequences: 4 per pod for 3 pods (the pod's batch is split over its 4 simulated devices).
+    # 12 sequences: 4 per pod for 3 pods.
     # A short exchange deadline: a step that cannot complete fails well before the test's timeouts.
     return dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=NUM_PODS * ROWS),
                                dcn=DcnConfig(overlap=overlap, timeout_s=20.0)).validate()
