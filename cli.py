@@ -40,7 +40,11 @@ def entry() -> None:
     """The process's entry (the `multipod` script, `python -m multipod.cli`): run the command,
     then give the interpreter's teardown a deadline (controller/core/exit_deadline.py). Only
     here, never in `main`: a caller that runs `main` in its own process (a test, a notebook)
-    must not have that process ended under it 20 s later."""
+    must not have that process ended under it 20 s later. A controller command's Ctrl-C is
+    never lost (controller/core/interrupt.py)."""
+    if sys.argv[1:2] != ["worker"]:
+        from multipod.controller.core.interrupt import install
+        install()
     code = main()
     if sys.argv[1:2] != ["worker"]:
         from multipod.controller.core.exit_deadline import arm

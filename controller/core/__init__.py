@@ -5,4 +5,5 @@
   errors       RunError and PodFailure: what stops a run, and what a recovery can fix
   fault_hooks  fault injection for tests, read from the environment, never from the config
   exit_deadline  a deadline on the process's exit once its command has returned
+  interrupt    a Ctrl-C that is never lost (raised again by the step loop if a finaliser swallowed it)
 """

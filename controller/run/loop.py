@@ -19,6 +19,7 @@ from multipod.controller.components.failover import split_microbatches
 from multipod.controller.components.spike import Spike, SpikePolicy
 from multipod.controller.core.errors import Divergence, RunError
 from multipod.controller.core.fault_hooks import StepHold
+from multipod.controller.core.interrupt import raise_if_requested
 from multipod.controller.data.batches import Prefetcher, StepData, token_dtype
 from multipod.controller.observe.metrics import Accounting, Recorder, step_record
 from multipod.controller.observe.records import StepRecord
@@ -103,6 +104,7 @@ class StepLoop:
         try:
             try:
                 for step in range(start, stop):
+                    raise_if_requested()
                     if self._hold.at(step, self.drain):
                         self._last_done, self._last_progress = time.perf_counter(), time.monotonic()
                     self._boundary(step)
@@ -275,6 +277,7 @@ class StepLoop:
         results, errors = [], []
         for client, call in zip(clients, calls):
             while not call.wait(POLL_S):
+                raise_if_requested()
                 failure = self._watchdog.failure
                 if failure is None and time.monotonic() - self._last_progress > progress_timeout:
                     failure = self.cluster.diagnose(f"step {step}: no step finished for {progress_timeout:g}s")
