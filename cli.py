@@ -42,11 +42,12 @@ def entry() -> None:
     here, never in `main`: a caller that runs `main` in its own process (a test, a notebook)
     must not have that process ended under it 20 s later. A controller command's Ctrl-C is
     never lost (controller/core/interrupt.py)."""
-    if sys.argv[1:2] != ["worker"]:
+    controller = sys.argv[1:2] != ["worker"]
+    if controller:
         from multipod.controller.core.interrupt import install
         install()
     code = main()
-    if sys.argv[1:2] != ["worker"]:
+    if controller:
         from multipod.controller.core.exit_deadline import arm
         arm(code)
     sys.exit(code)

@@ -463,7 +463,6 @@ def test_a_one_host_pod_keeps_its_log_and_port_names(tmp_path):
         assert "--host-index" not in argv and "--pod-coordinator" not in argv
 
 
-
 class _FinishesWhileLookedAt(FakeCall):
     """A host's call that finishes between the pod call's check and its choice of a call to wait
     on: done() says False `looks` times, then True (a race seen in a 2-host run)."""
