@@ -3,7 +3,7 @@ now) against the fingerprint's (BLAKE2b of host copies: what every step took bef
 checkpoints and every run.fingerprint_every-th step still take), interleaved in one process on
 the same state. Prints one JSON object of medians.
 
-    python -m bench.checksum [--config configs/bench.toml] [--devices 2] [--steps 10]
+    python -m bench.checksum [--config configs/bench.toml] [--devices 2] [--steps 10] [--set KEY=VALUE ...]
 
 step_s: one whole training step (train_step, one pod, no exchange) including the checksum;
 checksum_s: the step's checksum_s; blake2b_s: trainer.fingerprint() on the same state right
@@ -28,6 +28,8 @@ def main() -> None:
                         help="TOML config (default: configs/bench.toml, the model docs/benchmarks.md measures)")
     parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices of the pod")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up step)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override, as for multipod (e.g. mesh.model=2 for a model-parallel pod)")
     args = parser.parse_args()
     from multipod.pod_worker.devices import simulate_cpu_devices
     simulate_cpu_devices(args.devices, overwrite=False)
@@ -37,7 +39,7 @@ def main() -> None:
     from multipod.controller.data.batches import token_dtype
     from multipod.pod_worker.trainer import PodTrainer
 
-    config = load_config(args.config, ["sample.tokens=0"])
+    config = load_config(args.config, ["sample.tokens=0", *args.set])
     worker = config.worker_config()
     trainer = PodTrainer(worker)
     rows, cols = config.data.global_batch, config.data.seq_len + 1
@@ -59,7 +61,7 @@ def main() -> None:
             blakes.append(blake_s)
     step_s, checksum_s, blake_s = (statistics.median(v) for v in (steps, checksums, blakes))
     print(json.dumps({
-        "config": args.config or "defaults", "devices": args.devices, "steps": args.steps,
+        "config": args.config or "defaults", "settings": args.set, "devices": args.devices, "steps": args.steps,
         "param_count": sum(s.nbytes // s.dtype.itemsize for s in trainer.leaf_specs),
         "load_average": os.getloadavg(),
         "step_s": step_s, "checksum_s": checksum_s, "blake2b_s": blake_s,

@@ -30,7 +30,8 @@ class DilocoTrainer:
         of several hosts each host exchanges its blocks of a fragment (pod_worker/diloco_hosts.py)."""
         self.outer = OuterSync(self.config.sync, self.params, self.param_sharding, self.scalar_sharding,
                                self.config.model.n_layers, num_pods, self.assembler)
-        self._outer_checksum = jax.jit(programs.state_checksum, out_shardings=self.scalar_sharding)
+        self._outer_checksum = programs.checksum_program(
+            *jax.tree.map(lambda leaf: leaf.sharding, self.outer.agreed_state()), out_sharding=self.scalar_sharding)
         # The snapshot's copy, one program warmed up with the outer ones: eager copies compiled at
         # their first use (the optimizer's step count's at the first outer sync), and warmed up
         # eagerly by two in-process pods at once they deadlocked in XLA CPU (c24798d).

@@ -117,8 +117,7 @@ class PromptTrainer(PodTrainer):
 
     def _compile(self) -> None:
         super()._compile()      # the update, checksum and widening programs are the same
-        self._base_checksum = jax.jit(programs.state_checksum, in_shardings=(self.base_sharding,),
-                                      out_shardings=self.scalar_sharding)
+        self._base_checksum = programs.checksum_program(self.base_sharding, out_sharding=self.scalar_sharding)
         self.base_checksum_loaded = self.base_checksum()
         model, prompt = self.config.model, self.config.prompt
         p, base, b, s = self.param_sharding, self.base_sharding, self.batch_sharding, self.scalar_sharding

@@ -46,7 +46,7 @@ class TrainerPrograms:
                                          donate_argnums=(0, 1))
             self._eval_step = jax.jit(eval_step, in_shardings=(p, b), out_shardings=(s, s))
             # The per-step state checksum, computed where the state lives (no host copy).
-            self._checksum = jax.jit(programs.state_checksum, in_shardings=(p, o), out_shardings=s)
+            self._checksum = programs.checksum_program(p, o, out_sharding=s)
             # Narrow token batches (uint8/uint16 on the wire) become int32 on the devices.
             self._widen = jax.jit(_widen, in_shardings=b, out_shardings=b)
         self.summer = MicrobatchSum(self.config.model, self.mesh)

@@ -98,6 +98,20 @@ def test_the_checksum_does_not_depend_on_the_sharding(trained):
     assert sharded.checksum() == one.checksum() == _checksum(params, opt_state)
 
 
+def test_on_a_model_parallel_mesh_each_device_sums_its_own_shards(trained):
+    """The per-step checksum moves no leaf between devices: only each leaf's partial sums are
+    all-reduced. (Flattening a leaf split over the model axis made XLA all-gather it, so every step
+    copied every tensor-parallel leaf of the state onto every device.)"""
+    _, params, opt_state = trained
+    sharded = _trainer(mesh=(1, 2))
+    sharded.load_state(params, opt_state, 2)
+    program = sharded._checksum.lower(sharded.params, sharded.opt_state).compile().as_text()
+    assert "all-reduce" in program            # the leaves split over the model axis are summed across it
+    for moves in ("all-gather", "all-to-all", "collective-permute"):
+        assert f"{moves}(" not in program, moves
+    assert sharded.checksum() == _checksum(params, opt_state)
+
+
 def _numpy_checksum(*trees) -> str:
     """The checksum's formula (programs.py's comment) restated in NumPy, one leaf after another."""
     def mix(h, mul1=0x85EBCA6B, mul2=0xC2B2AE35):
