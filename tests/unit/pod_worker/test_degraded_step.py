@@ -26,7 +26,7 @@ from multipod.pod_worker.pod import Pod
 from multipod.pod_worker.schema import DcnConfig
 from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import multipod_pb2 as pb
-from tests.helpers import pods_on_device_0, tiny_worker_config
+from tests.helpers import tiny_worker_config
 
 SECRET = "degraded-step-test-secret-0123456789"
 NUM_PODS = 3
@@ -36,10 +36,8 @@ DEADLINE_S = 20.0
 _runs = itertools.count()
 
 
-@pytest.fixture(autouse=True)
-def _pods_on_device_0(monkeypatch):
-    """The Pods of this module run side by side in threads: on one device (tests/helpers.py says why)."""
-    pods_on_device_0(monkeypatch)
+# The Pods of this module run side by side in threads: on one device (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("pods_on_device_0")
 
 
 def _config(overlap: bool = False):

@@ -19,7 +19,7 @@ from multipod.pod_worker.diloco import fragment_leaves
 from multipod.pod_worker.pod import Pod
 from multipod.pod_worker.schema import PromptConfig, SyncConfig, WorkerConfig
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
-from tests.helpers import pods_on_device_0, tiny_worker_config
+from tests.helpers import tiny_worker_config
 
 SECRET = "diloco-test-secret-0123456789abcdef"
 ROWS = 4
@@ -28,10 +28,8 @@ DEADLINE_S = 30.0
 _runs = itertools.count()
 
 
-@pytest.fixture(autouse=True)
-def _pods_on_device_0(monkeypatch):
-    """The Pods of this module run side by side in threads: on one device (tests/helpers.py says why)."""
-    pods_on_device_0(monkeypatch)
+# The Pods of this module run side by side in threads: on one device (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("pods_on_device_0")
 
 
 def _config(pods: int, **sync) -> WorkerConfig:

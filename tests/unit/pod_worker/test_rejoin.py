@@ -39,7 +39,7 @@ from multipod.pod_worker.errors import CorruptTransfer, InvalidRequest, NotReady
 from multipod.pod_worker.pod import Pod
 from multipod.pod_worker.trainer import fingerprint
 from multipod.protos import multipod_pb2 as pb
-from tests.helpers import pods_on_device_0, tiny_worker_config
+from tests.helpers import tiny_worker_config
 
 SECRET = "rejoin-test-secret-0123456789abcdef"
 # The default exchange deadline (60 s) is long on purpose: a step stuck on a silent peer must end
@@ -53,10 +53,8 @@ DEADLINE_S = 10.0
 _ids = itertools.count()
 
 
-@pytest.fixture(autouse=True)
-def _pods_on_device_0(monkeypatch):
-    """The Pods of this module run side by side in threads: on one device (tests/helpers.py says why)."""
-    pods_on_device_0(monkeypatch)
+# The Pods of this module run side by side in threads: on one device (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("pods_on_device_0")
 
 
 def _id(prefix: str) -> str:
