@@ -21,7 +21,9 @@ class _Finalised:
 def test_an_interrupt_swallowed_by_a_finaliser_is_raised_at_the_next_check(monkeypatch):
     swallowed = []      # what Python would print as "Exception ignored in ..."
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: swallowed.append(unraisable.exc_type))
-    previous = signal.getsignal(signal.SIGINT)
+    # Python's own handler first, whatever this process inherited: a suite started as a background
+    # job (`pytest &` in a script) inherits SIGINT ignored, and install() rightly keeps it so.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         interrupt.install()
         interrupt.raise_if_requested()          # nothing pressed yet: nothing raised
