@@ -38,6 +38,10 @@ class Summary:
     # Per pod, the median of its wire_wait_s: how long it waited each step while a peer's chunks
     # were landing (the link, not a slower pod).
     median_wire_wait_s: dict[str, float] = field(default_factory=dict)
+    # What `checksum` is of: the whole state in every-step sync; in DiLoCo only the agreed state
+    # (the agreed parameters and the outer optimizer's), since each pod's own parameters and inner
+    # optimizer state differ from the others' between outer steps by design.
+    checksum_of: str = "state"
 
 
 # A wait on slower pods under this share of the median step is not worth a line of its own.
@@ -123,7 +127,8 @@ def finish(config: Config, client, run_dir: pathlib.Path, tokenizer, last_eval: 
         median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed) if timed else 0.0,
         median_mfu=statistics.median(mfus) if mfus else None,
         median_hfu=statistics.median(hfus) if hfus else None, sample=text, run_dir=str(run_dir),
-        median_peer_wait_s=median_waits(timed, "peer_wait_s"), median_wire_wait_s=median_waits(timed, "wire_wait_s"))
+        median_peer_wait_s=median_waits(timed, "peer_wait_s"), median_wire_wait_s=median_waits(timed, "wire_wait_s"),
+        checksum_of="agreed state" if config.sync.diloco else "state")
     (run_dir / "summary.json").write_text(json.dumps({**summary.__dict__, **(extra or {})}, indent=2) + "\n")
     return summary
 
@@ -140,7 +145,7 @@ def print_summary(summary: Summary) -> None:
     for line in (straggler_line(summary), link_line(summary)):
         if line:
             out(line)
-    out(f"final state checksum {summary.checksum} (identical on every pod)")
+    out(f"final {summary.checksum_of} checksum {summary.checksum} (identical on every pod)")
     out(f"run directory: {summary.run_dir}")
     if summary.sample is not None:
         out("sample:\n" + "-" * 60 + "\n" + summary.sample + "\n" + "-" * 60)

@@ -126,6 +126,9 @@ def test_diloco_on_pods_of_two_hosts_trains_bitwise_like_one_host_with_both_devi
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in layouts]
     assert summaries[0]["sample"] and summaries[0]["sample"] == summaries[1]["sample"]
     assert summaries[0]["checksum"] == summaries[1]["checksum"]
+    # What the final checksum is of, named to the user: not the pods' own (differing) states.
+    assert all(s["checksum_of"] == "agreed state" for s in summaries)
+    assert f"final agreed state checksum {summaries[0]['checksum']} (identical on every pod)" in done["hosts"].stdout
     assert checkpoint.read_metadata(str(tmp_path / "hosts" / "checkpoints" / "pod-0" / "8"))["outer"]["pending"]
     assert _final_fingerprints(tmp_path / "hosts", 8) == _final_fingerprints(tmp_path / "single", 8)
 

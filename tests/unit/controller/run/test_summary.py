@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from multipod.controller.run.summary import Summary, link_line, median_waits, straggler_line
+from multipod.controller.run.summary import Summary, link_line, median_waits, print_summary, straggler_line
 
 
 def _record(*waits: float, wire: float = 0.0):
@@ -42,3 +42,12 @@ def test_waits_on_the_link_are_named_when_noticeable_apart_from_slower_pods():
     # A straggler's wait is not the link's: only wire_wait_s counts here, and 5% of the step is the bar.
     assert link_line(_summary({"0": 0.2, "1": 0.0}, wire={"0": 0.02, "1": 0.0})) is None
     assert link_line(_summary({"0": 0.0}, wire={"0": 0.3})) is None         # one pod waits on no link
+
+
+def test_the_printed_checksum_names_what_it_is_of(capsys):
+    print_summary(_summary({}))
+    assert "final state checksum ab (identical on every pod)" in capsys.readouterr().out
+    diloco = _summary({})
+    diloco.checksum_of = "agreed state"
+    print_summary(diloco)
+    assert "final agreed state checksum ab (identical on every pod)" in capsys.readouterr().out
