@@ -16,13 +16,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
 
 
+# The cache root of every test session on this machine, as ~/.cache/multipod is a user's
+# (pod_worker/schema/caches.py): the token caches and trained tokenizers of every run a test
+# starts, and the compiled programs of every process (tests/conftest.py).
+TEST_CACHE_ROOT = pathlib.Path(tempfile.gettempdir()) / f"multipod-test-cache-{os.getuid()}"
+
+
 def cli_env() -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["MULTIPOD_PEAK_FILE"] = str(ROOT / ".no-such-peak-file.json")  # MFU stays null unless asked
-    # One token cache (and trained tokenizers) for every test run of this machine, out of the
-    # user's own ~/.cache: a corpus is tokenized once, then reused while it and the tokenizer hold.
-    env["MULTIPOD_CACHE_DIR"] = str(pathlib.Path(tempfile.gettempdir()) / f"multipod-test-cache-{os.getuid()}")
+    # The tests' own cache root, out of the user's own ~/.cache: a corpus is tokenized once, then
+    # reused while it and the tokenizer hold.
+    env["MULTIPOD_CACHE_DIR"] = str(TEST_CACHE_ROOT)
     return env
 
 
