@@ -64,6 +64,32 @@ def fragment_leaves(params, num_layers: int, fragments: int) -> list[list[int]]:
     return groups
 
 
+def outer_optimizer(sync: SyncConfig) -> optax.GradientTransformation:
+    """The outer step that the averaged pseudo-gradient drives (sync.outer_optimizer)."""
+    return optax.sgd(sync.outer_lr, momentum=sync.outer_momentum or None,
+                     nesterov=sync.outer_optimizer is OuterOptimizer.NESTEROV)
+
+
+def outer_restore_template(sync: SyncConfig, params, shardings, scalar_sharding, num_layers: int,
+                           meta: dict | None) -> dict:
+    """OuterSync.restore_target without an OuterSync: the shapes and layouts of a checkpoint's
+    outer state (`meta`: its metadata's "outer") over `params` (arrays or ShapeDtypeStructs) laid
+    out by `shardings`, for a reader that wants only the agreed parameters (a prompt-tuning base)."""
+    leaves, layouts = jax.tree.leaves(params), jax.tree.leaves(shardings)
+    agreed = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=layout) for leaf, layout in zip(leaves, layouts)]
+    tx, states = outer_optimizer(sync), []
+    fragments = fragment_leaves(params, num_layers, sync.fragments)
+    for indices in fragments:
+        state = jax.eval_shape(tx.init, [agreed[i] for i in indices])
+        placed = opt_shardings(state, [layouts[i] for i in indices], scalar_sharding)
+        states.append(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, placed))
+    target: dict = {"agreed": agreed, "states": jax.tree.leaves(states)}
+    pending = (meta or {}).get("pending")
+    if pending:
+        target["pending"] = [np.zeros(leaves[i].shape, leaves[i].dtype) for i in fragments[int(pending["fragment"])]]
+    return target
+
+
 @dataclasses.dataclass
 class OuterReport:
     """One outer step this pod applied (reported in the StepReply of the inner step that applied it)."""
@@ -106,8 +132,7 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         self._treedef = jax.tree.structure(params)
         self._shardings = jax.tree.leaves(shardings)
         self.agreed: list[jax.Array] = [jnp.copy(leaf) for leaf in jax.tree.leaves(params)]
-        self.tx = optax.sgd(sync.outer_lr, momentum=sync.outer_momentum or None,
-                            nesterov=sync.outer_optimizer is OuterOptimizer.NESTEROV)
+        self.tx = outer_optimizer(sync)
         self._programs = [self._compile(leaves) for leaves in self.fragments]
         self.states = self._initial_states()
         self.pending: _Pending | None = None

@@ -33,6 +33,7 @@ from multipod.model.config import LAYOUT_FIELDS, ConfigError
 from multipod.model.partitioning import activate_rules, param_shardings
 from multipod.model.prompt import init_prompt as init_prompt_params, prompt_embeddings, sampled_vocab_init
 from multipod.pod_worker import checkpoint, programs
+from multipod.pod_worker.diloco import outer_restore_template
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import host_value
 from multipod.pod_worker.optimizer import make_optimizer, opt_shardings
@@ -84,11 +85,19 @@ def load_base(path: str, model: ModelConfig, shardings, scalar_sharding) -> tupl
     opt = jax.eval_shape(make_optimizer(saved.optimizer, saved.schedule_steps).init, params)
     opt_layout = opt_shardings(opt, shardings, scalar_sharding)
     opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt, opt_layout)
-    state, meta = checkpoint.restore(str(folder), {"params": params, "opt_state": opt, "step": 0})
-    if fingerprint(state["params"], state["opt_state"]) != meta.get("fingerprint"):
+    template = {"params": params, "opt_state": opt, "step": 0}
+    if "outer" in metadata:     # a DiLoCo pod's part: its own parameters, and the agreed ones in "outer"
+        template["outer"] = outer_restore_template(saved.sync, params, shardings, scalar_sharding,
+                                                   saved.model.n_layers, metadata["outer"])
+    state, meta = checkpoint.restore(str(folder), template)
+    if fingerprint(state["params"], state["opt_state"], state.get("outer", {})) != meta.get("fingerprint"):
         raise checkpoint.CheckpointError(f"base checkpoint {folder} is corrupt: its state does not match the "
                                          f"fingerprint saved with it")
-    return state["params"], fingerprint(state["params"])
+    # DiLoCo: the base is the agreed parameters (what the run evaluated and sampled, the same in
+    # every pod's part), not this pod's own, which differ from the others' between outer steps.
+    base = state["params"] if "outer" not in state else \
+        jax.tree.unflatten(jax.tree.structure(params), state["outer"]["agreed"])
+    return base, fingerprint(base)
 
 
 def _unboxed(model: ModelConfig):

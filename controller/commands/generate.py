@@ -71,10 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass
 class Checkpoint:
-    """What --checkpoint names: the directory holding the run's files, and the step folder to
-    restore (None: the newest)."""
+    """What --checkpoint names: the directory holding the run's files, the step folder to
+    restore (None: the newest), and the folder of its step folders: `root`, or in a DiLoCo run
+    pod 0's part of every checkpoint, `root/pod-0` (each pod writes its own part; the agreed
+    parameters, which generation and prompt tuning use, are the same in every part)."""
     root: pathlib.Path
     path: pathlib.Path | None
+    steps: pathlib.Path
+
 
 
 @dataclasses.dataclass
@@ -85,12 +89,29 @@ class Prompt:
 
 
 def _step_folders(directory: pathlib.Path) -> list[int]:
+    if not directory.is_dir():
+        return []
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def newest_step(root: pathlib.Path) -> pathlib.Path:
-    """The newest step folder of a checkpoint directory (find_checkpoint made sure there is one)."""
-    return root / str(_step_folders(root)[-1])
+def _is_pod_part(path: pathlib.Path) -> bool:
+    """Whether `path` is a DiLoCo pod's folder of checkpoint parts (checkpointer.pod_directory)."""
+    from multipod.controller.components.checkpointer import pod_directory
+    return path.name.startswith("pod-") and path.name[4:].isdigit() and \
+        path == pathlib.Path(pod_directory(str(path.parent), int(path.name[4:])))
+
+
+def _steps_of(root: pathlib.Path) -> pathlib.Path:
+    """Where a checkpoint directory's step folders are: in it, or in a DiLoCo run in pod 0's part."""
+    from multipod.controller.components.checkpointer import pod_directory
+    if not _step_folders(root) and _step_folders(pod := pathlib.Path(pod_directory(str(root), 0))):
+        return pod
+    return root
+
+
+def newest_step(checkpoint: Checkpoint) -> pathlib.Path:
+    """The newest step folder of a checkpoint (find_checkpoint made sure there is one)."""
+    return checkpoint.steps / str(_step_folders(checkpoint.steps)[-1])
 
 
 def find_checkpoint(text: str) -> Checkpoint:
@@ -103,12 +124,20 @@ def find_checkpoint(text: str) -> Checkpoint:
         raise GenerateError(f"checkpoint {text} is not a directory: give a run's checkpoint directory "
                             f"(RUN_DIR/checkpoints) or one of its step folders")
     if (path / RUN_CONFIG).is_file():
-        if not _step_folders(path):
+        steps = _steps_of(path)
+        if not _step_folders(steps):
             raise GenerateError(f"checkpoint directory {text} holds no checkpoint yet (no step folder beside "
-                                f"its {RUN_CONFIG})")
-        return Checkpoint(path, None)
+                                f"its {RUN_CONFIG}, nor in a DiLoCo run's pod-0 folder)")
+        return Checkpoint(path, None, steps)
     if path.name.isdigit() and (path.parent / RUN_CONFIG).is_file():
-        return Checkpoint(path.parent, path)
+        return Checkpoint(path.parent, path, path.parent)
+    # A DiLoCo run's checkpoints: a pod's folder of parts, or one of its step folders.
+    if _is_pod_part(path) and (path.parent / RUN_CONFIG).is_file():
+        if not _step_folders(path):
+            raise GenerateError(f"checkpoint directory {text} holds no checkpoint yet (no step folder in it)")
+        return Checkpoint(path.parent, None, path)
+    if path.name.isdigit() and _is_pod_part(path.parent) and (path.parent.parent / RUN_CONFIG).is_file():
+        return Checkpoint(path.parent.parent, path, path.parent)
     if (path / "checkpoints" / RUN_CONFIG).is_file():     # a run directory with its default checkpoint folder
         return find_checkpoint(str(path / "checkpoints"))
     if path.name.isdigit() or _step_folders(path):
@@ -216,7 +245,7 @@ def with_prompt(text: str, base: Checkpoint, base_config):
         if field.name not in LAYOUT_FIELDS and have != want:
             raise GenerateError(f"--prompt-checkpoint {text} was tuned on another base model: its "
                                 f"model.{field.name} is {have!r}, --checkpoint {base.path or base.root} has {want!r}")
-    folder = base.path or newest_step(base.root)
+    folder = base.path or newest_step(base)
     return dataclasses.replace(tuned, prompt=dataclasses.replace(tuned.prompt, base_checkpoint=str(folder))), prompt
 
 
@@ -349,7 +378,7 @@ def main(args) -> int:
                 cluster.configure()
                 client = cluster.clients[0]
                 # A prompt checkpoint is the state of a prompt-tuning pod, whose base --checkpoint is.
-                target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.root)})
+                target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.steps)})
                 restored = client.restore(pb.RestoreRequest(run_id=cluster.next_generation(), **target),
                                           config.run.step_timeout_s + 60.0)
                 _say(f"restored {restored.path} (step {restored.step}) in {time.perf_counter() - started:.1f} s")

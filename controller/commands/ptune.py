@@ -48,7 +48,7 @@ def derived_overrides(args) -> list[str]:
     if args.virtual_tokens < 1:
         raise ConfigError("--virtual-tokens", f"must be >= 1, got {args.virtual_tokens}")
     base = find_checkpoint(args.checkpoint)
-    folder = base.path or newest_step(base.root)
+    folder = base.path or newest_step(base)
     config, tokenizer = load_run(base.root)
     if config.prompt.enabled:
         raise GenerateError(f"--checkpoint {args.checkpoint} is a prompt checkpoint (of a multipod ptune run): give "

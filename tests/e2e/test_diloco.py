@@ -129,6 +129,17 @@ def test_diloco_on_pods_of_two_hosts_trains_bitwise_like_one_host_with_both_devi
     # What the final checksum is of, named to the user: not the pods' own (differing) states.
     assert all(s["checksum_of"] == "agreed state" for s in summaries)
     assert f"final agreed state checksum {summaries[0]['checksum']} (identical on every pod)" in done["hosts"].stdout
+    # `multipod generate` on the DiLoCo run's checkpoints (each pod's part under pod-N) writes the
+    # closing sample again: the agreed parameters, read from pod 0's part.
+    config = json.loads((tmp_path / "hosts" / "config.json").read_text())
+    sample = config["sample"]
+    generated = run_cli("generate", "--checkpoint", str(tmp_path / "hosts" / "checkpoints"), "--prompt",
+                        sample["prompt"], "--max-tokens", str(sample["tokens"]), "--temperature",
+                        str(sample["temperature"]), "--seed", str(config["run"]["seed"]), "--shift-context",
+                        "--ignore-eos", timeout=240)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert "pod-0/8 (step 8)" in generated.stderr
+    assert generated.stdout == summaries[0]["sample"] + "\n"
     assert checkpoint.read_metadata(str(tmp_path / "hosts" / "checkpoints" / "pod-0" / "8"))["outer"]["pending"]
     assert _final_fingerprints(tmp_path / "hosts", 8) == _final_fingerprints(tmp_path / "single", 8)
 

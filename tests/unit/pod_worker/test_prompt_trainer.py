@@ -12,7 +12,7 @@ from multipod.model import ModelConfig
 from multipod.model.config import ConfigError
 from multipod.pod_worker import checkpoint
 from multipod.pod_worker.prompt_trainer import PromptTrainer
-from multipod.pod_worker.schema import PromptConfig, TrainShape, WorkerConfig
+from multipod.pod_worker.schema import PromptConfig, SyncConfig, TrainShape, WorkerConfig
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, head_dim=8, mlp_dim=64, max_seq_len=24)
@@ -59,6 +59,31 @@ def test_only_the_prompt_trains_and_the_base_stays_as_loaded(base_checkpoint):
     assert saved["base_fingerprint"] == base_params_fingerprint
     assert saved["base_checksum"] == saved["base_checksum_loaded"] == trainer.base_checksum_loaded
     assert trainer.evaluate(tokens, mask)[1] == 24 and trainer.evaluate(tokens)[1] == 4 * 12
+
+
+def test_a_diloco_run_s_part_gives_its_agreed_parameters_as_the_base(tmp_path):
+    """A DiLoCo pod's checkpoint part holds its own parameters and the agreed ones (and the outer
+    optimizer's state, here with a sync pending); the base a prompt is tuned on is the agreed
+    parameters, the model the run evaluated and sampled, not the pod's own."""
+    diloco = dataclasses.replace(BASE, sync=SyncConfig(mode="diloco", inner_steps=4, fragments=2,
+                                                       overlap_steps=1)).validate()
+    trainer = PodTrainer(diloco, devices=jax.devices()[:1])
+    trainer.start_outer(1)
+    rng = np.random.default_rng(0)
+    for _ in range(2):      # the first fragment's sync starts after 2 inner steps, applied after a 3rd
+        trainer.train_step(trainer.put_batch(rng.integers(0, 128, (4, 17)).astype(np.int32)), 64)
+        trainer.outer_step(None)
+    # Saved as a pod saves its part (pod_worker/checkpoint_pod.py).
+    state = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+    state["outer"], outer_meta = trainer.outer.checkpoint(30.0)
+    assert outer_meta["pending"] and "pending" in state["outer"]
+    meta = {"worker_config": diloco.to_dict(), "state_key": diloco.state_key(), "outer": outer_meta}
+    path = checkpoint.save(str(tmp_path / "pod-0"), state,
+                           fingerprint(state["params"], state["opt_state"], state["outer"]), json.dumps(meta))
+    agreed, own = fingerprint(trainer.agreed_params), fingerprint(trainer.params)
+    assert agreed != own
+    tuned = PromptTrainer(_config(path), devices=jax.devices()[:2])
+    assert tuned.base_fingerprint == agreed and fingerprint(tuned.base) == agreed
 
 
 def test_a_prompt_checkpoint_is_restored_only_onto_its_base(base_checkpoint):
