@@ -28,12 +28,14 @@ def train_run(args, addresses_fn) -> int:
     from multipod.controller.data.corpus import prepare
     from multipod.controller.observe.metrics import out
     from multipod.controller.run.summary import print_summary
-    from multipod.controller.run.training import run_training
+    from multipod.controller.run.training import check_batch_splits, run_training
     from multipod.protos.channels import set_default_security
     given: set = set()
     config = resolve_config(args, given)
     mode = _mode(args)
     check_netns_args(args, mode)
+    if mode in LAUNCHERS and getattr(args, "pods", None):     # before the corpus is read and the workers start
+        check_batch_splits(config, args.pods)
     if mode == "train" and not config.checkpoint.dir:
         # Pod 0 writes the checkpoints: the default, under the controller's run directory, would
         # land on pod 0's own disk, where the other pods cannot read it when they restore.

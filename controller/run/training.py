@@ -37,6 +37,12 @@ def checkpoint_dir(config: Config, run_dir: pathlib.Path) -> str:
     return str(pathlib.Path(config.checkpoint.dir or run_dir / "checkpoints").absolute())
 
 
+def check_batch_splits(config: Config, num_pods: int) -> None:
+    """ConfigError unless the global batch splits evenly over `num_pods` pods."""
+    if config.data.global_batch % num_pods:
+        raise ConfigError("data.global_batch", f"{config.data.global_batch} does not split over {num_pods} pods")
+
+
 def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
                  progress: ProgressLine | None = None, resume: bool = False, supervisor=None,
                  data: RunData | None = None, local: bool = False, spares: list[list[str]] | None = None) -> Summary:
@@ -51,9 +57,7 @@ def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
     offered while the run goes on (`multipod attach`, cluster/spares.py)."""
     if not addresses:
         raise ConfigError("--workers", "no worker addresses given")
-    num_pods = len(addresses)
-    if config.data.global_batch % num_pods:
-        raise ConfigError("data.global_batch", f"{config.data.global_batch} does not split over {num_pods} pods")
+    check_batch_splits(config, len(addresses))
     run_dir.mkdir(parents=True, exist_ok=True)
     # The tokenizer, the token cache and the vocabulary before the pods configure; config.json
     # holds the resolved config.

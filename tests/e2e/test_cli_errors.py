@@ -110,6 +110,14 @@ def test_resume_without_saying_which_run_is_refused():
     assert result.returncode == 2 and "--resume" in result.stderr and "--run-dir" in result.stderr
 
 
+def test_a_batch_that_does_not_split_over_the_pods_is_refused_before_any_worker_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("local", "--config", TINY, "--pods", "3", "--run-dir", str(run_dir), timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "data.global_batch: 8 does not split over 3 pods" in result.stderr
+    assert "started" not in result.stdout and not list(run_dir.glob("worker-*.log"))
+
+
 def test_pods_listing_different_numbers_of_hosts_are_refused_before_contacting_a_worker(tmp_path):
     """--workers lists each pod's hosts (";" between pods, "," between hosts, or @FILE): every pod
     must have as many hosts as the others, and the error names the pod that does not."""
