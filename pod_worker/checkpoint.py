@@ -242,6 +242,15 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
+# State-key entries that checkpoints of earlier versions hold and WorkerConfig.state_key no longer
+# has (it says why): not compared, so those checkpoints still resume.
+_RETIRED_KEYS = ("optimizer.decay_steps", "sync.replay_history_mb")
+# What a user can do about a difference, where there is one thing to do.
+_HINTS = {"schedule_steps": " (the steps the learning rate decays over: optimizer.decay_steps, else the run's "
+                            "steps; to train on past the saved run's end, keep its schedule: --set "
+                            "optimizer.decay_steps={saved})"}
+
+
 def check_compatible(path: str, metadata: dict, state_key: dict) -> None:
     """CheckpointError naming every value the checkpoint at `path` disagrees on, among those the
     pod's state depends on (WorkerConfig.state_key: model, optimizer, schedule, seed, batch shape)."""
@@ -249,9 +258,11 @@ def check_compatible(path: str, metadata: dict, state_key: dict) -> None:
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} has no state key in its metadata; it was not written by "
                               f"this version of multipod")
-    have, want = _flatten("", saved), _flatten("", state_key)
+    have = {name: value for name, value in _flatten("", saved).items() if name not in _RETIRED_KEYS}
+    want = _flatten("", state_key)
     missing = "<missing>"
     differences = [f"{name}: checkpoint has {have.get(name, missing)!r}, this run has {want.get(name, missing)!r}"
+                   + _HINTS.get(name, "").format(saved=have.get(name, missing))
                    for name in sorted(set(have) | set(want)) if have.get(name, missing) != want.get(name, missing)]
     if differences:
         raise CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(differences))

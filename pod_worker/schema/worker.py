@@ -49,7 +49,11 @@ class WorkerConfig:
     def state_key(self) -> dict:
         """Every value the pod's training state depends on (shapes, the update's maths, the
         schedule, the initial parameters): a checkpoint resumes bitwise only if they all match."""
-        key = {"model": plain(self.model), "optimizer": plain(self.optimizer),
+        # The schedule as it runs, once: decay_steps = 0 (the run's steps) and decay_steps = N are
+        # the same schedule when the run has N steps, so a finished run can train on past its end
+        # with its schedule kept (optimizer.decay_steps = its steps).
+        optimizer = {k: v for k, v in plain(self.optimizer).items() if k != "decay_steps"}
+        key = {"model": plain(self.model), "optimizer": optimizer,
                "schedule_steps": self.schedule_steps, "seed": self.train.seed,
                "seq_len": self.train.seq_len, "global_batch": self.train.global_batch}
         if self.prompt.enabled:
@@ -58,7 +62,8 @@ class WorkerConfig:
             key["prompt"] = {"kind": self.prompt.kind.value, "virtual_tokens": self.prompt.virtual_tokens,
                              "hidden": self.prompt.hidden}
         if self.sync.diloco:    # the outer state and where each pod is in the cycle
-            key["sync"] = plain(self.sync)
+            # Not the replay's memory budget, which changes no value.
+            key["sync"] = {k: v for k, v in plain(self.sync).items() if k != "replay_history_mb"}
         return key
 
     def exchange_dcn(self) -> DcnConfig:

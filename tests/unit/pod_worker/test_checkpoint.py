@@ -16,6 +16,7 @@ import pytest
 
 from multipod.pod_worker import checkpoint
 from multipod.pod_worker.checkpoint_writer import Writer
+from multipod.pod_worker.schema import SyncConfig
 from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import codec, multipod_pb2 as pb
 from tests.helpers import tiny_worker_config
@@ -126,6 +127,37 @@ def test_incompatible_checkpoint_names_what_does_not_match(worker, tmp_path):
     assert "model.d_model: checkpoint has 64, this run has 32" in error.details()
     assert "seed: checkpoint has 3, this run has 0" in error.details()
     assert "schedule_steps: checkpoint has 99, this run has 20" in error.details()
+    assert "to train on past the saved run's end, keep its schedule: --set optimizer.decay_steps=99" in error.details()
+
+
+def _with(config, total_steps: int, decay_steps: int = 0, **sync):
+    optimizer = dataclasses.replace(config.optimizer, decay_steps=decay_steps)
+    return dataclasses.replace(config, optimizer=optimizer, train=dataclasses.replace(config.train,
+                                                                                      total_steps=total_steps), **sync)
+
+
+def test_a_finished_run_trains_on_past_its_end_with_its_schedule_kept():
+    """The state key holds the schedule as it runs: a run of 20 steps decaying over its steps has
+    the schedule of one of 30 steps decaying over 20, and a checkpoint of the first resumes in the
+    second; the hint the refusal gives (optimizer.decay_steps = the saved schedule) is that run."""
+    saved = {"state_key": _with(CONFIG, 20).state_key()}
+    checkpoint.check_compatible("c/20", saved, _with(CONFIG, 30, decay_steps=20).state_key())
+    with pytest.raises(checkpoint.CheckpointError, match=r"schedule_steps: checkpoint has 20, this run has 30 .*"
+                                                         r"optimizer\.decay_steps=20\)$"):
+        checkpoint.check_compatible("c/20", saved, _with(CONFIG, 30).state_key())
+    # An earlier version's key, which held the raw optimizer.decay_steps (and DiLoCo's memory
+    # budget), still resumes.
+    legacy = json.loads(json.dumps(saved))
+    legacy["state_key"]["optimizer"]["decay_steps"] = 0
+    checkpoint.check_compatible("c/20", legacy, _with(CONFIG, 30, decay_steps=20).state_key())
+    # DiLoCo: the replay's memory budget changes no value; the outer step's settings do.
+    diloco = SyncConfig(mode="diloco", inner_steps=4)
+    saved = {"state_key": _with(CONFIG, 20, sync=diloco).state_key()}
+    bigger = dataclasses.replace(diloco, replay_history_mb=4096)
+    checkpoint.check_compatible("c/20", saved, _with(CONFIG, 20, sync=bigger).state_key())
+    with pytest.raises(checkpoint.CheckpointError, match="sync.outer_lr: checkpoint has 0.7, this run has 0.5"):
+        checkpoint.check_compatible("c/20", saved, _with(CONFIG, 20, sync=dataclasses.replace(diloco, outer_lr=0.5))
+                                    .state_key())
 
 
 def test_missing_checkpoint_gets_a_clear_error(worker, tmp_path):
