@@ -143,10 +143,10 @@ def test_ctrl_c_tears_down_every_actor_and_placement_group(cluster, ray_env, tmp
 
 
 def test_a_controller_error_after_the_pods_started_tears_them_down(cluster, ray_env, tmp_path):
-    # 3 sequences do not split over 2 pods: refused once the pods are known, after they started.
-    result = _ray(cluster, tmp_path, 2, "--set", "data.global_batch=3", env=ray_env)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "started 2 pod(s)" in result.stdout and "data.global_batch: 3 does not split over 2 pods" in result.stderr
+    # A model axis of 2 on pods of 1 device: refused by the pods when they configure, after they started.
+    result = _ray(cluster, tmp_path, 2, "--set", "mesh.model=2", env=ray_env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "started 2 pod(s)" in result.stdout and "mesh.model: 2 does not divide the pod's 1 devices" in result.stderr
     _wait_nothing_left()
 
 
@@ -164,7 +164,8 @@ def test_no_cluster_at_the_address_is_a_clear_error(tmp_path):
 def test_more_pods_than_the_cluster_can_place_is_a_clear_error(cluster, ray_env, tmp_path):
     # More CPUs than the cluster has: refused at once, naming the shortfall.
     result = run_cli("ray", "--address", cluster, "--pods", "8", "--devices-per-host", "1",
-                     "--run-dir", str(tmp_path / "a"), *_args(2), env=ray_env, timeout=120)
+                     "--run-dir", str(tmp_path / "a"), *_args(2, "--set", "data.global_batch=8"), env=ray_env,
+                     timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"8 CPU in all, and the cluster has {CPUS}" in result.stderr
     # Enough in all, but held by someone else: refused at the placement deadline.
