@@ -19,21 +19,17 @@ serve the slot from then on.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from multipod.controller.launch.ports import free_ports
 from multipod.protos.channels import TOKEN_ENV, Security, default_security
 
-# free_ports draws from this many ports just below the kernel's ephemeral range.
-PORTS_BELOW_EPHEMERAL = 8192
 
 class LaunchError(RuntimeError):
     """A local worker failed to start or died."""
@@ -349,44 +345,6 @@ class LocalPods(Launched):
         for log in self._logs:
             log.close()
         self._logs.clear()
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` different TCP ports on 127.0.0.1 that nothing listens on right now, chosen at
-    random below the kernel's ephemeral range (ephemeral_range), where no socket bound to port 0
-    and no outgoing connection is given one: nothing else takes such a port between this choice
-    and the worker's bind, nor while a restarted pod's coordinator waits to bind it again. The
-    sockets are held until all are bound (one bound and closed at a time, the kernel may hand out
-    the same port twice: two pods' coordinators once collided so). Ephemeral ports only where
-    there is no room below the range."""
-    low, _ = ephemeral_range()
-    below = list(range(max(1024, low - PORTS_BELOW_EPHEMERAL), low))
-    random.shuffle(below)
-    chosen: list[int] = []
-    with contextlib.ExitStack() as stack:
-        for port in below:
-            if len(chosen) == count:
-                break
-            s = stack.enter_context(socket.socket())
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:     # in use (or in TIME_WAIT)
-                continue
-            chosen.append(port)
-        while len(chosen) < count:
-            s = stack.enter_context(socket.socket())
-            s.bind(("127.0.0.1", 0))
-            chosen.append(s.getsockname()[1])
-    return chosen
-
-
-def ephemeral_range() -> tuple[int, int]:
-    """The kernel's range of ephemeral ports (Linux's ip_local_port_range; its default elsewhere)."""
-    try:
-        low, high = map(int, pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999
-    return low, high
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -70,19 +70,14 @@ class HostSpec:
 
 
 def free_ports(count: int) -> tuple[str, list[int]]:
-    """(this node's IP, `count` TCP ports nothing listens on right now): run as a Ray task in a
-    host's placement-group bundle, so the ports are free on the node where its actor will run."""
+    """(this node's IP, `count` TCP ports nothing listens on right now, below the kernel's
+    ephemeral range so that no connection takes one before the actor's worker binds it:
+    controller/launch/ports.py): run as a Ray task in a host's placement-group bundle, so the
+    ports are free on the node where its actor will run."""
     import ray  # only ever called inside a Ray task
-    sockets = []
-    try:
-        for _ in range(count):   # held together: the ports differ from each other
-            s = socket.socket()
-            s.bind(("", 0))
-            sockets.append(s)
-        return ray.util.get_node_ip_address(), [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+
+    from multipod.controller.launch.ports import free_ports as free_on_this_node
+    return ray.util.get_node_ip_address(), free_on_this_node(count, host="")
 
 
 class WorkerHost:

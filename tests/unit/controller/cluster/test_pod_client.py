@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import socket
 import sys
 import time
 
@@ -21,7 +20,7 @@ from multipod.controller.cluster.pod_client import PodClient, make_pod_client, p
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.commands.train import local_devices
 from multipod.controller.core.errors import RunError
-from multipod.controller.launch.local import PORTS_BELOW_EPHEMERAL, LocalPods, ephemeral_range, free_ports
+from multipod.controller.launch.local import LocalPods
 from multipod.model.config import ConfigError
 from multipod.protos import codec, multipod_pb2 as pb
 from multipod.protos.channels import Security
@@ -349,28 +348,6 @@ def test_local_device_flags_that_contradict_are_refused(hosts, per_host, per_pod
     args = argparse.Namespace(hosts_per_pod=hosts, devices_per_host=per_host, devices_per_pod=per_pod)
     with pytest.raises(ConfigError, match=message):
         local_devices(args)
-
-
-def test_free_ports_are_all_different_and_free():
-    # Held together while chosen: one at a time, the kernel once gave two pods' coordinators the same port.
-    for _ in range(20):
-        ports = free_ports(8)
-        assert len(set(ports)) == 8
-        for port in ports:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port))      # nothing holds it any more
-    assert free_ports(0) == []
-
-
-def test_free_ports_lie_below_the_ephemeral_range_where_no_port_0_bind_lands():
-    low, _ = ephemeral_range()
-    ports = free_ports(4)
-    assert all(low - PORTS_BELOW_EPHEMERAL <= port < low for port in ports), (ports, low)
-    with socket.socket() as held:        # a port in use is passed over
-        held.bind(("127.0.0.1", ports[0]))
-        held.listen()
-        for _ in range(20):
-            assert ports[0] not in free_ports(4)
 
 
 def test_local_pods_split_each_pods_devices_over_its_hosts(tmp_path):
