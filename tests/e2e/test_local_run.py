@@ -4,6 +4,7 @@ One 2-pod run and one 1-pod run (same seed, evaluating every EVAL_EVERY steps) a
 tests below.
 """
 import json
+import shutil
 
 import pytest
 
@@ -129,3 +130,31 @@ def test_no_report_leaves_report_png_out(one_pod):
     run_dir, result, _ = one_pod
     assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "report.png").exists()
     assert "report:" not in result.stdout
+
+
+def test_a_finished_run_trains_on_past_its_end_bitwise_with_its_schedule_kept(two_pods, tmp_path):
+    """The 2-pod run ended after STEPS steps, its learning rate decayed over them. Resumed to
+    STEPS + 4 with that schedule kept (optimizer.decay_steps = STEPS), it trains on at the final
+    rate, bitwise the run of STEPS + 4 steps with the same setting; with the schedule changed,
+    the refusal says how to keep it."""
+    run_dir, _ = two_pods
+    checkpoints, more = tmp_path / "checkpoints", str(STEPS + 4)
+    shutil.copytree(run_dir / "checkpoints", checkpoints)      # the shared run's own stay as they are
+    common = ("local", "--pods", "2", "--devices-per-pod", "2", "--config", TINY, "--steps", more, "--seed", "5",
+              "--eval-every", str(EVAL_EVERY), "--no-report", "--set", "sample.tokens=0")
+    kept = ("--set", f"optimizer.decay_steps={STEPS}")
+    changed = run_cli(*common, "--resume", "--checkpoint-dir", str(checkpoints), "--run-dir", str(tmp_path / "changed"))
+    assert changed.returncode != 0
+    assert f"schedule_steps: checkpoint has {STEPS}, this run has {more}" in changed.stderr
+    assert f"--set optimizer.decay_steps={STEPS}" in changed.stderr
+    resumed = run_cli(*common, *kept, "--resume", "--checkpoint-dir", str(checkpoints),
+                      "--run-dir", str(tmp_path / "on"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"(step {STEPS}," in resumed.stdout
+    whole = run_cli(*common, *kept, "--run-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    on, reference = read_metrics(tmp_path / "on"), read_metrics(tmp_path / "whole")
+    assert [r["step"] for r in on] == list(range(STEPS, STEPS + 4))
+    assert [(r["loss"], r["checksums"], r["learning_rate"]) for r in on] == \
+        [(r["loss"], r["checksums"], r["learning_rate"]) for r in reference[STEPS:]]
+    assert len({r["learning_rate"] for r in on}) == 1     # the final rate, held
