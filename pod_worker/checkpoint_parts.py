@@ -110,7 +110,13 @@ def newest_whole(directory: str, parts: list[str], before: int = 0) -> Choice:
         raise CheckpointError(f"no checkpoint{older} to resume from in {where}")
     shown = "; ".join(f"step {s.step}: " + ", ".join(f"{p.directory} {pb.PartState.Name(p.state)}"
                                                       for p in s.problems) for s in skipped[:4])
-    raise CheckpointError(f"no whole checkpoint{older} to resume from in {where}: {shown}")
+    # Parts with no checkpoint at all beside parts with some: most likely a run of fewer pods
+    # saved them (each pod writes and restores its own part).
+    never = [name for name, done, started in zip(names, finished, unfinished) if not done and not started]
+    hint = (f" ({', '.join(never)} hold no checkpoint at all: if a run of fewer pods saved these, resume it "
+            f"with the number of pods that saved it, since each pod restores its own part)"
+            if never and len(never) < len(names) else "")
+    raise CheckpointError(f"no whole checkpoint{older} to resume from in {where}: {shown}{hint}")
 
 
 def to_proto(skipped: tuple[Skipped, ...]) -> list[pb.SkippedCheckpoint]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import shutil
 
 import grpc
+import jax
 import numpy as np
 import pytest
 
 from multipod.pod_worker import checkpoint
+from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import multipod_pb2 as pb
 from tests.unit.pod_worker.in_process_worker import module_worker
 from tests.unit.pod_worker.test_checkpoint import CONFIG, Worker
@@ -89,3 +91,18 @@ def test_a_part_whose_arrays_do_not_read_back_is_skipped_for_the_one_before(work
     assert _skipped(reply) == [(saved[1][0], [(str(tmp_path), pb.PART_STATE_CORRUPT)])]
     assert "corrupt" in reply.skipped[0].problems[0].detail
     assert worker.train().checksum
+
+
+def test_parts_with_no_checkpoint_at_all_are_named_as_a_run_of_another_number_of_pods(tmp_path):
+    """A DiLoCo run of 2 pods resumed with 4: pods 2 and 3 have no part of any checkpoint."""
+    from multipod.pod_worker.checkpoint import CheckpointError
+    from multipod.pod_worker.checkpoint_parts import newest_whole
+    trainer = PodTrainer(CONFIG, devices=jax.devices()[:1])
+    for pod in (0, 1):
+        checkpoint.save(str(tmp_path / f"pod-{pod}"), trainer.host_state(), trainer.fingerprint(), "{}")
+    parts = [str(tmp_path / f"pod-{pod}") for pod in (1, 2, 3)]
+    with pytest.raises(CheckpointError) as info:
+        newest_whole(str(tmp_path / "pod-0"), parts)
+    assert f"step 0: {parts[1]} PART_STATE_MISSING, {parts[2]} PART_STATE_MISSING" in str(info.value)
+    assert f"({parts[1]}, {parts[2]} hold no checkpoint at all: if a run of fewer pods saved these" in str(info.value)
+    assert newest_whole(str(tmp_path / "pod-0"), parts[:1]).step == 0     # the 2 pods' own parts are whole
