@@ -80,7 +80,6 @@ class Checkpoint:
     steps: pathlib.Path
 
 
-
 @dataclasses.dataclass
 class Prompt:
     text: str
