@@ -152,10 +152,15 @@ def attach(args: argparse.Namespace) -> int:
     run_dir = pathlib.Path(args.run_dir)
     if not (run_dir / "config.json").is_file():
         raise ConfigError("RUN_DIR", f"{run_dir} is not a run directory (it has no config.json)")
+    from multipod.controller.core.run_lock import running_controller
     hosts = [a.strip() for a in args.worker.split(",") if a.strip()]
     path = offer(run_dir, hosts)
-    print(f"offered {','.join(hosts)} to the run in {run_dir} ({path}): the controller checks it within a second "
-          f"and prints 'spare ready' or why it refused it")
+    if running_controller(run_dir) is None:
+        print(f"offered {','.join(hosts)} to the run in {run_dir} ({path}), but no controller is running it now: "
+              f"the offer is checked when the run is resumed (--resume --run-dir {run_dir})")
+    else:
+        print(f"offered {','.join(hosts)} to the run in {run_dir} ({path}): the controller checks it within a "
+              f"second and prints 'spare ready' or why it refused it")
     return 0
 
 

@@ -25,6 +25,7 @@ def _run_dir(args: argparse.Namespace) -> pathlib.Path:
 
 def train_run(args, addresses_fn) -> int:
     from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.core.run_lock import RunDirLock
     from multipod.controller.data.corpus import prepare
     from multipod.controller.observe.metrics import out
     from multipod.controller.run.summary import print_summary
@@ -56,20 +57,21 @@ def train_run(args, addresses_fn) -> int:
     set_default_security(security)
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    out(f"run directory: {run_dir}")
-    # The data first: a bad corpus or tokenizer is reported before any worker starts, and the
-    # model's vocabulary (which follows the tokenizer) is known when the pods configure.
-    data = prepare(config, vocab_given="model.vocab_size" in given)
-    try:
-        context = addresses_fn(run_dir, config)
-        with context as addresses:
-            summary = run_training(data.config, addresses, run_dir, resume=args.resume,
-                                   supervisor=getattr(context, "pods", None), data=data,
-                                   local=mode == "local", spares=getattr(context, "spares", None))
-        print_summary(summary)
-    finally:
-        if launched and not getattr(args, "no_report", False):   # after the workers stopped, whatever the outcome
-            write_report_quietly(run_dir)
+    with RunDirLock(run_dir):       # one controller per run directory
+        out(f"run directory: {run_dir}")
+        # The data first: a bad corpus or tokenizer is reported before any worker starts, and the
+        # model's vocabulary (which follows the tokenizer) is known when the pods configure.
+        data = prepare(config, vocab_given="model.vocab_size" in given)
+        try:
+            context = addresses_fn(run_dir, config)
+            with context as addresses:
+                summary = run_training(data.config, addresses, run_dir, resume=args.resume,
+                                       supervisor=getattr(context, "pods", None), data=data,
+                                       local=mode == "local", spares=getattr(context, "spares", None))
+            print_summary(summary)
+        finally:
+            if launched and not getattr(args, "no_report", False):   # after the workers stopped, whatever the outcome
+                write_report_quietly(run_dir)
     return 0
 
 

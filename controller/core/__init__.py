@@ -6,4 +6,5 @@
   fault_hooks  fault injection for tests, read from the environment, never from the config
   exit_deadline  a deadline on the process's exit once its command has returned
   interrupt    a Ctrl-C that is never lost (raised again by the step loop if a finaliser swallowed it)
+  run_lock     one controller per run directory at a time (an flock the kernel drops with the process)
 """

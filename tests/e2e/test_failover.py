@@ -267,6 +267,11 @@ def test_a_spare_at_another_address_takes_a_killed_pod_s_slot(reference3, tmp_pa
             for address in (stranger_at, wide_at):
                 offered = _run("attach", str(run_dir), "--worker", address, env=env, timeout=60)
                 assert offered.returncode == 0, offered.stdout + offered.stderr
+                assert "the controller checks it within a second" in offered.stdout   # a controller runs it
+            # One controller per run directory: a second one on it is refused at once, naming the first.
+            second = _run("local", "--no-report", *_args(3), "--resume", "--run-dir", str(run_dir), env=env, timeout=60)
+            assert second.returncode == 2, second.stdout + second.stderr
+            assert f"is being run by another controller now (pid {run.proc.pid})" in second.stderr
             wait_held(run, hold, SWAP_KILL_AT + 1)
             _wait_refused(run, {stranger_at, wide_at}, timeout=120)
         except BaseException:
