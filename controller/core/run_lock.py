@@ -21,6 +21,20 @@ LOCK_FILE = ".controller.lock"
 SHARED_HOLD_S = 1.0
 
 
+def lock_within(handle, timeout_s: float, poll_s: float) -> bool:
+    """Take an exclusive flock on open file `handle`, trying every poll_s for up to timeout_s;
+    whether it was taken."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+
+
 class RunDirLock:
     """Held while a controller runs `run_dir` (a context manager). Entering raises ConfigError
     naming the other controller's pid if one holds it."""
@@ -31,20 +45,13 @@ class RunDirLock:
 
     def __enter__(self) -> RunDirLock:
         handle = self.path.open("a+")
-        deadline = time.monotonic() + SHARED_HOLD_S
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:    # perhaps only running_controller's brief look
-                    time.sleep(0.05)
-                    continue
-                handle.seek(0)
-                holder = handle.read().strip() or "?"
-                handle.close()
-                raise ConfigError("--run-dir", f"{self.path.parent} is being run by another controller now (pid "
-                                               f"{holder}): wait for it to end, or give another --run-dir") from None
+        # Retried a moment: perhaps only running_controller's brief look holds it.
+        if not lock_within(handle, SHARED_HOLD_S, 0.05):
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise ConfigError("--run-dir", f"{self.path.parent} is being run by another controller now (pid "
+                                           f"{holder}): wait for it to end, or give another --run-dir")
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")

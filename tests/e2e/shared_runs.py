@@ -8,12 +8,11 @@ A failed run is remembered with its output, so every test that needs it fails wi
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import pathlib
-import time
 from typing import NamedTuple
 
+from multipod.controller.core.run_lock import lock_within
 from tests.e2e.test_recovery import _run
 
 WAIT_S = 900.0      # a 2-host run on a loaded machine takes minutes; a hang must still end
@@ -40,15 +39,8 @@ def shared_run(tmp_path_factory, name: str, *args: str, env: dict) -> SharedRun:
     folder.mkdir(exist_ok=True)
     run_dir, failed = folder / name, folder / f"{name}.failed"
     with open(folder / f"{name}.lock", "w") as lock:
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the shared run {name!r} was not done within {WAIT_S:g}s") from None
-                time.sleep(0.5)
+        if not lock_within(lock, WAIT_S, 0.5):
+            raise TimeoutError(f"the shared run {name!r} was not done within {WAIT_S:g}s")
         if failed.exists():
             raise AssertionError(f"the shared run {name!r} failed:\n{failed.read_text()}")
         out, err = folder / f"{name}.stdout", folder / f"{name}.stderr"
