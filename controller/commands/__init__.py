@@ -4,6 +4,7 @@
   train       a training run: train (--workers), local, ray and ptune all run one
   ptune       ptune's config, derived from the base checkpoint
   generate    generate: text from a checkpoint on one local pod
+  checkpoints what --checkpoint names for generate and ptune (DiLoCo runs' per-pod parts too)
   tune        tune: search one pod's layout (the search itself is controller/tune/)
   plan        plan: project the cross-pod sync settings onto a cluster on paper (tune/cost.py)
 

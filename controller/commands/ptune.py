@@ -38,7 +38,8 @@ def derived_overrides(args) -> list[str]:
     """The config of a prompt-tuning run as `section.key=value` overrides, from the base checkpoint
     and the task: the user's --set come after them. GenerateError or DataError naming what cannot
     be used (a missing checkpoint, a task file, an example too long for the context)."""
-    from multipod.controller.commands.generate import GenerateError, find_checkpoint, load_run, newest_step
+    from multipod.controller.commands.checkpoints import GenerateError, find_checkpoint, newest_step
+    from multipod.controller.commands.generate import load_run
     from multipod.controller.core.run_config import ConfigError
     from multipod.controller.data.batches import DataError
     from multipod.controller.data.corpus import TOKENIZER_FILES

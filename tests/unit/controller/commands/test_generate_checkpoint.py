@@ -1,8 +1,8 @@
 """What `multipod generate --checkpoint` (and ptune's) accepts: a run's checkpoint directory, one
-of its step folders, the run directory, and a DiLoCo run's per-pod parts (controller/commands/generate.py)."""
+of its step folders, the run directory, and a DiLoCo run's per-pod parts (controller/commands/checkpoints.py)."""
 import pytest
 
-from multipod.controller.commands.generate import GenerateError, find_checkpoint, newest_step
+from multipod.controller.commands.checkpoints import GenerateError, find_checkpoint, newest_step
 
 
 def _every_step(tmp_path):
