@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from multipod.controller.commands.generate import GenerateError
+from multipod.controller.commands.checkpoints import GenerateError
 from multipod.controller.commands.ptune import add_arguments, derived_overrides
 from multipod.controller.core.run_config import Config, load_config
 from multipod.model import ModelConfig
