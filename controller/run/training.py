@@ -63,13 +63,19 @@ def run_training(config: Config, addresses: list[str], run_dir: pathlib.Path,
     # holds the resolved config.
     data = data or prepare(config)
     config = data.config
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
-    write_beside_checkpoints(data, checkpoint_dir(config, run_dir))
     cluster = connect(addresses, config)
     try:
         return train(cluster, run_dir, data, progress, resume, supervisor, local, spares or [])
     finally:
         cluster.close()
+
+
+def record_config(data: RunData, run_dir: pathlib.Path) -> None:
+    """The run's resolved config in RUN_DIR/config.json, and it and the tokenizer beside the
+    checkpoints (what `multipod generate` and `ptune` read them with)."""
+    config = data.config
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    write_beside_checkpoints(data, checkpoint_dir(config, run_dir))
 
 
 def _accounting(cluster: Cluster, replies, local: bool) -> Accounting:
@@ -140,6 +146,10 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
     if spares and not degrade:
         raise ConfigError("--spares", "a spare takes a failed pod's slot in degraded mode: it needs "
                           "recovery.on_pod_failure = \"degrade\" (the default)")
+    if not resume:
+        record_config(data, run_dir)
+    # A resume records its config only once the pods took the checkpoint (below): a refused one
+    # (another schedule, say) must not leave a config beside the checkpoints that they do not fit.
     reattached, offset = _reattach(cluster, run_dir) if resume else (None, 0)
     if reattached is not None:
         replies = reattached
@@ -190,6 +200,8 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
                                   f"resume with --steps {start} or more")
         else:
             start = int(replies[0].step)   # the checkpointer takes a baseline at this first boundary
+        if resume:
+            record_config(data, run_dir)
         recorder = Recorder(MetricsLog(run_dir, append=resume), progress or ProgressLine(run.steps, start))
         evaluator = Evaluator(config.eval, cluster, data.dataset, recorder.write_eval)
         loop = StepLoop(cluster, data.dataset, checkpointer, spike, recorder, accounting,

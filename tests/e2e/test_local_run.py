@@ -143,14 +143,20 @@ def test_a_finished_run_trains_on_past_its_end_bitwise_with_its_schedule_kept(tw
     common = ("local", "--pods", "2", "--devices-per-pod", "2", "--config", TINY, "--steps", more, "--seed", "5",
               "--eval-every", str(EVAL_EVERY), "--no-report", "--set", "sample.tokens=0")
     kept = ("--set", f"optimizer.decay_steps={STEPS}")
+    beside = (checkpoints / "run_config.json").read_bytes()
     changed = run_cli(*common, "--resume", "--checkpoint-dir", str(checkpoints), "--run-dir", str(tmp_path / "changed"))
     assert changed.returncode != 0
     assert f"schedule_steps: checkpoint has {STEPS}, this run has {more}" in changed.stderr
     assert f"--set optimizer.decay_steps={STEPS}" in changed.stderr
+    # The refused run left the config beside the checkpoints as it was (generate and ptune read
+    # the checkpoints with it), and wrote none of its own.
+    assert (checkpoints / "run_config.json").read_bytes() == beside
+    assert not (tmp_path / "changed" / "config.json").exists()
     resumed = run_cli(*common, *kept, "--resume", "--checkpoint-dir", str(checkpoints),
                       "--run-dir", str(tmp_path / "on"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"(step {STEPS}," in resumed.stdout
+    assert json.loads((checkpoints / "run_config.json").read_text())["optimizer"]["decay_steps"] == STEPS
     whole = run_cli(*common, *kept, "--run-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stdout + whole.stderr
     on, reference = read_metrics(tmp_path / "on"), read_metrics(tmp_path / "whole")
