@@ -23,6 +23,11 @@ class Checkpoint:
     path: pathlib.Path | None
     steps: pathlib.Path
 
+    @property
+    def is_part(self) -> bool:
+        """Whether the step folders are a DiLoCo pod's parts (else an every-step run's checkpoints)."""
+        return _is_pod_part(self.steps)
+
 
 def _step_folders(directory: pathlib.Path) -> list[int]:
     if not directory.is_dir():
@@ -38,9 +43,13 @@ def _is_pod_part(path: pathlib.Path) -> bool:
 
 
 def _steps_of(root: pathlib.Path) -> pathlib.Path:
-    """Where a checkpoint directory's step folders are: in it, or in a DiLoCo run in pod 0's part."""
+    """Where a checkpoint directory's newest step folders are: in it, or in a DiLoCo run in pod
+    0's part. A DiLoCo run warm-started from an every-step run in the same directory has both;
+    its parts then hold the newer steps (the first of them at the step it started from)."""
     from multipod.controller.components.checkpointer import pod_directory
-    if not _step_folders(root) and _step_folders(pod := pathlib.Path(pod_directory(str(root), 0))):
+    pod = pathlib.Path(pod_directory(str(root), 0))
+    own, parts = _step_folders(root), _step_folders(pod)
+    if parts and (not own or parts[-1] >= own[-1]):
         return pod
     return root
 

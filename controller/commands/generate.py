@@ -222,11 +222,14 @@ def check_flags(args, config) -> None:
                           f"{data}, which does not divide the run's batch of {batch} sequences (data.global_batch)")
 
 
-def _worker_config(config, model_parallel: int):
+def _worker_config(config, model_parallel: int, diloco_part: bool):
     """The run's config for one pod: its mesh is data x model_parallel on this pod's devices; the
-    data plane is unused (one pod). Nothing the checkpoint's state key covers changes."""
-    from multipod.pod_worker.schema import DcnConfig, MeshConfig
-    return dataclasses.replace(config, mesh=MeshConfig(data=-1, model=model_parallel),
+    data plane is unused (one pod). Nothing the checkpoint's state key covers changes, but the
+    sync mode of the folder restored: a DiLoCo run warm-started from an every-step run's
+    checkpoints keeps those beside its own parts, and they restore as every-step state."""
+    from multipod.pod_worker.schema import DcnConfig, MeshConfig, SyncConfig
+    sync = config.sync if diloco_part or not config.sync.diloco else SyncConfig()
+    return dataclasses.replace(config, mesh=MeshConfig(data=-1, model=model_parallel), sync=sync,
                                dcn=dataclasses.replace(DcnConfig(), timeout_s=config.dcn.timeout_s))
 
 
@@ -276,7 +279,7 @@ def main(args) -> int:
     check_flags(args, config)
     prompts = read_prompts(args, tokenizer)
     num_tokens = plan(args, config, prompts)
-    config = _worker_config(config, args.model_parallel)
+    config = _worker_config(config, args.model_parallel, diloco_part=restore.is_part)
     temperature = config.sample.temperature if args.temperature is None else args.temperature
     eos_id = None if args.ignore_eos else tokenizer.eos_id
     _say(f"checkpoint {checkpoint.path or checkpoint.root} ({'newest step' if checkpoint.path is None else 'this step'}"
