@@ -54,6 +54,19 @@ def _steps_of(root: pathlib.Path) -> pathlib.Path:
     return root
 
 
+def saved_steps(directory: pathlib.Path) -> list[int]:
+    """The steps a checkpoint directory holds checkpoints of: its step folders and, in a DiLoCo
+    run, those of its pods' parts (pod-N/<step>)."""
+    from multipod.controller.components.checkpointer import pod_directory
+    steps = set(_step_folders(directory))
+    if directory.is_dir():
+        for part in directory.iterdir():
+            if part.name.startswith("pod-") and part.name[4:].isdigit() and \
+                    part == pathlib.Path(pod_directory(str(directory), int(part.name[4:]))):
+                steps.update(_step_folders(part))
+    return sorted(steps)
+
+
 def newest_step(checkpoint: Checkpoint) -> pathlib.Path:
     """The newest step folder of a checkpoint (find_checkpoint made sure there is one)."""
     return checkpoint.steps / str(_step_folders(checkpoint.steps)[-1])

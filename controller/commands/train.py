@@ -58,6 +58,8 @@ def train_run(args, addresses_fn) -> int:
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     with RunDirLock(run_dir):       # one controller per run directory
+        if not args.resume:
+            check_no_earlier_run(config, run_dir)
         out(f"run directory: {run_dir}")
         # The data first: a bad corpus or tokenizer is reported before any worker starts, and the
         # model's vocabulary (which follows the tokenizer) is known when the pods configure.
@@ -73,6 +75,23 @@ def train_run(args, addresses_fn) -> int:
             if launched and not getattr(args, "no_report", False):   # after the workers stopped, whatever the outcome
                 write_report_quietly(run_dir)
     return 0
+
+
+def check_no_earlier_run(config, run_dir: pathlib.Path) -> None:
+    """ConfigError if a fresh run (no --resume) would write its checkpoints where an earlier run's
+    are: its steps would land among the other run's, and generate and --resume would then take
+    the newest of either run's."""
+    from multipod.controller.commands.checkpoints import saved_steps
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.run.training import checkpoint_dir
+    directory = pathlib.Path(checkpoint_dir(config, run_dir))
+    steps = saved_steps(directory)
+    if steps:
+        shown = ("..., " if len(steps) > 3 else "") + ", ".join(map(str, steps[-3:]))
+        flag = "--checkpoint-dir" if config.checkpoint.dir else "--run-dir"
+        raise ConfigError("checkpoint.dir" if config.checkpoint.dir else "--run-dir",
+                          f"{directory} already holds an earlier run's checkpoints (steps {shown}): --resume "
+                          f"continues that run; to start a new one, give another {flag} (or delete them)")
 
 
 # The commands that start their own workers: a fresh auth token, and report.png at the end.
