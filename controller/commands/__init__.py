@@ -3,7 +3,8 @@
   options     the options every training run shares, and the config they resolve to
   train       a training run: train (--workers), local, ray and ptune all run one
   ptune       ptune's config, derived from the base checkpoint
-  generate    generate: text from a checkpoint on one local pod
+  generate    generate: text from a checkpoint on one pod (local, or running: --workers)
+  generate_options  generate's flags and their checks
   checkpoints what --checkpoint names for generate and ptune (DiLoCo runs' per-pod parts too)
   tune        tune: search one pod's layout (the search itself is controller/tune/)
   plan        plan: project the cross-pod sync settings onto a cluster on paper (tune/cost.py)
@@ -121,8 +122,9 @@ def add_commands(sub) -> None:
     add_train_options(ptune)
     add_report_option(ptune)
 
-    from multipod.controller.commands.generate import add_arguments as add_generate_arguments
-    generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, one local pod)")
+    from multipod.controller.commands.generate_options import add_arguments as add_generate_arguments
+    generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, one pod: local, or "
+                                               "running with --workers)")
     add_generate_arguments(generate)
 
     report = sub.add_parser("report", help="draw a run's metrics and events as one picture (report.png)")

@@ -1,20 +1,20 @@
-"""`multipod generate`: text from a checkpoint, generated with a KV cache on one local pod.
+"""`multipod generate`: text from a checkpoint, generated with a KV cache on one pod.
 
 Everything that can be wrong is found before a worker starts: the checkpoint (a checkpoint
 directory, or one of its step folders), the run's resolved config and tokenizer kept beside it
 (corpus.py: RUN_CONFIG, TOKENIZER_FILES), the prompts (a jsonl line without the field, a prompt
-longer than the model's context) and the mesh. Then one pod worker starts (LocalPods) with
---devices simulated devices, is configured with the run's worker config on the mesh
-data = devices / model-parallel x model = model-parallel, restores the checkpoint (resharded onto
-that mesh) and streams the tokens (GenerateStream): to the terminal as they come for --prompt,
-as a jsonl for --prompts. Throughput goes to stderr.
+longer than the model's context) and the flags (generate_options.py). Then the pod: a local one
+started with --devices simulated devices on --hosts-per-pod hosts (LocalPods), or the running
+pod --workers names (its mesh is checked against its Status). It is configured with the run's
+worker config on the mesh data = devices / model-parallel x model = model-parallel, restores the
+checkpoint (resharded onto that mesh) and streams the tokens (GenerateStream): to the terminal
+as they come for --prompt, as a jsonl for --prompts. Throughput goes to stderr.
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import secrets
 import sys
@@ -22,47 +22,14 @@ import tempfile
 import time
 
 from multipod.controller.commands.checkpoints import Checkpoint, GenerateError, find_checkpoint, newest_step
-
-# Prompts sent in one GenerateStream request at most (a worker takes at most 256; the default is
-# the config's generate.batch_size).
-MAX_BATCH = 256
-DEFAULT_MAX_TOKENS = 100
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a run's checkpoint directory (RUN_DIR/checkpoints, or RUN_DIR itself: its newest "
-                             "checkpoint) or one step folder in it (RUN_DIR/checkpoints/300)")
-    parser.add_argument("--prompt-checkpoint", metavar="DIR",
-                        help="generate after the virtual tokens a `multipod ptune` run learned on this --checkpoint "
-                             "(its checkpoint directory or a step folder); refused for another base model")
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="one prompt: the text is printed as it is generated")
-    what.add_argument("--prompts", metavar="FILE.jsonl",
-                      help="one prompt per line (a JSON object, the text in --prompt-field); a jsonl comes out")
-    parser.add_argument("--prompt-field", default="prompt", help="the field of a --prompts line holding the text")
-    parser.add_argument("--out", metavar="FILE.jsonl", help="where the jsonl of --prompts goes (default: stdout)")
-    parser.add_argument("--max-tokens", type=int,
-                        help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS}, or what fits the model's context)")
-    parser.add_argument("--temperature", type=float, help="0: greedy (default: the run's sample.temperature)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="then among the most likely tokens holding this much probability, (0, 1] (1: all)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="go on after the end-of-text token (by default a completion ends with it)")
-    parser.add_argument("--shift-context", action="store_true",
-                        help="allow prompt + --max-tokens beyond the model's context: when it is full, go on from "
-                             "its last half")
-    parser.add_argument("--layout", metavar="FILE.toml",
-                        help="take --devices, --model-parallel and --batch-size from this config's [generate] "
-                             "section (what `multipod tune --inference` writes); the flags win over it")
-    parser.add_argument("--devices", type=int, help="simulated devices of the pod (default 1)")
-    parser.add_argument("--model-parallel", type=int,
-                        help="the mesh's model axis: heads, MLP units and vocabulary split over this many devices "
-                             "(default 1); the data axis takes the rest and splits the prompts")
-    parser.add_argument("--batch-size", type=int,
-                        help=f"prompts generated together, at most {MAX_BATCH} (default: --layout's, else 64)")
+from multipod.controller.commands.generate_options import (
+    DEFAULT_MAX_TOKENS,
+    apply_layout,
+    check_flags,
+    check_mesh,
+    check_pod_flags,
+)
+from multipod.protos.cli_flags import security_from_args
 
 
 @dataclasses.dataclass
@@ -174,54 +141,6 @@ def with_prompt(text: str, base: Checkpoint, base_config):
     return dataclasses.replace(tuned, prompt=dataclasses.replace(tuned.prompt, base_checkpoint=str(folder))), prompt
 
 
-def apply_layout(args) -> None:
-    """Fill --devices, --model-parallel and --batch-size the user did not give from --layout's
-    [generate] section, or from the defaults. ConfigError naming the file or the field."""
-    from multipod.controller.core.run_config import GenerateConfig, read_section
-    # Only [generate]: the rest of the file (a corpus path, say) need not exist here.
-    layout = read_section(args.layout, "generate", GenerateConfig) if args.layout else GenerateConfig()
-    for flag, value in (("devices", layout.devices), ("model_parallel", layout.model_parallel),
-                        ("batch_size", layout.batch_size)):
-        if getattr(args, flag) is None:
-            setattr(args, flag, value)
-
-
-def check_flags(args, config) -> None:
-    """ConfigError naming the first flag that cannot work with this checkpoint."""
-    from multipod.controller.core.run_config import ConfigError
-    if args.out and args.prompts is None:
-        raise ConfigError("--out", "goes with --prompts (--prompt prints to the terminal)")
-    if args.out:    # checked before a worker starts, not found out after the generation
-        folder = pathlib.Path(args.out).absolute().parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK) or pathlib.Path(args.out).is_dir():
-            raise ConfigError("--out", f"{args.out} cannot be written (is {folder} a writable directory?)")
-    if args.temperature is not None and not args.temperature >= 0:
-        raise ConfigError("--temperature", f"must be >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise ConfigError("--top-k", f"must be >= 0, got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError("--top-p", f"must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.seed < 1 << 64:
-        raise ConfigError("--seed", f"must be in [0, 2**64), got {args.seed}")
-    if not 1 <= args.batch_size <= MAX_BATCH:
-        raise ConfigError("--batch-size", f"must be in [1, {MAX_BATCH}], got {args.batch_size}")
-    if args.devices < 1:
-        raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
-    parallel = args.model_parallel
-    if parallel < 1 or args.devices % parallel:
-        raise ConfigError("--model-parallel", f"must be >= 1 and divide --devices {args.devices}, got {parallel}")
-    model = config.model
-    for name in ("n_heads", "mlp_dim", "vocab_size"):
-        if getattr(model, name) % parallel:
-            raise ConfigError("--model-parallel", f"{parallel} does not divide the model's {name} "
-                              f"({getattr(model, name)})")
-    data, batch = args.devices // parallel, config.data.global_batch
-    if batch % data:
-        # Configure compiles the run's training step (its batch is part of the checkpoint's identity).
-        raise ConfigError("--devices", f"{args.devices} devices / --model-parallel {parallel} make a data axis of "
-                          f"{data}, which does not divide the run's batch of {batch} sequences (data.global_batch)")
-
-
 def _worker_config(config, model_parallel: int, diloco_part: bool):
     """The run's config for one pod: its mesh is data x model_parallel on this pod's devices; the
     data plane is unused (one pod). Nothing the checkpoint's state key covers changes, but the
@@ -270,6 +189,7 @@ class TextStream:
 
 def main(args) -> int:
     """Run `multipod generate`; returns the exit code (errors are raised for cli.run to print)."""
+    remote = check_pod_flags(args)
     apply_layout(args)
     checkpoint = find_checkpoint(args.checkpoint)
     config, tokenizer = load_run(checkpoint.root)
@@ -291,35 +211,53 @@ def main(args) -> int:
              f"({config.prompt.kind}; {'newest step' if restore.path is None else 'this step'})")
 
     from multipod.controller.cluster.pods import connect
-    from multipod.controller.launch.local import LocalPods
     from multipod.protos import multipod_pb2 as pb
     from multipod.protos.channels import Security, set_default_security
-    set_default_security(Security(token=secrets.token_urlsafe(32)))   # the local worker's secret
-    data_axis = args.devices // args.model_parallel
+    # A running pod takes the user's secret and TLS; a local one gets a fresh secret.
+    set_default_security(security_from_args(args) if remote else Security(token=secrets.token_urlsafe(32)))
+    with _pod(args, remote) as addresses:
+        cluster = connect(addresses, config)
+        try:
+            if remote:
+                cluster.collect_dcn_addresses()     # the pod's device count, from its Status
+                devices, hosts = cluster.device_counts[0], cluster.hosts_per_pod
+                check_mesh(devices, hosts, args.model_parallel, config)
+                _say(f"generating on the pod at {', '.join(remote)}: {devices} device(s) on {hosts} host(s), mesh "
+                     f"data={devices // args.model_parallel} model={args.model_parallel}")
+            started = time.perf_counter()
+            cluster.configure()
+            client = cluster.clients[0]
+            # A prompt checkpoint is the state of a prompt-tuning pod, whose base --checkpoint is.
+            target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.steps)})
+            restored = client.restore(pb.RestoreRequest(run_id=cluster.next_generation(), **target),
+                                      config.run.step_timeout_s + 60.0)
+            _say(f"restored {restored.path} (step {restored.step}) in {time.perf_counter() - started:.1f} s")
+            request = dict(num_tokens=num_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed, shift_context=args.shift_context)
+            if eos_id is not None:
+                request["eos_id"] = eos_id
+            timeout = config.run.step_timeout_s + 1.0 * num_tokens
+            if args.prompt is not None:
+                return _one(client, prompts[0], request, timeout, tokenizer, eos_id)
+            return _many(client, prompts, request, timeout, tokenizer, eos_id, args)
+        finally:
+            cluster.close()
+
+
+@contextlib.contextmanager
+def _pod(args, remote: list[str] | None):
+    """The addresses of the pod to generate on: the running one's (`remote`), or those of a local
+    pod of --devices simulated devices on --hosts-per-pod hosts, stopped at the end."""
+    if remote:
+        yield [remote]
+        return
+    from multipod.controller.launch.local import LocalPods
     with tempfile.TemporaryDirectory(prefix="multipod-generate-") as logs:
-        _say(f"starting a pod worker with {args.devices} simulated device(s), mesh data={data_axis} "
-             f"model={args.model_parallel}")
-        with LocalPods(1, args.devices, pathlib.Path(logs)) as pods:
-            cluster = connect(pods.host_addresses, config)
-            try:
-                started = time.perf_counter()
-                cluster.configure()
-                client = cluster.clients[0]
-                # A prompt checkpoint is the state of a prompt-tuning pod, whose base --checkpoint is.
-                target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.steps)})
-                restored = client.restore(pb.RestoreRequest(run_id=cluster.next_generation(), **target),
-                                          config.run.step_timeout_s + 60.0)
-                _say(f"restored {restored.path} (step {restored.step}) in {time.perf_counter() - started:.1f} s")
-                request = dict(num_tokens=num_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
-                               seed=args.seed, shift_context=args.shift_context)
-                if eos_id is not None:
-                    request["eos_id"] = eos_id
-                timeout = config.run.step_timeout_s + 1.0 * num_tokens
-                if args.prompt is not None:
-                    return _one(client, prompts[0], request, timeout, tokenizer, eos_id)
-                return _many(client, prompts, request, timeout, tokenizer, eos_id, args)
-            finally:
-                cluster.close()
+        hosts = f" on {args.hosts_per_pod} hosts" if args.hosts_per_pod > 1 else ""
+        _say(f"starting a pod worker with {args.devices} simulated device(s){hosts}, mesh "
+             f"data={args.devices // args.model_parallel} model={args.model_parallel}")
+        with LocalPods(1, args.devices, pathlib.Path(logs), hosts_per_pod=args.hosts_per_pod) as pods:
+            yield pods.host_addresses
 
 
 def _report(tokens: int, elapsed: float, first: float | None) -> None:

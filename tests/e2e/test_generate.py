@@ -3,14 +3,15 @@ tokens/s to stderr; a jsonl of prompts gives a jsonl of completions; greedy outp
 on a model-parallel mesh of 2 devices as on one; bad input is refused quickly, naming the problem."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.helpers import TINY, run_cli
+from tests.helpers import TINY, cli_env, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,17 @@ def _generate(*args: str):
     return run_cli("generate", *args, timeout=120)
 
 
-def test_a_prompt_streams_its_text_and_the_same_on_a_model_parallel_mesh(checkpoints):
-    args = ("--checkpoint", str(checkpoints), "--prompt", "def ", "--max-tokens", "8", "--temperature", "0")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:     # side by side: mostly start-up and compiles
-        one, two = pool.map(lambda extra: _generate(*args, *extra), [(), ("--devices", "2", "--model-parallel", "2")])
+GREEDY = ("--prompt", "def ", "--max-tokens", "8", "--temperature", "0")
+
+
+@pytest.fixture(scope="module")
+def one_host(checkpoints):
+    """Greedy text from the newest checkpoint on the default pod: one host, one device."""
+    return _generate("--checkpoint", str(checkpoints), *GREEDY)
+
+
+def test_a_prompt_streams_its_text_and_the_same_on_a_model_parallel_mesh(checkpoints, one_host):
+    one, two = one_host, _generate("--checkpoint", str(checkpoints), *GREEDY, "--devices", "2", "--model-parallel", "2")
     assert one.returncode == 0, one.stdout + one.stderr
     assert one.stdout.startswith("def ") and len(one.stdout) > len("def \n")
     assert "8 token(s) in" in one.stderr and "tokens/s" in one.stderr
@@ -37,6 +45,47 @@ def test_a_prompt_streams_its_text_and_the_same_on_a_model_parallel_mesh(checkpo
     assert two.returncode == 0, two.stdout + two.stderr
     assert "mesh data=1 model=2" in two.stderr
     assert two.stdout == one.stdout
+
+
+def test_a_pod_of_two_hosts_local_or_running_generates_the_one_host_text(checkpoints, one_host, tmp_path):
+    """--hosts-per-pod 2 starts the local pod as two worker processes (one jax.distributed
+    cluster); --workers generates on a pod of two hosts started by hand with `multipod worker`, as
+    usage.md starts them, with its secret. The greedy text is the one-host pod's, token for token."""
+    from multipod.controller.launch.ports import free_ports
+    token = {"MULTIPOD_AUTH_TOKEN": "token-for-the-generate-hosts-test-0123"}
+    (coordinator,) = free_ports(1)
+    workers, ports = [], [tmp_path / f"host-{h}.port" for h in (0, 1)]
+    try:
+        for host, port in enumerate(ports):
+            log = (tmp_path / f"host-{host}.log").open("w")
+            workers.append(subprocess.Popen(
+                [sys.executable, "-m", "multipod.cli", "worker", "--pod-index", "0", "--host-index", str(host),
+                 "--hosts-per-pod", "2", "--pod-coordinator", f"127.0.0.1:{coordinator}", "--listen", "127.0.0.1:0",
+                 "--devices", "1", "--port-file", str(port)],
+                env={**cli_env(), **token}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        local = _generate("--checkpoint", str(checkpoints), *GREEDY, "--devices", "2", "--hosts-per-pod", "2")
+        deadline = time.monotonic() + 120
+        while not all(p.exists() and p.read_text().strip() for p in ports):
+            assert all(w.poll() is None for w in workers), (tmp_path / "host-0.log").read_text()
+            assert time.monotonic() < deadline, "the pod's hosts did not start listening"
+            time.sleep(0.1)
+        hosts = ",".join(f"127.0.0.1:{p.read_text().strip()}" for p in ports)
+        running = run_cli("generate", "--checkpoint", str(checkpoints), *GREEDY, "--workers", hosts, env=token,
+                          timeout=120)
+        refused = run_cli("generate", "--checkpoint", str(checkpoints), *GREEDY, "--workers", hosts,
+                          "--model-parallel", "2", env=token, timeout=60)
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.wait(timeout=30)
+    assert one_host.returncode == 0, one_host.stderr
+    assert local.returncode == 0, local.stdout + local.stderr
+    assert "2 simulated device(s) on 2 hosts, mesh data=2 model=1" in local.stderr
+    assert running.returncode == 0, running.stdout + running.stderr
+    assert f"generating on the pod at {hosts.replace(',', ', ')}: 2 device(s) on 2 host(s)" in running.stderr
+    assert local.stdout == running.stdout == one_host.stdout
+    assert refused.returncode == 2 and "the model axis stays inside a host" in refused.stderr, refused.stderr
 
 
 def test_a_jsonl_of_prompts_gives_a_jsonl_of_completions(checkpoints, tmp_path):

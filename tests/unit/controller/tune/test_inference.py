@@ -65,7 +65,7 @@ def test_payload_is_the_pods_worker_config_with_the_mesh_and_the_batch():
 def test_generate_takes_the_written_layout_and_its_own_flags_win(tmp_path):
     import argparse
 
-    from multipod.controller.commands.generate import apply_layout
+    from multipod.controller.commands.generate_options import apply_layout
     from multipod.controller.core.run_config import ConfigError
     from multipod.controller.tune.inference import candidate_config
     from multipod.controller.tune.table import write_config
