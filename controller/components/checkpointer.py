@@ -272,10 +272,30 @@ class Checkpointer:
                 f"{step + self.data_offset}); the outer state starts afresh from its parameters")
         else:
             self.last_good = Saved(step, path)
+        left_out = self._parts_left_out(step) if directory and not warm else []
+        if left_out:
+            size, names = self.cluster.size, ", ".join(map(str, left_out))
+            kept = "pod 0 goes on from its own part" if size == 1 else \
+                f"pods 0-{size - 1} go on from their own parts"
+            dropped = f"pod {names}'s part is left out, with the steps it took since its last outer step" \
+                if len(left_out) == 1 else \
+                f"the parts of pods {names} are left out, with the steps they took since their last outer step"
+            out(f"resume: the checkpoint of step {step} holds parts of more pods than this run's {size}: {kept}; "
+                f"{dropped}; the outer steps average over {size} pod(s) from here")
         self.events.write(EventKind.RESTORED, step=step, path=path, data_offset=self.data_offset,
                           fingerprint=replies[0].fingerprint, **({"warm_start": True} if warm else {}),
-                          **({"skipped": skipped} if skipped else {}))
+                          **({"skipped": skipped} if skipped else {}),
+                          **({"parts_left_out": left_out} if left_out else {}))
         return step
+
+    def _parts_left_out(self, step: int) -> list[int]:
+        """DiLoCo mode: the pods beyond this run's whose part of the checkpoint of `step` exists
+        (the run that saved it had more pods)."""
+        if not self.cluster.config.sync.diloco:
+            return []
+        pods = [int(p.name[4:]) for p in pathlib.Path(self.directory).glob("pod-*")
+                if p.name[4:].isdigit() and (p / str(step)).is_dir()]
+        return sorted(pod for pod in pods if pod >= self.cluster.size)
 
     def _restore_once(self, path: str, directory: str, before: int, skipped: list[dict]) -> tuple[list, str]:
         """Every live pod restored to one checkpoint: `path`, or (with `directory`) the newest

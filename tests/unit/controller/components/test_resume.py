@@ -114,3 +114,27 @@ def test_a_diloco_resume_with_no_part_saved_warm_starts_every_pod_from_one_every
     assert "DiLoCo warm start: every pod took the every-step checkpoint" in capsys.readouterr().out
     restored = [e for e in _events(tmp_path) if e["event"] == "restored"][-1]
     assert restored["step"] == 6 and restored["warm_start"] is True and restored["path"] == f"{want}/6"
+
+
+def test_a_resume_with_fewer_pods_than_saved_the_checkpoint_says_whose_parts_it_leaves_out(
+        tmp_path, capsys, monkeypatch):
+    """A DiLoCo checkpoint 3 pods wrote, resumed by 2: pods 0 and 1 take their own parts, and the
+    third pod's part, with its inner steps, is named as left out (on the console and in the
+    restored event); a part of an older step only is not counted."""
+    monkeypatch.chdir(tmp_path)         # the checkpointer's directory is "ckpt"
+    for part in ("pod-0/8", "pod-1/8", "pod-2/8", "pod-3/4"):
+        (tmp_path / "ckpt" / part).mkdir(parents=True)
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1])
+    _chooser(pods, whole=[8], skipped={})
+    assert checkpointer.resume() == 8
+    printed = capsys.readouterr().out
+    assert "holds parts of more pods than this run's 2: pods 0-1 go on from their own parts; pod 2's part is " \
+           "left out, with the steps it took since its last outer step" in printed
+    assert [e for e in _events(tmp_path) if e["event"] == "restored"][-1]["parts_left_out"] == [2]
+
+    (tmp_path / "ckpt" / "pod-2" / "8").rmdir()         # as many parts as pods: nothing to say
+    checkpointer, pods = _diloco_checkpointer(tmp_path, [0, 1])
+    _chooser(pods, whole=[8], skipped={})
+    assert checkpointer.resume() == 8
+    assert "left out" not in capsys.readouterr().out
+    assert "parts_left_out" not in [e for e in _events(tmp_path) if e["event"] == "restored"][-1]
