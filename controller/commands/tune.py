@@ -22,6 +22,7 @@ chooses the cross-pod [dcn]/[sync] settings for the measured link: controller/tu
 from __future__ import annotations
 
 import argparse
+import pathlib
 import time
 
 from multipod.controller.tune.dcn_session import add_arguments as add_dcn_arguments
@@ -85,8 +86,27 @@ def _resolve_peak(given: float | None, info: dict, devices: int) -> float | None
     return peak
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """ConfigError naming the flag whose file cannot be written (--out, --json, --plan-out),
+    before a search that takes minutes finds out at its end."""
+    import os
+
+    from multipod.controller.core.run_config import ConfigError
+    outputs = (("--out", args.out), ("--json", args.json_path), ("--plan-out", getattr(args, "plan_out", None)))
+    for flag, value in outputs:
+        if not value:
+            continue
+        path = pathlib.Path(value)
+        folder = path.absolute().parent
+        if path.is_dir():
+            raise ConfigError(flag, f"{value} is a directory: give the file to write")
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ConfigError(flag, f"{value} cannot be written (is {folder} a writable directory?)")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `multipod tune`; returns the exit code (0: a best candidate was written)."""
+    check_outputs(args)
     if args.dcn:         # the cross-pod settings: controller/tune/dcn_session.py
         from multipod.controller.core.run_config import ConfigError
         if args.inference:
