@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 import sys
 
 from multipod.controller.commands.options import add_local_options, add_report_option, add_train_options
@@ -242,7 +243,13 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "peak-flops":
             from multipod.controller.observe.metrics import store_measured_peak
             from multipod.controller.observe.peak import measure
-            result = measure(args.devices, args.size)
+            for flag, value in (("--devices", args.devices), ("--size", args.size)):
+                if value < 1:
+                    raise ConfigError(flag, f"must be >= 1, got {value}")
+            try:
+                result = measure(args.devices, args.size)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:     # the probe's own failure, its log
+                raise RunError(str(exc)) from None
             path = store_measured_peak(result["device_kind"], result["devices"], result["per_device_flops"])
             print(json.dumps(result))
             print(f"stored in {path}: {result['per_device_flops'] / 1e9:.1f} GFLOP/s per device "

@@ -189,3 +189,22 @@ def test_a_warm_start_from_elsewhere_needs_diloco_and_resume(tmp_path):
     assert no_resume.returncode == 2 and "checkpoint.warm_start_from" in no_resume.stderr
     assert "--resume" in no_resume.stderr
     assert not list((tmp_path / "b").glob("worker-*.log")), "no worker may start"
+
+
+@pytest.mark.parametrize("flag", ["--devices", "--size"])
+def test_peak_flops_refuses_a_count_below_one_naming_it(flag):
+    result = run_cli("peak-flops", flag, "0", timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"error: config: {flag}: must be >= 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_new_run_where_an_earlier_run_s_checkpoints_are_is_refused_before_any_worker_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    for step in ("0", "4"):
+        (run_dir / "checkpoints" / step).mkdir(parents=True)
+    result = run_cli("local", "--config", TINY, "--steps", "2", "--run-dir", str(run_dir), timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"--run-dir: {run_dir / 'checkpoints'} already holds an earlier run's checkpoints (steps 0, 4): " \
+           "--resume continues that run" in result.stderr
+    assert "started" not in result.stdout and not (run_dir / "config.json").exists()
