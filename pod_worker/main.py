@@ -11,7 +11,7 @@ import os
 import sys
 
 from multipod.pod_worker.devices import simulate_cpu_devices
-from multipod.protos.cli_flags import add_security_arguments, security_from_args
+from multipod.protos.cli_flags import add_security_arguments, host_port_problem, security_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--pod-index must be >= 0")
     if args.devices < 0:
         raise SystemExit("--devices must be >= 0")
+    for flag, address in (("--listen", args.listen), ("--dcn-listen", args.dcn_listen)):
+        problem = address is not None and host_port_problem(address, listen=True)
+        if problem:
+            raise SystemExit(f"error: {flag}: {problem}")
     # Before anything imports jax, which reads its cache settings when it starts.
     from multipod.pod_worker.compile_cache import default_cache_env
     os.environ.update(default_cache_env(os.environ))

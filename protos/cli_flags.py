@@ -20,3 +20,18 @@ def security_from_args(args: argparse.Namespace):
     """The transport.Security of this process from the flags (and $MULTIPOD_AUTH_TOKEN)."""
     from multipod.protos.channels import Security
     return Security.from_args(args.auth_token, args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+
+
+def host_port_problem(address: str, listen: bool = False) -> str | None:
+    """Why `address` is not HOST:PORT, or None if it is. An IPv6 host goes in brackets
+    ([::1]:50051). Port 0 (any free port) only where it is listened on (`listen`): gRPC would
+    otherwise take a port beyond 65535 modulo 65536 and serve somewhere else."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host:
+        return f"{address!r} is not HOST:PORT"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return f"{address!r}: an IPv6 host goes in brackets, as [::1]:50051"
+    low = 0 if listen else 1
+    if not port.isdigit() or not low <= int(port) <= 65535:
+        return f"{address!r}: the port must be a number from {low} to 65535"
+    return None

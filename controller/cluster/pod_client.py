@@ -36,6 +36,7 @@ from multipod.controller.cluster.client import Probe, Verdict, WorkerClient, Wor
 from multipod.controller.core.errors import RunError
 from multipod.model.config import ConfigError
 from multipod.protos import codec, multipod_pb2 as pb
+from multipod.protos.cli_flags import host_port_problem
 
 DCN_SEPARATOR = "|"     # between the hosts' data-plane addresses in a pod's StatusReply.dcn_address
 POLL_S = 0.05           # how often a combined call looks at its other hosts while it waits on one
@@ -89,6 +90,9 @@ def parse_workers(spec: str) -> list[list[str]]:
     seen: dict[str, tuple[int, int]] = {}
     for p, hosts in enumerate(pods):
         for h, address in enumerate(hosts):
+            problem = host_port_problem(address)
+            if problem:
+                raise ConfigError("--workers", f"pod {p} host {h}{where}: {problem}")
             if address in seen:
                 first = seen[address]
                 raise ConfigError("--workers", f"{address} is listed twice{where}: as pod {first[0]} host {first[1]} "

@@ -21,6 +21,7 @@ from multipod.controller.cluster.api import PodApi
 from multipod.controller.cluster.client import WorkerError
 from multipod.controller.cluster.pod_client import make_pod_client
 from multipod.controller.core.errors import RunError
+from multipod.protos.cli_flags import host_port_problem
 
 SPARES_FILE = "spares"      # in the run directory: one spare pod per line, its hosts separated by ","
 
@@ -42,7 +43,7 @@ class Spare:
 def offer(run_dir: pathlib.Path, hosts: list[str]) -> pathlib.Path:
     """Offer a standby pod to the run in `run_dir` (`multipod attach`): one line appended to its
     spares file, under a lock so that two offers never interleave. Returns the file."""
-    if not hosts or any(not h or ":" not in h or "," in h for h in hosts):
+    if not hosts or any("," in h or host_port_problem(h) for h in hosts):
         raise ValueError(f"a spare pod's hosts must each be HOST:PORT, got {hosts!r}")
     path = run_dir / SPARES_FILE
     with path.open("a") as f:

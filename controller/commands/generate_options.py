@@ -7,7 +7,7 @@ import argparse
 import os
 import pathlib
 
-from multipod.protos.cli_flags import add_security_arguments
+from multipod.protos.cli_flags import add_security_arguments, host_port_problem
 
 # Prompts sent in one GenerateStream request at most (a worker takes at most 256; the default is
 # the config's generate.batch_size).
@@ -113,6 +113,10 @@ def check_pod_flags(args) -> list[str] | None:
     if len(pods) != 1 or not pods[0]:
         raise ConfigError("--workers", f"generation runs on one pod: give its hosts' HOST:PORT separated by ',' "
                           f"(got {len(pods)} pods: {args.workers!r})")
+    for host, address in enumerate(pods[0]):
+        problem = host_port_problem(address)
+        if problem:
+            raise ConfigError("--workers", f"host {host}: {problem}")
     return pods[0]
 
 

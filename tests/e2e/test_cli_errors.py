@@ -208,3 +208,21 @@ def test_a_new_run_where_an_earlier_run_s_checkpoints_are_is_refused_before_any_
     assert f"--run-dir: {run_dir / 'checkpoints'} already holds an earlier run's checkpoints (steps 0, 4): " \
            "--resume continues that run" in result.stderr
     assert "started" not in result.stdout and not (run_dir / "config.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--listen", "--dcn-listen"])
+def test_a_worker_refuses_a_listen_address_that_is_not_host_port(flag):
+    # gRPC took 99999 modulo 65536 and served on another port without a word.
+    result = run_cli("worker", "--pod-index", "0", flag, "127.0.0.1:99999", "--insecure", timeout=60)
+    assert result.returncode != 0
+    assert f"error: {flag}: '127.0.0.1:99999': the port must be a number from 0 to 65535" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_workers_that_are_not_addresses_are_refused_at_once_not_after_the_connect_deadline(tmp_path):
+    started = time.monotonic()
+    result = run_cli("train", "--config", TINY, "--workers", "foo", "--checkpoint-dir", str(tmp_path / "ck"),
+                     timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--workers: pod 0 host 0: 'foo' is not HOST:PORT" in result.stderr
+    assert time.monotonic() - started < 25, "refused before the 30-second connect deadline"

@@ -461,3 +461,10 @@ def test_a_pod_call_whose_hosts_finish_while_it_looks_is_done_not_an_error():
     call = PodCall(None, "Step", [FakeCall(result="reply"), _FinishesWhileLookedAt(looks=2)])
     assert call.wait(5.0) is True
     assert call.result() == "reply"
+
+
+def test_workers_that_are_not_host_port_are_refused_naming_pod_and_host():
+    with pytest.raises(ConfigError, match=r"--workers: pod 1 host 0: 'foo' is not HOST:PORT"):
+        parse_workers("a:1,foo")
+    with pytest.raises(ConfigError, match=r"--workers: pod 0 host 1: 'b:99999': the port must be a number"):
+        parse_workers("a:1,b:99999;c:1,d:1")
