@@ -132,8 +132,9 @@ class ModelShape:
                     flops_per_token: float | None = None) -> ModelShape:
         """A parameter count alone: 6N FLOPs per token (no attention term) unless given, and one
         block's share of the gradient left for after the backward pass (an assumption)."""
+        # validate() refuses n_layers < 1, naming it; the share is not computed from it meanwhile.
         return cls(params, 6.0 * params if flops_per_token is None else flops_per_token, n_layers, grad_bytes,
-                   1.0 / n_layers)
+                   1.0 / n_layers if n_layers > 0 else 1.0)
 
     def validate(self) -> None:
         check_count("params", self.params)
@@ -169,6 +170,9 @@ class Layout:
         if self.chips_per_pod % self.hosts_per_pod:
             raise ConfigError("chips_per_pod", f"{self.chips_per_pod} chips do not split evenly over "
                                                f"{self.hosts_per_pod} hosts")
+        if self.chips_per_pod % self.model_parallel:
+            raise ConfigError("model_parallel", f"a model axis of {self.model_parallel} does not divide the pod's "
+                                                f"{self.chips_per_pod} chips")
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,17 @@ def test_a_bad_value_is_refused_naming_its_flag(flag, value, message, capsys):
     assert f"error: config: {message}" in err
 
 
+@pytest.mark.parametrize("extra, message", [
+    # --layers 0 was divided by before it was checked: a ZeroDivisionError traceback.
+    (("--layers", "0"), "--layers: must be a positive integer, got 0"),
+    (("--model-parallel", "3"), "--model-parallel: a model axis of 3 does not divide the pod's 8 chips"),
+])
+def test_a_model_that_cannot_be_laid_out_is_refused_naming_its_flag(extra, message, capsys):
+    code, _, err = plan("--params", "1B", "--tokens-per-step", "1M", *CLUSTER, *extra, capsys=capsys)
+    assert code == 2
+    assert f"error: config: {message}" in err
+
+
 def test_a_missing_input_is_refused_naming_it(capsys):
     without_dcn = [a for i, a in enumerate(CLUSTER) if "--dcn-gbps" not in CLUSTER[max(0, i - 1):i + 1]]
     code, _, err = plan("--params", "1B", "--tokens-per-step", "1M", *without_dcn, capsys=capsys)
