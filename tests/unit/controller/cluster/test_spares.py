@@ -150,3 +150,18 @@ def test_attach_offers_to_a_run_directory_and_refuses_anything_else(tmp_path, ca
     assert attach(argparse.Namespace(run_dir=str(tmp_path), worker="a:1, b:2")) == 0
     assert (tmp_path / SPARES_FILE).read_text() == "a:1,b:2\n"
     assert "offered a:1,b:2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("worker, message", [
+    ("a:99999", "--worker: host 0: 'a:99999': the port must be a number from 1 to 65535"),
+    ("a:1,foo", "--worker: host 1: 'foo' is not HOST:PORT"),
+    (",", "--worker: give the standby pod's HOST:PORT"),
+])
+def test_attach_refuses_a_worker_that_is_not_host_port_naming_the_flag_and_offers_nothing(tmp_path, worker, message):
+    import argparse
+
+    from multipod.controller.commands import attach
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        attach(argparse.Namespace(run_dir=str(tmp_path), worker=worker))
+    assert not (tmp_path / SPARES_FILE).exists()
