@@ -271,5 +271,9 @@ def train_main(args) -> int:
     print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens on {count['documents']:,} documents, "
           f"{count['bytes'] / (1 << 20):.1f} MiB of {source}{cut}, in {time.perf_counter() - start:.1f} s: "
           f"{args.out}", file=sys.stderr)
+    if tok.vocab_size < args.vocab_size:
+        # BPE stops when no pair of tokens is left to merge: too little (or too uniform) text.
+        print(f"note: {tok.vocab_size:,} tokens, fewer than the {args.vocab_size:,} asked: the text has no more "
+              f"pairs to merge; train on more text for a larger vocabulary", file=sys.stderr)
     print(args.out)
     return 0

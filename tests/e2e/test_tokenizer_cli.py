@@ -32,3 +32,14 @@ def test_tokenizer_train_names_a_missing_source(tmp_path):
     assert result.returncode != 0
     assert str(missing) in result.stderr and "Traceback" not in result.stderr
     assert not out.exists()
+
+
+def test_tokenizer_train_says_when_the_text_gives_fewer_tokens_than_asked(tmp_path):
+    # One byte of text has no pair to merge: the vocabulary stops at the bytes and <|endoftext|>.
+    (tmp_path / "one.txt").write_text("x")
+    out = tmp_path / "tok.json"
+    result = run_cli("tokenizer", "train", "--data", str(tmp_path / "one.txt"), "--vocab-size", "300",
+                     "--out", str(out), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert load_tokenizer(str(out)).vocab_size == 257
+    assert "note: 257 tokens, fewer than the 300 asked" in result.stderr
