@@ -102,6 +102,17 @@ def resolve_config(args: argparse.Namespace, given: set | None = None):
     return load_config(args.config, overrides, given)
 
 
+def check_local_flags(args: argparse.Namespace) -> None:
+    """The simulated pods' flags (--pods, --spares, the device counts), checked before the data is
+    prepared, which on a corpus's first use takes minutes: ConfigError naming the flag."""
+    from multipod.controller.core.run_config import ConfigError
+    if args.pods < 1:
+        raise ConfigError("--pods", f"must be >= 1, got {args.pods}")
+    if args.spares < 0:
+        raise ConfigError("--spares", f"must be >= 0, got {args.spares}")
+    local_devices(args)
+
+
 def local_devices(args: argparse.Namespace) -> int:
     """The simulated devices per pod for `multipod local` (all its hosts together), from
     --hosts-per-pod, --devices-per-host and --devices-per-pod; ConfigError if they contradict."""

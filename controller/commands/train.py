@@ -12,7 +12,7 @@ import pathlib
 import secrets
 import sys
 
-from multipod.controller.commands.options import local_devices, resolve_config
+from multipod.controller.commands.options import check_local_flags, local_devices, resolve_config
 from multipod.protos.cli_flags import security_from_args
 
 
@@ -35,6 +35,8 @@ def train_run(args, addresses_fn) -> int:
     config = resolve_config(args, given)
     mode = _mode(args)
     check_netns_args(args, mode)
+    if mode == "local":
+        check_local_flags(args)
     if mode in LAUNCHERS and getattr(args, "pods", None):     # before the corpus is read and the workers start
         check_batch_splits(config, args.pods)
     if mode == "train" and not config.checkpoint.dir:

@@ -226,3 +226,17 @@ def test_workers_that_are_not_addresses_are_refused_at_once_not_after_the_connec
     assert result.returncode == 2, result.stdout + result.stderr
     assert "--workers: pod 0 host 0: 'foo' is not HOST:PORT" in result.stderr
     assert time.monotonic() - started < 25, "refused before the 30-second connect deadline"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--pods", "0"), "--pods: must be >= 1, got 0"),
+    (("--spares", "-1"), "--spares: must be >= 0, got -1"),
+    (("--hosts-per-pod", "0"), "--hosts-per-pod: must be >= 1, got 0"),
+])
+def test_simulated_pods_that_cannot_be_are_refused_before_the_data_is_prepared(tmp_path, flags, message):
+    # --pods 0 came after the corpus was read (minutes on its first use), as exit 1.
+    run_dir = tmp_path / "run"
+    result = run_cli("local", "--config", TINY, "--steps", "2", "--run-dir", str(run_dir), *flags, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"error: config: {message}" in result.stderr
+    assert "token cache" not in result.stdout + result.stderr and not run_dir.exists()
