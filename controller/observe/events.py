@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import pathlib
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 
 class EventKind(enum.StrEnum):
@@ -84,12 +85,38 @@ class Event:
 KINDS = tuple(kind.value for kind in EventKind)
 
 
+def open_appending(path: pathlib.Path) -> IO[str]:
+    """`path` (a .jsonl file) opened to append lines, a torn last line cut off first: a write cut
+    short (a full disk, the machine going down) leaves a line without its newline, and the next
+    run's first line would be glued to it, one malformed line in the middle of the file."""
+    try:
+        with path.open("rb+") as f:
+            end = f.seek(0, os.SEEK_END)
+            keep = end
+            while keep > 0:         # back to just after the last newline, a block at a time
+                start = max(0, keep - (1 << 16))
+                f.seek(start)
+                block = f.read(keep - start)
+                if keep == end and block.endswith(b"\n"):
+                    break           # whole lines: nothing torn
+                newline = block.rfind(b"\n")
+                if newline >= 0:
+                    keep = start + newline + 1
+                    break
+                keep = start
+            if keep < end:
+                f.truncate(keep)
+    except FileNotFoundError:
+        pass
+    return path.open("a")
+
+
 class EventLog:
     """Appends events to a file, flushed at once so that a crash loses none."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
-        self._file = path.open("a")
+        self._file = open_appending(path)
 
     def write(self, kind: EventKind, **fields: Any) -> None:
         """One line: Event(kind, now, fields)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from multipod.controller.observe.events import open_appending
 from multipod.controller.observe.records import PodTimings, StepRecord
 
 
@@ -137,7 +138,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: pathlib.Path, append: bool = False):
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a" if append else "w")
+        self._file = open_appending(self.path) if append else self.path.open("w")
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._write_events, args=(run_dir / "tensorboard",), daemon=True,
                                         name="tensorboard")

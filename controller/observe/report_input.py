@@ -3,10 +3,13 @@ records and events.jsonl's events, each bad line a ReportError naming the file a
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 from multipod.controller.observe.events import KINDS, Event
 from multipod.controller.observe.records import StepRecord
+
+log = logging.getLogger(__name__)
 
 
 class ReportError(ValueError):
@@ -15,7 +18,8 @@ class ReportError(ValueError):
 
 def read_jsonl(path: pathlib.Path, required: bool) -> list[dict]:
     """The JSON objects of a .jsonl file, one per non-blank line. ReportError, naming the file
-    (and the line), if it is missing (when required), empty (when required) or malformed."""
+    (and the line), if it is missing (when required), empty (when required) or malformed; a
+    torn last line (no newline) is left out with a warning."""
     return [value for _, value in _numbered(path, required)]
 
 
@@ -30,12 +34,18 @@ def _numbered(path: pathlib.Path, required: bool) -> list[tuple[int, dict]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportError(f"{path}: cannot be read: {exc}") from None
     lines = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    numbered = list(enumerate(text.splitlines(), start=1))
+    for number, line in numbered:
         if not line.strip():
             continue
         try:
             value = json.loads(line)
         except ValueError as exc:
+            if number == len(numbered) and not text.endswith("\n"):
+                # A last line without its newline: a write cut short (a full disk, a crash), or
+                # one being written now. The lines before it are whole; the next run cuts it off.
+                log.warning("%s, line %d: cut short (%s), left out", path, number, exc)
+                continue
             raise ReportError(f"{path}, line {number}: not valid JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ReportError(f"{path}, line {number}: expected a JSON object, got {type(value).__name__}")

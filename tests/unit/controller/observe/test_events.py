@@ -39,3 +39,22 @@ def test_the_log_refuses_a_kind_it_does_not_know(tmp_path):
         log.write("lunch", step=1)
     log.close()
     assert (tmp_path / "events.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("before, after", [
+    ("", ""),                                               # a new file
+    ('{"a": 1}\n{"b": 2}\n', '{"a": 1}\n{"b": 2}\n'),       # whole lines: kept as they are
+    ('{"a": 1}\n{"b": ', '{"a": 1}\n'),                     # a torn last line: cut off
+    ('{"b": ', ""),                                         # nothing whole at all
+    ('{"a": 1}\n' + "x" * 200_000, '{"a": 1}\n'),           # a torn line longer than one block read
+])
+def test_appending_cuts_a_torn_last_line_so_the_next_line_starts_its_own(tmp_path, before, after):
+    path = tmp_path / "events.jsonl"
+    if before:
+        path.write_text(before)
+    log = EventLog(path)
+    log.write(EventKind.CHECKPOINT_SAVED, step=3, path="ckpt/3")
+    log.close()
+    text = path.read_text()
+    assert text.startswith(after)
+    assert Event.from_json(text[len(after):].rstrip("\n")).get("step") == 3

@@ -84,6 +84,18 @@ def test_metrics_jsonl_holds_one_line_per_step_and_per_evaluation(tmp_path):
     assert json.loads(lines[1]) == {"step": 0, "trained_steps": 1, "eval_loss": 2.7}
 
 
+def test_a_resumed_run_appends_after_the_whole_lines_and_a_new_one_starts_afresh(tmp_path):
+    first = a_step_record(0, 2.5)
+    (tmp_path / "metrics.jsonl").write_text(first.to_json() + '\n{"step": 1, "lo')    # torn by a full disk
+    log = MetricsLog(tmp_path, append=True)                  # --resume
+    log.write(a_step_record(1, 2.4))
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [StepRecord.from_json(line).step for line in lines] == [0, 1]
+    MetricsLog(tmp_path).close()                             # a new run
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
 def test_the_progress_line_shows_a_hot_swap_at_once_and_keeps_showing_it(capsys):
     # Off a terminal the line prints every 5 s, but at once when the membership changes: a pod
     # lost (degraded), back, or its slot taken by a spare (hot_swaps, counted in the record).

@@ -305,6 +305,21 @@ def test_the_report_reads_step_records_evaluations_and_events_from_the_run_direc
     assert read[3].get("to_step") == 4 and read[3].time == 1005.6
 
 
+def test_a_torn_last_line_is_left_out_with_a_warning_and_one_in_the_middle_is_an_error(tmp_path, caplog):
+    # A write cut short (a full disk, a crash) leaves the last line without its newline.
+    run_dir = _write_run(tmp_path / "run", [_record(s, 2.0) for s in range(3)])
+    metrics = run_dir / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"step": 3, "lo')
+    steps, _ = read_metrics(metrics)
+    assert [r.step for r in steps] == [0, 1, 2]
+    assert "metrics.jsonl, line 4: cut short" in caplog.text
+    assert write_report(run_dir).exists()
+    metrics.write_text(whole + '{"step": 3, "lo\n')      # with its newline, it is not torn: malformed
+    with pytest.raises(ReportError, match="line 4: not valid JSON"):
+        read_metrics(metrics)
+
+
 def test_a_malformed_event_line_is_named_too(tmp_path):
     run_dir = _write_run(tmp_path / "run", [_record(0, 1.0)])
     (run_dir / "events.jsonl").write_text('{"event": "checkpoint_saved", "step": 0}\nnot json\n')
@@ -326,7 +341,7 @@ def test_the_end_of_a_local_run_warns_instead_of_failing(tmp_path, capsys):
     run_dir.mkdir()
     write_report_quietly(run_dir)                    # no metrics yet (the run failed early): nothing
     assert capsys.readouterr() == ("", "")
-    (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo')   # cut off mid-line
+    (run_dir / "metrics.jsonl").write_text(_record(0, 2.0).to_json() + '\n{"step": 1, "lo\n')   # malformed
     write_report_quietly(run_dir)
     err = capsys.readouterr().err
     assert "warning: no report drawn" in err and "line 2" in err
