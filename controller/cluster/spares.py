@@ -93,6 +93,11 @@ class SparePool:
             if spare.hosts in self._seen:
                 return False
             self._seen.add(spare.hosts)
+        problems = [problem for problem in map(host_port_problem, hosts) if problem]
+        if problems:     # a line written into the spares file by hand, say: refused now, not after a deadline
+            if not self._stop.is_set():
+                self._on_refused(spare, "; ".join(problems))
+            return False
         if not self._outcome(spare, self._check):
             return False
         if self._prepare is None:

@@ -65,6 +65,21 @@ def test_offers_in_the_run_directory_are_read_whole_lines_only(tmp_path):
         pool.close()
 
 
+def test_a_line_of_the_spares_file_that_is_not_host_ports_is_refused_without_a_check(tmp_path):
+    refused: list[tuple[str, str]] = []
+    checked: list[str] = []
+    pool = SparePool(lambda spare: checked.append(spare.name), lambda spare, why: refused.append((spare.name, why)),
+                     run_dir=tmp_path, poll_s=60.0)
+    try:
+        (tmp_path / SPARES_FILE).write_text("node-7\nv:1,v:99999\nw:1\n")     # edited by hand
+        pool.poll()
+        assert refused == [("node-7", "'node-7' is not HOST:PORT"),
+                           ("v:1,v:99999", "'v:99999': the port must be a number from 1 to 65535")]
+        assert checked == ["w:1"] and pool.take() == Spare(("w:1",))
+    finally:
+        pool.close()
+
+
 def test_the_pool_watches_the_file_on_its_own(tmp_path):
     pool, _ = _pool(run_dir=tmp_path, poll_s=0.01)
     try:
