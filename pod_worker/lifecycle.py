@@ -35,8 +35,13 @@ def serve(pod_index: int | None, listen: str, port_file: str | None = None, exit
     log.info("%s serving on %s:%d (pid %d), data plane on %s", service.pod.layout.name(pod_index), host, port,
              os.getpid(), service.pod.listener.address)
     if port_file:   # written last: whoever waits on it may connect at once
-        write_port_file(f"{port_file}.dcn", service.pod.listener.address)
-        write_port_file(port_file, port)
+        try:
+            write_port_file(f"{port_file}.dcn", service.pod.listener.address)
+            write_port_file(port_file, port)
+        except OSError as exc:      # a full disk, say: nobody would find this worker, so it stops
+            server.stop(grace=None)
+            service.pod.close()
+            raise SystemExit(f"error: --port-file {port_file}: cannot write it: {exc.strerror or exc}") from None
     parent = os.getppid()
     signal.signal(signal.SIGTERM, lambda *_: shutdown.set())
     try:

@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
         problem = address is not None and host_port_problem(address, listen=True)
         if problem:
             raise SystemExit(f"error: {flag}: {problem}")
+    if args.port_file:      # written once serving: refused now, before jax starts and the ports are bound
+        folder = os.path.dirname(os.path.abspath(args.port_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            raise SystemExit(f"error: --port-file {args.port_file}: cannot write in {folder} (no such folder, "
+                             f"or no permission)")
     # Before anything imports jax, which reads its cache settings when it starts.
     from multipod.pod_worker.compile_cache import default_cache_env
     os.environ.update(default_cache_env(os.environ))

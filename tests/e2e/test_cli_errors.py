@@ -240,3 +240,13 @@ def test_simulated_pods_that_cannot_be_are_refused_before_the_data_is_prepared(t
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"error: config: {message}" in result.stderr
     assert "token cache" not in result.stdout + result.stderr and not run_dir.exists()
+
+
+def test_a_worker_refuses_a_port_file_it_cannot_write_before_it_serves(tmp_path):
+    # It ended in a FileNotFoundError traceback after binding its ports.
+    port_file = tmp_path / "no-such-folder" / "worker.port"
+    result = run_cli("worker", "--pod-index", "0", "--listen", "127.0.0.1:0", "--insecure-no-auth",
+                     "--port-file", str(port_file), timeout=60)
+    assert result.returncode != 0
+    assert f"error: --port-file {port_file}: cannot write in {port_file.parent}" in result.stderr
+    assert "Traceback" not in result.stderr and "serving on" not in result.stderr
