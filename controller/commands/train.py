@@ -58,7 +58,11 @@ def train_run(args, addresses_fn) -> int:
         security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
     set_default_security(security)
     run_dir = _run_dir(args)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if config.checkpoint.dir and (mode == "local" or pathlib.Path(config.checkpoint.dir).exists()):
+        # Local pods write where this process can see; remote pods' shared storage may not be
+        # mounted here, but if the path is here it must be a folder.
+        make_folder(pathlib.Path(config.checkpoint.dir), "checkpoint.dir")
+    make_folder(run_dir, "--run-dir")
     with RunDirLock(run_dir):       # one controller per run directory
         if not args.resume:
             check_no_earlier_run(config, run_dir)
@@ -77,6 +81,19 @@ def train_run(args, addresses_fn) -> int:
             if launched and not getattr(args, "no_report", False):   # after the workers stopped, whatever the outcome
                 write_report_quietly(run_dir)
     return 0
+
+
+def make_folder(path: pathlib.Path, field: str) -> None:
+    """Create the folder `path` (and its parents) unless it exists; ConfigError naming `field` if
+    it is a file or cannot be made. Checked before the data and the workers: a checkpoint folder
+    that is a file failed every save of a run that went on to the end."""
+    from multipod.controller.core.run_config import ConfigError
+    if path.exists() and not path.is_dir():
+        raise ConfigError(field, f"{path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(field, f"cannot create the folder {path}: {exc.strerror or exc}") from None
 
 
 def check_no_earlier_run(config, run_dir: pathlib.Path) -> None:

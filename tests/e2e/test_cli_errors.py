@@ -250,3 +250,13 @@ def test_a_worker_refuses_a_port_file_it_cannot_write_before_it_serves(tmp_path)
     assert result.returncode != 0
     assert f"error: --port-file {port_file}: cannot write in {port_file.parent}" in result.stderr
     assert "Traceback" not in result.stderr and "serving on" not in result.stderr
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_refused_before_any_worker_starts(tmp_path):
+    # The run trained to its end with every save failing, and exited 0.
+    (tmp_path / "ck").write_text("not a folder")
+    result = run_cli("local", "--config", TINY, "--steps", "2", "--run-dir", str(tmp_path / "run"),
+                     "--checkpoint-dir", str(tmp_path / "ck"), timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"error: config: checkpoint.dir: {tmp_path / 'ck'} is a file, not a folder" in result.stderr
+    assert not (tmp_path / "run").exists()

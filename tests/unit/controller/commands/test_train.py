@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from multipod.controller.commands.checkpoints import saved_steps
-from multipod.controller.commands.train import check_no_earlier_run
+from multipod.controller.commands.train import check_no_earlier_run, make_folder
 from multipod.controller.core.run_config import ConfigError, load_config
 from tests.helpers import TINY
 
@@ -39,3 +39,14 @@ def test_a_new_run_is_refused_where_an_earlier_run_s_checkpoints_are(tmp_path):
     elsewhere = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, dir=str(shared)))
     with pytest.raises(ConfigError, match=r"checkpoint.dir: .* \(steps \.\.\., 2, 3, 4\): .*another --checkpoint-dir"):
         check_no_earlier_run(elsewhere, tmp_path / "another-run")
+
+
+def test_a_run_s_folders_are_made_or_refused_naming_the_field(tmp_path):
+    make_folder(tmp_path / "a" / "b", "--run-dir")          # parents too
+    make_folder(tmp_path / "a" / "b", "--run-dir")          # there already
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"checkpoint\.dir: .*file is a file, not a folder"):
+        make_folder(tmp_path / "file", "checkpoint.dir")
+    with pytest.raises(ConfigError, match=r"--run-dir: cannot create the folder .*file/sub: Not a directory"):
+        make_folder(tmp_path / "file" / "sub", "--run-dir")
