@@ -61,6 +61,14 @@ def test_bad_examples_are_refused_naming_the_line(tmp_path, records, field, mess
         read_examples(_task(tmp_path, records), ByteTokenizer(), "input", field)
 
 
+def test_a_task_file_that_is_missing_or_a_folder_is_refused_naming_it(tmp_path):
+    # multipod ptune --data with a wrong path ended in a FileNotFoundError traceback.
+    with pytest.raises(DataError, match=r"nothing\.jsonl: no such file"):
+        read_examples(str(tmp_path / "nothing.jsonl"), ByteTokenizer(), "input", "output")
+    with pytest.raises(DataError, match="a folder, not a .jsonl file"):
+        read_examples(str(tmp_path), ByteTokenizer(), "input", "output")
+
+
 def test_an_example_longer_than_the_sequence_is_refused_naming_it(tmp_path):
     tok = ByteTokenizer()
     examples = read_examples(_task(tmp_path, [{"input": "a", "output": "b"}, {"input": "long=", "output": "xyz"}]),
