@@ -37,6 +37,7 @@ def train_run(args, addresses_fn) -> int:
     check_netns_args(args, mode)
     if mode == "local":
         check_local_flags(args)
+        config.mesh.resolve(local_devices(args))     # the pods' mesh fits their devices (ConfigError)
     if mode in LAUNCHERS and getattr(args, "pods", None):     # before the corpus is read and the workers start
         check_batch_splits(config, args.pods)
     if mode == "train" and not config.checkpoint.dir:
@@ -58,6 +59,8 @@ def train_run(args, addresses_fn) -> int:
         security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
     set_default_security(security)
     run_dir = _run_dir(args)
+    if args.resume and mode == "local" and not run_dir.exists():    # before a folder is made for nothing
+        check_something_to_resume(config, run_dir)
     if config.checkpoint.dir and (mode == "local" or pathlib.Path(config.checkpoint.dir).exists()):
         # Local pods write where this process can see; remote pods' shared storage may not be
         # mounted here, but if the path is here it must be a folder.
@@ -66,6 +69,8 @@ def train_run(args, addresses_fn) -> int:
     with RunDirLock(run_dir):       # one controller per run directory
         if not args.resume:
             check_no_earlier_run(config, run_dir)
+        elif mode == "local":       # here, under the lock: a controller running the run is named first
+            check_something_to_resume(config, run_dir)
         out(f"run directory: {run_dir}")
         # The data first: a bad corpus or tokenizer is reported before any worker starts, and the
         # model's vocabulary (which follows the tokenizer) is known when the pods configure.
@@ -94,6 +99,20 @@ def make_folder(path: pathlib.Path, field: str) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(field, f"cannot create the folder {path}: {exc.strerror or exc}") from None
+
+
+def check_something_to_resume(config, run_dir: pathlib.Path) -> None:
+    """ConfigError if `multipod local --resume` has nothing to continue from: no checkpoint in the
+    run's checkpoint folder and no warm start. Its pods start afresh, so there are no live
+    workers to reattach to (as `multipod train --resume` may), and the run would fail only once
+    they had started and been asked to restore."""
+    from multipod.controller.commands.checkpoints import saved_steps
+    from multipod.controller.core.run_config import ConfigError
+    from multipod.controller.run.training import checkpoint_dir
+    directory = pathlib.Path(checkpoint_dir(config, run_dir))
+    if not config.checkpoint.warm_start_from and not saved_steps(directory):
+        raise ConfigError("--resume", f"no checkpoint to resume from in {directory}: give the --run-dir (or "
+                          f"--checkpoint-dir) of the run to continue, or leave out --resume to start one")
 
 
 def check_no_earlier_run(config, run_dir: pathlib.Path) -> None:

@@ -260,3 +260,15 @@ def test_a_checkpoint_folder_that_is_a_file_is_refused_before_any_worker_starts(
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"error: config: checkpoint.dir: {tmp_path / 'ck'} is a file, not a folder" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_local_resume_with_nothing_to_resume_is_refused_before_any_worker_starts(tmp_path):
+    # The pods started, then failed to restore: "Restore failed: FAILED_PRECONDITION".
+    missing, empty = tmp_path / "typo", tmp_path / "empty"
+    empty.mkdir()
+    for run_dir in (missing, empty):
+        result = run_cli("local", "--config", TINY, "--steps", "2", "--resume", "--run-dir", str(run_dir), timeout=60)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"error: config: --resume: no checkpoint to resume from in {run_dir / 'checkpoints'}" in result.stderr
+        assert "started" not in result.stdout
+    assert not missing.exists() and not list(empty.glob("worker-*.log"))

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from multipod.controller.commands.checkpoints import saved_steps
-from multipod.controller.commands.train import check_no_earlier_run, make_folder
+from multipod.controller.commands.train import check_no_earlier_run, check_something_to_resume, make_folder
 from multipod.controller.core.run_config import ConfigError, load_config
 from tests.helpers import TINY
 
@@ -50,3 +50,15 @@ def test_a_run_s_folders_are_made_or_refused_naming_the_field(tmp_path):
         make_folder(tmp_path / "file", "checkpoint.dir")
     with pytest.raises(ConfigError, match=r"--run-dir: cannot create the folder .*file/sub: Not a directory"):
         make_folder(tmp_path / "file" / "sub", "--run-dir")
+
+
+def test_a_local_resume_needs_a_checkpoint_or_a_warm_start(tmp_path):
+    config = load_config(TINY)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--resume: no checkpoint to resume from in .*run/checkpoints"):
+        check_something_to_resume(config, run_dir)                  # no such run
+    (run_dir / "checkpoints" / "pod-1" / "6").mkdir(parents=True)   # a DiLoCo pod's part is a checkpoint
+    check_something_to_resume(config, run_dir)
+    warm = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint,
+                                                                      warm_start_from=str(tmp_path / "other")))
+    check_something_to_resume(warm, tmp_path / "new-run")           # begins from the other run's checkpoint
