@@ -126,6 +126,17 @@ def check_args(args: argparse.Namespace) -> None:
                                                f"got {args.max_trial_steps}")
     if not args.streams or not args.chunk_bytes:
         raise ConfigError("--streams", "give at least one stream count and one chunk size")
+    # The data plane's own bounds, here: a worker refuses them only once the pods are up, where it
+    # read as a link that could not be reached.
+    from multipod.pod_worker.schema import MAX_STREAMS
+    from multipod.protos import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+    for streams in args.streams:
+        if not 1 <= streams <= MAX_STREAMS:
+            raise ConfigError("--streams", f"each must be in [1, {MAX_STREAMS}], got {streams}")
+    for size in args.chunk_bytes:
+        if not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES:
+            raise ConfigError("--chunk-bytes", f"each must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] bytes "
+                                               f"({MIN_CHUNK_BYTES >> 20}-{MAX_CHUNK_BYTES >> 20} MiB), got {size}")
     args.compressions = [c.strip() for c in args.compressions.split(",") if c.strip()]
     for c in args.compressions:
         try:

@@ -182,6 +182,9 @@ def _args(**fields):
     ({"latency_ms": 1.0}, "--latency-ms"), ({"trial_steps": 0}, "--trial-steps"),
     ({"warmup_steps": 12}, "--warmup-steps"), ({"compressions": "none,zip"}, "--compressions"),
     ({"run_lossy": -1}, "--run-lossy"), ({"max_trial_steps": 11}, "--max-trial-steps"),
+    # Refused by the workers once the pods were up, as "no reachable link between the pods".
+    ({"streams": [1, 9]}, "--streams"), ({"streams": [0]}, "--streams"),
+    ({"chunk_bytes": [1 << 20, 0]}, "--chunk-bytes"), ({"chunk_bytes": [64 << 20]}, "--chunk-bytes"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(fields, flag):
     with pytest.raises(ConfigError) as caught:
