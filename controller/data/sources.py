@@ -241,15 +241,7 @@ def jsonl_records(file: pathlib.Path, on_line=None, what: str = "record") -> Ite
     on_line(bytes) is called for each line read. DataError naming the file and line for a line
     that is not a JSON object, and naming the file if it holds none."""
     found = False
-    try:
-        opened = pathlib.Path(file).open("rb")
-    except FileNotFoundError:
-        raise DataError(f"{file}: no such file") from None
-    except IsADirectoryError:
-        raise DataError(f"{file}: a folder, not a .jsonl file") from None
-    except OSError as exc:
-        raise DataError(f"{file}: cannot be read: {exc.strerror or exc}") from None
-    with opened as lines:
+    with pathlib.Path(file).open("rb") as lines:
         for number, raw in enumerate(lines, 1):
             if on_line is not None:
                 on_line(len(raw))

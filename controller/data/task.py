@@ -34,8 +34,18 @@ class Example:
 def read_examples(path: str, tokenizer, input_field: str, output_field: str) -> list[Example]:
     """Every example of the task file, tokenized; DataError naming the file and line of a record
     without a string input or output or with an empty output, or naming an empty file."""
+    file = pathlib.Path(path)
+    # Named here, not in jsonl_records: in a corpus folder an unreadable file is left out and reported.
+    if not file.exists():
+        raise DataError(f"{file}: no such file")
+    if file.is_dir():
+        raise DataError(f"{file}: a folder, not a .jsonl file of examples")
     examples = []
-    for where, record in jsonl_records(pathlib.Path(path), what="example"):
+    try:
+        records = list(jsonl_records(file, what="example"))
+    except OSError as exc:
+        raise DataError(f"{file}: cannot be read: {exc.strerror or exc}") from None
+    for where, record in records:
         source = record_text(where, record, input_field, "name another with data.input_field")
         target = record_text(where, record, output_field, "name another with data.output_field")
         if not target:
