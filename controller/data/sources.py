@@ -176,8 +176,10 @@ def source_fingerprint(path: str, text_field: str = "text") -> str:
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
-def iter_documents(path: str, text_field: str = "text", report: CorpusReport | None = None) -> Iterator[Document]:
+def iter_documents(path: str, text_field: str = "text", report: CorpusReport | None = None,
+                   text_field_name: str = "data.text_field") -> Iterator[Document]:
     """The documents of the source at `path` ("" = the default corpus), in a fixed order.
+    `text_field_name` is what an error tells the user to set (`tokenizer train`: --text-field).
 
     `report` (if given) counts the files read and those left out as they are met. A path that does
     not exist is a DataError at once; malformed files are DataErrors naming the file (and line or
@@ -185,11 +187,11 @@ def iter_documents(path: str, text_field: str = "text", report: CorpusReport | N
     root, files, hidden = _candidates(path)   # before the generator: a missing path fails here
     report = report if report is not None else CorpusReport()
     report.source = report.source or source_name(path)
-    return _documents(root, files, hidden, text_field, report, single=root.is_file())
+    return _documents(root, files, hidden, text_field, report, single=root.is_file(), field_name=text_field_name)
 
 
 def _documents(root: pathlib.Path, files: list[pathlib.Path], hidden: list[pathlib.Path], text_field: str,
-               report: CorpusReport, single: bool) -> Iterator[Document]:
+               report: CorpusReport, single: bool, field_name: str) -> Iterator[Document]:
     for file in hidden:
         report.skip(HIDDEN, file)
     total = 0
@@ -202,8 +204,8 @@ def _documents(root: pathlib.Path, files: list[pathlib.Path], hidden: list[pathl
         try:
             size = file.stat().st_size
             if file.suffix in (".jsonl", ".parquet"):
-                records = _jsonl(file, text_field, report) if file.suffix == ".jsonl" else \
-                    _parquet(file, text_field, report, size)
+                records = _jsonl(file, text_field, report, field_name) if file.suffix == ".jsonl" else \
+                    _parquet(file, text_field, report, size, field_name)
                 for doc in records:
                     yielded = True
                     yield doc
@@ -229,9 +231,9 @@ def _documents(root: pathlib.Path, files: list[pathlib.Path], hidden: list[pathl
         total += size
 
 
-def _jsonl(file: pathlib.Path, text_field: str, report: CorpusReport) -> Iterator[Document]:
+def _jsonl(file: pathlib.Path, text_field: str, report: CorpusReport, field_name: str) -> Iterator[Document]:
     """One document per non-empty line; report.bytes_read grows line by line (for progress)."""
-    for where, text in jsonl_texts(file, text_field, "set data.text_field to the field that holds the text",
+    for where, text in jsonl_texts(file, text_field, f"set {field_name} to the field that holds the text",
                                    on_line=lambda size: setattr(report, "bytes_read", report.bytes_read + size)):
         yield Document(where, text)
 
@@ -280,7 +282,8 @@ def record_text(where: str, record: dict, field: str, hint: str) -> str:
     return text
 
 
-def _parquet(file: pathlib.Path, text_field: str, report: CorpusReport, size: int) -> Iterator[Document]:
+def _parquet(file: pathlib.Path, text_field: str, report: CorpusReport, size: int,
+             field_name: str) -> Iterator[Document]:
     """One document per row of the text_field column, a record batch at a time."""
     try:
         import pyarrow as pa
@@ -294,7 +297,7 @@ def _parquet(file: pathlib.Path, text_field: str, report: CorpusReport, size: in
     columns = table.schema_arrow.names
     if text_field not in columns:
         raise DataError(f"{file}: no {text_field!r} column (the file has: {', '.join(map(repr, columns)) or 'none'}); "
-                        "set data.text_field to the column that holds the text")
+                        f"set {field_name} to the column that holds the text")
     kind = table.schema_arrow.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"{file}: column {text_field!r} holds {kind}, not strings")

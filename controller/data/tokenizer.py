@@ -265,7 +265,8 @@ def train_main(args) -> int:
     source = args.data or "Python's standard library"
     count: dict = {}
     start = time.perf_counter()
-    texts = capped((doc.text for doc in iter_documents(args.data, text_field=args.text_field)), count)
+    texts = capped((doc.text for doc in iter_documents(args.data, text_field=args.text_field,
+                                                                text_field_name="--text-field")), count)
     tok = train_bpe(texts, args.vocab_size, args.out, source=source)
     cut = f" (the first {TRAIN_BYTES >> 20} MiB of it)" if count["bytes"] >= TRAIN_BYTES else ""
     print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens on {count['documents']:,} documents, "

@@ -43,3 +43,11 @@ def test_tokenizer_train_says_when_the_text_gives_fewer_tokens_than_asked(tmp_pa
     assert result.returncode == 0, result.stdout + result.stderr
     assert load_tokenizer(str(out)).vocab_size == 257
     assert "note: 257 tokens, fewer than the 300 asked" in result.stderr
+
+
+def test_tokenizer_train_names_its_own_flag_for_a_missing_text_field(tmp_path):
+    (tmp_path / "docs.jsonl").write_text('{"body": "some text"}\n')
+    result = run_cli("tokenizer", "train", "--data", str(tmp_path / "docs.jsonl"), "--vocab-size", "300",
+                     "--out", str(tmp_path / "tok.json"), timeout=60)
+    assert result.returncode != 0
+    assert "no 'text' field (the record has: 'body'); set --text-field to the field" in result.stderr

@@ -174,8 +174,8 @@ def test_a_file_failing_after_some_of_its_records_is_an_error_not_half_a_file(tm
     (tmp_path / "b.txt").write_text("three")
     real = sources._jsonl
 
-    def breaks_midway(file, text_field, report):
-        documents = real(file, text_field, report)
+    def breaks_midway(file, text_field, report, field_name):
+        documents = real(file, text_field, report, field_name)
         yield next(documents)
         raise OSError(5, "Input/output error")
 
