@@ -295,13 +295,19 @@ def test_train_against_remote_workers_survives_a_hang_and_stops_beyond_max_resta
     assert checkpoint.read_metadata(str(path))["step"] == step
 
 
-def test_failed_checkpoints_are_reported_at_once_and_the_run_goes_on(tmp_path, env):
+def test_failed_checkpoints_are_reported_at_once_and_the_run_goes_on(tmp_path, env, monkeypatch):
+    # Pods the user runs, saving to shared storage the controller does not make (multipod local
+    # refuses an unusable checkpoint folder before it starts): every save fails on the pods.
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoint directory's parent should be\n")
     run_dir = tmp_path / "run"
-    result = _run("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", "4", "--no-report",
-                  "--checkpoint-every", "2", "--checkpoint-dir", str(blocker / "checkpoints"),
-                  "--set", "sample.tokens=0", "--set", "eval.batches=0", "--run-dir", str(run_dir), env=env)
+    token = "token-for-the-failed-saves-test-0123"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"])   # for LocalPods
+    with LocalPods(2, 1, tmp_path / "workers", security=Security(token=token)) as pods:
+        result = _run("train", "--workers", ",".join(pods.addresses), "--config", TINY, "--steps", "4",
+                      "--checkpoint-every", "2", "--checkpoint-dir", str(blocker / "checkpoints"),
+                      "--set", "sample.tokens=0", "--set", "eval.batches=0", "--run-dir", str(run_dir),
+                      env=dict(env, MULTIPOD_AUTH_TOKEN=token))
     assert result.returncode == 0, result.stdout + result.stderr
     for step in (0, 2, 4):
         assert f"ERROR: checkpoint of step {step} FAILED" in result.stdout, result.stdout
