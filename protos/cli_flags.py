@@ -24,8 +24,8 @@ def security_from_args(args: argparse.Namespace):
 
 def host_port_problem(address: str, listen: bool = False) -> str | None:
     """Why `address` is not HOST:PORT, or None if it is. An IPv6 host goes in brackets
-    ([::1]:50051). Port 0 (any free port) only where it is listened on (`listen`): gRPC would
-    otherwise take a port beyond 65535 modulo 65536 and serve somewhere else."""
+    ([::1]:50051); the port is at most 65535 (gRPC listens on a larger one modulo 65536, somewhere
+    else), and 0 (any free port) only where it is listened on (`listen`), not connected to."""
     host, sep, port = address.strip().rpartition(":")
     if not sep or not host:
         return f"{address!r} is not HOST:PORT"

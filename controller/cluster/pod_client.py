@@ -50,6 +50,16 @@ Reply = TypeVar("Reply")
 Out = TypeVar("Out")
 
 
+def check_pod_hosts(flag: str, hosts: list[str]) -> list[str]:
+    """`hosts`, one pod's HOST:PORT in host order (generate --workers, attach --worker), if each is
+    an address; else ConfigError naming `flag` and the host."""
+    for host, address in enumerate(hosts):
+        problem = host_port_problem(address)
+        if problem:
+            raise ConfigError(flag, f"host {host}: {problem}")
+    return hosts
+
+
 def parse_workers(spec: str) -> list[list[str]]:
     """The pods' host addresses from `--workers`: `p0h0:port,p0h1:port;p1h0:port,p1h1:port`
     (";" between pods, "," between the hosts of a pod); without ";", "," separates pods of one

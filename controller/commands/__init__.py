@@ -156,15 +156,11 @@ def attach(args: argparse.Namespace) -> int:
     run_dir = pathlib.Path(args.run_dir)
     if not (run_dir / "config.json").is_file():
         raise ConfigError("RUN_DIR", f"{run_dir} is not a run directory (it has no config.json)")
+    from multipod.controller.cluster.pod_client import check_pod_hosts
     from multipod.controller.core.run_lock import running_controller
-    from multipod.protos.cli_flags import host_port_problem
-    hosts = [a.strip() for a in args.worker.split(",") if a.strip()]
+    hosts = check_pod_hosts("--worker", [a.strip() for a in args.worker.split(",") if a.strip()])
     if not hosts:
         raise ConfigError("--worker", "give the standby pod's HOST:PORT (its hosts separated by ',')")
-    for host, address in enumerate(hosts):
-        problem = host_port_problem(address)
-        if problem:
-            raise ConfigError("--worker", f"host {host}: {problem}")
     path = offer(run_dir, hosts)
     if running_controller(run_dir) is None:
         print(f"offered {','.join(hosts)} to the run in {run_dir} ({path}), but no controller is running it now: "

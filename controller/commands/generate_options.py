@@ -7,7 +7,7 @@ import argparse
 import os
 import pathlib
 
-from multipod.protos.cli_flags import add_security_arguments, host_port_problem
+from multipod.protos.cli_flags import add_security_arguments
 
 # Prompts sent in one GenerateStream request at most (a worker takes at most 256; the default is
 # the config's generate.batch_size).
@@ -99,7 +99,7 @@ def check_flags(args, config) -> None:
 def check_pod_flags(args) -> list[str] | None:
     """The hosts of the running pod --workers names (None: a local pod), checked before --layout
     fills --devices: ConfigError for a flag that does not go with it, or more than one pod."""
-    from multipod.controller.cluster.pod_client import parse_workers
+    from multipod.controller.cluster.pod_client import check_pod_hosts, parse_workers
     from multipod.controller.core.run_config import ConfigError
     if args.workers is None:
         return None
@@ -113,11 +113,7 @@ def check_pod_flags(args) -> list[str] | None:
     if len(pods) != 1 or not pods[0]:
         raise ConfigError("--workers", f"generation runs on one pod: give its hosts' HOST:PORT separated by ',' "
                           f"(got {len(pods)} pods: {args.workers!r})")
-    for host, address in enumerate(pods[0]):
-        problem = host_port_problem(address)
-        if problem:
-            raise ConfigError("--workers", f"host {host}: {problem}")
-    return pods[0]
+    return check_pod_hosts("--workers", pods[0])
 
 
 def check_mesh(devices: int, hosts: int, parallel: int, config) -> None:
