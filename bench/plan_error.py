@@ -6,7 +6,7 @@ measured cluster with the calibration of the chosen candidate's kind of step
 (controller/tune/dcn_plan_file.py); R.json holds every trial's measured step. For each trial this
 projects the same candidate (matched by its label) with `multipod plan --from P.toml` twice:
   calibrated   the file as written: the terms measured on this machine;
-  defaults     the same cluster without its [calibration] table: cost.Calibration's estimates,
+  defaults     the same cluster without its [calibration] table: cost_inputs.Calibration's estimates,
                what a user who knows only the link's rate and a pod's compute would get.
 Prints one JSON object: per trial, measured, tune's prediction, and both projections with their
 errors ((projected - measured) / measured), and the largest absolute error of each.

@@ -17,13 +17,11 @@ and keeps the hosts' differences in one place:
   * GenerateStream: host 0's chunks (the other hosts' streams are read alongside).
 
 Every other request goes to every host unchanged. A call succeeds only if every host's does, and
-answers with host 0's reply. parse_workers reads `--workers` (";" between pods, "," between a
-pod's hosts, or @FILE with one pod per line).
+answers with host 0's reply. The pods' host lists (`--workers`) are read by addresses.py.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import pathlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
@@ -36,7 +34,6 @@ from multipod.controller.cluster.client import Probe, Verdict, WorkerClient, Wor
 from multipod.controller.core.errors import RunError
 from multipod.model.config import ConfigError
 from multipod.protos import codec, multipod_pb2 as pb
-from multipod.protos.cli_flags import host_port_problem
 
 DCN_SEPARATOR = "|"     # between the hosts' data-plane addresses in a pod's StatusReply.dcn_address
 POLL_S = 0.05           # how often a combined call looks at its other hosts while it waits on one
@@ -48,74 +45,6 @@ _SEVERITY = {Verdict.HUNG: 3, Verdict.DEAD: 2, Verdict.NOT_SERVING: 1, Verdict.S
 Req = TypeVar("Req", bound=Message)
 Reply = TypeVar("Reply")
 Out = TypeVar("Out")
-
-
-def check_pod_hosts(flag: str, hosts: list[str]) -> list[str]:
-    """`hosts`, one pod's HOST:PORT in host order (generate --workers, attach --worker), if each is
-    an address; else ConfigError naming `flag` and the host."""
-    for host, address in enumerate(hosts):
-        problem = host_port_problem(address)
-        if problem:
-            raise ConfigError(flag, f"host {host}: {problem}")
-    return hosts
-
-
-def parse_workers(spec: str) -> list[list[str]]:
-    """The pods' host addresses from `--workers`: `p0h0:port,p0h1:port;p1h0:port,p1h1:port`
-    (";" between pods, "," between the hosts of a pod); without ";", "," separates pods of one
-    host each; `@FILE` reads one pod per line (hosts separated by commas or spaces, "#" starts a
-    comment). ConfigError("--workers", ...) naming the pod if the pods list different numbers of
-    hosts, a pod lists none, or an address appears twice."""
-    spec = spec.strip()
-    if spec.startswith("@"):
-        path = pathlib.Path(spec[1:]).expanduser()
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError("--workers", f"cannot read the hosts file {path}: {exc.strerror or exc}") from None
-        pods = [line.split("#", 1)[0].replace(",", " ").split() for line in text.splitlines()]
-        pods = [hosts for hosts in pods if hosts]
-        where = f" in {path}"
-    elif ";" in spec:
-        segments = spec.split(";")
-        if segments and not segments[-1].strip():
-            segments.pop()      # a trailing ";"
-        pods = [[a.strip() for a in segment.split(",") if a.strip()] for segment in segments]
-        empty = [p for p, hosts in enumerate(pods) if not hosts]
-        if empty:
-            raise ConfigError("--workers", f"pod {empty[0]} lists no hosts (\";\" separates pods, \",\" the "
-                              f"hosts of one pod): {spec!r}")
-        where = ""
-    else:
-        pods = [[a.strip()] for a in spec.split(",") if a.strip()]
-        where = ""
-    if not pods:
-        raise ConfigError("--workers", f"no worker addresses given{where}")
-    counts = [len(hosts) for hosts in pods]
-    for p, hosts in enumerate(pods):
-        if len(hosts) != counts[0]:
-            raise ConfigError("--workers", f"pod {p} lists {len(hosts)} host(s) ({', '.join(hosts)}) but pod 0 "
-                              f"lists {counts[0]} ({', '.join(pods[0])}){where}: every pod must have the same "
-                              f"number of hosts")
-    seen: dict[str, tuple[int, int]] = {}
-    for p, hosts in enumerate(pods):
-        for h, address in enumerate(hosts):
-            problem = host_port_problem(address)
-            if problem:
-                raise ConfigError("--workers", f"pod {p} host {h}{where}: {problem}")
-            if address in seen:
-                first = seen[address]
-                raise ConfigError("--workers", f"{address} is listed twice{where}: as pod {first[0]} host {first[1]} "
-                                  f"and as pod {p} host {h}")
-            seen[address] = (p, h)
-    return pods
-
-
-def pod_hosts(entry) -> list[str]:
-    """One pod's host addresses from a connect() entry: a list of them, or one string with the
-    hosts separated by "," (a single-host pod's address is just that address)."""
-    hosts = [a.strip() for a in entry.split(",")] if isinstance(entry, str) else [str(a).strip() for a in entry]
-    return [a for a in hosts if a]
 
 
 def make_pod_client(pod_index: int, addresses: list[str]) -> PodApi:

@@ -9,9 +9,10 @@ import uuid
 from typing import TYPE_CHECKING
 
 from multipod import protos
+from multipod.controller.cluster.addresses import pod_hosts
 from multipod.controller.cluster.api import PodApi
 from multipod.controller.cluster.client import Probe, Verdict, WorkerError
-from multipod.controller.cluster.pod_client import make_pod_client, pod_hosts
+from multipod.controller.cluster.pod_client import make_pod_client
 from multipod.controller.cluster.spares import Spare
 from multipod.controller.core.errors import PodFailure, RunError
 from multipod.protos import multipod_pb2 as pb
@@ -396,7 +397,7 @@ class Cluster:
 def connect(addresses: list, config: Config) -> Cluster:
     """A Cluster of clients for every pod, each checked for readiness within the deadline.
     addresses[p]: pod p's hosts, a list of HOST:PORT or one string with them separated by ","
-    (hosts.parse_workers makes the lists from --workers). A pod of one host gets a WorkerClient,
+    (addresses.py's parse_workers makes the lists from --workers). A pod of one host gets a WorkerClient,
     a pod of several a PodClient over its hosts."""
     pods = [pod_hosts(entry) for entry in addresses]
     counts = {len(hosts) for hosts in pods}

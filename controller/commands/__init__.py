@@ -136,7 +136,7 @@ def add_commands(sub) -> None:
 def parse_spares(spec: str, hosts_per_pod: int) -> list[list[str]]:
     """--spares, in the --workers format (one spare pod of two hosts: 'a:1,b:1;'); ConfigError
     naming --spares unless every spare pod has the run's number of hosts."""
-    from multipod.controller.cluster.pod_client import parse_workers
+    from multipod.controller.cluster.addresses import parse_workers
     from multipod.controller.core.run_config import ConfigError
     try:
         spares = parse_workers(spec)
@@ -156,7 +156,7 @@ def attach(args: argparse.Namespace) -> int:
     run_dir = pathlib.Path(args.run_dir)
     if not (run_dir / "config.json").is_file():
         raise ConfigError("RUN_DIR", f"{run_dir} is not a run directory (it has no config.json)")
-    from multipod.controller.cluster.pod_client import check_pod_hosts
+    from multipod.controller.cluster.addresses import check_pod_hosts
     from multipod.controller.core.run_lock import running_controller
     hosts = check_pod_hosts("--worker", [a.strip() for a in args.worker.split(",") if a.strip()])
     if not hosts:
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     from multipod.controller.launch.local import LaunchError
     try:
         if args.command == "train":
-            from multipod.controller.cluster.pod_client import parse_workers
+            from multipod.controller.cluster.addresses import parse_workers
             addresses = parse_workers(args.workers)     # [pod][host]; before anything else is done
             spares = parse_spares(args.spares, len(addresses[0])) if args.spares else []
             return train_run(args, lambda run_dir, config: Fixed(addresses, spares))
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             from multipod.controller.commands.ptune import derived_overrides
             args.overrides = derived_overrides(args) + args.overrides     # the user's --set come last
             if args.workers:
-                from multipod.controller.cluster.pod_client import parse_workers
+                from multipod.controller.cluster.addresses import parse_workers
                 addresses = parse_workers(args.workers)
                 return train_run(args, lambda run_dir, config: Fixed(addresses))
             return train_run(args, lambda run_dir, config: Local(args, run_dir, config))

@@ -99,7 +99,7 @@ def check_flags(args, config) -> None:
 def check_pod_flags(args) -> list[str] | None:
     """The hosts of the running pod --workers names (None: a local pod), checked before --layout
     fills --devices: ConfigError for a flag that does not go with it, or more than one pod."""
-    from multipod.controller.cluster.pod_client import check_pod_hosts, parse_workers
+    from multipod.controller.cluster.addresses import check_pod_hosts, parse_workers
     from multipod.controller.core.run_config import ConfigError
     if args.workers is None:
         return None

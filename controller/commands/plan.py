@@ -10,7 +10,7 @@ printed as TOML. `--json` prints one JSON object instead.
 
 --from FILE reads the same inputs from the file's [plan] table (keys as the flags, with `_` for
 `-`; `config = PATH` is relative to the file), an optional [model] table (a model config's keys)
-and an optional [calibration] table (cost.Calibration's fields); flags given as well override the
+and an optional [calibration] table (cost_inputs.Calibration's fields); flags given as well override the
 file. A missing or bad input is a ConfigError naming its flag or its key.
 """
 from __future__ import annotations
@@ -175,7 +175,7 @@ def resolve(args: argparse.Namespace):
     """(ModelShape, Layout, Chip, Links, Calibration, allow_lossy, notes) from the flags and --from;
     ConfigError naming the flag or the [plan] key of a missing or bad input."""
     from multipod.controller.core.run_config import load_config
-    from multipod.controller.tune import cost
+    from multipod.controller.tune import cost_inputs
     from multipod.model.config import ConfigError, ModelConfig
     from multipod.pod_worker.schema import build
     inputs = Inputs(args)
@@ -206,12 +206,14 @@ def resolve(args: argparse.Namespace):
     if grad_dtype not in ("float32", "bfloat16"):
         raise ConfigError(inputs.name("grad_dtype"), f"must be float32 or bfloat16, got {grad_dtype!r}")
     if model is not None:
-        shape = cost.ModelShape.from_config(model, seq_len)
+        shape = cost_inputs.ModelShape.from_config(model, seq_len)
         if grad_dtype != model.param_dtype:
             shape = dataclasses.replace(shape, grad_bytes=2 if grad_dtype == "bfloat16" else 4)
     else:
-        shape = cost.ModelShape.from_params(inputs.number("params", int), inputs.number("layers", int, DEFAULT_LAYERS),
-                                            2 if grad_dtype == "bfloat16" else 4, inputs.number("flops_per_token"))
+        shape = cost_inputs.ModelShape.from_params(inputs.number("params", int),
+                                                   inputs.number("layers", int, DEFAULT_LAYERS),
+                                                   2 if grad_dtype == "bfloat16" else 4,
+                                                   inputs.number("flops_per_token"))
     tokens = inputs.number("tokens_per_step", int)
     if tokens is None:
         batch = inputs.number("batch", int, config.data.global_batch if config else None)
@@ -221,18 +223,18 @@ def resolve(args: argparse.Namespace):
     for key in REQUIRED:
         if key not in v:
             raise inputs.missing(key)
-    cost.check_number(inputs.name("peak_tflops"), inputs.number("peak_tflops"))
-    layout = cost.Layout(inputs.number("pods", int), inputs.number("hosts_per_pod", int),
-                         inputs.number("chips_per_pod", int), tokens,
-                         inputs.number("microbatches", int, model.microbatches if model else 1),
-                         inputs.number("model_parallel", int, config.mesh.model if config else 1),
-                         inputs.switch("fully_sharded"))
-    chip = cost.Chip(inputs.number("peak_tflops") * 1e12, inputs.number("mfu"))
-    links = cost.Links(inputs.number("dcn_gbps"), inputs.number("dcn_latency_ms"), inputs.number("ici_gbps"),
-                       inputs.number("ici_latency_ms", float, 0.001),
-                       inputs.number("streams", int, _streams(config)))
-    calibration = build(cost.Calibration, inputs.calibration_table, "calibration") \
-        if inputs.calibration_table is not None else cost.Calibration()
+    cost_inputs.check_number(inputs.name("peak_tflops"), inputs.number("peak_tflops"))
+    layout = cost_inputs.Layout(inputs.number("pods", int), inputs.number("hosts_per_pod", int),
+                                inputs.number("chips_per_pod", int), tokens,
+                                inputs.number("microbatches", int, model.microbatches if model else 1),
+                                inputs.number("model_parallel", int, config.mesh.model if config else 1),
+                                inputs.switch("fully_sharded"))
+    chip = cost_inputs.Chip(inputs.number("peak_tflops") * 1e12, inputs.number("mfu"))
+    links = cost_inputs.Links(inputs.number("dcn_gbps"), inputs.number("dcn_latency_ms"), inputs.number("ici_gbps"),
+                              inputs.number("ici_latency_ms", float, 0.001),
+                              inputs.number("streams", int, _streams(config)))
+    calibration = build(cost_inputs.Calibration, inputs.calibration_table, "calibration") \
+        if inputs.calibration_table is not None else cost_inputs.Calibration()
     names = {"peak_flops": inputs.name("peak_tflops"), "layers": inputs.name("layers")}
     try:
         for part in (shape, layout, chip, links):

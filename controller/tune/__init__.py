@@ -6,6 +6,7 @@
   inference  the search for generation: mesh x generation batch
   cost       the cost model of the cross-pod sync (every-step fused or overlapped, compression,
              DiLoCo): projected step, exposed exchange, DCN bytes, weak scaling; `multipod plan`
+  cost_inputs  what the cost model takes: model, layout, chip, links, candidate, calibration
   dcn_session  `multipod tune --dcn`: the pods, the measurements, the trials, the written choice
   dcn_probe    the link measured over ProbeLink, one pod's compute over the layout probe
   dcn_tuner    every cross-pod candidate predicted from those measurements; the choice among trials

@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from multipod.controller.tune import cost
+from multipod.controller.tune import cost_inputs
 from multipod.controller.tune.dcn_probe import LinkMeasurement
 from multipod.controller.tune.dcn_tuner import ICI_GBPS
 
 
-def plan_document(config, link: LinkMeasurement, pods: int, devices: int, chip: cost.Chip,
-                  calibration: cost.Calibration, shaped_gbps: float | None = None, hosts_per_pod: int = 1) -> dict:
+def plan_document(config, link: LinkMeasurement, pods: int, devices: int, chip: cost_inputs.Chip,
+                  calibration: cost_inputs.Calibration, shaped_gbps: float | None = None,
+                  hosts_per_pod: int = 1) -> dict:
     """The [plan], [model] and [calibration] tables (module docstring); devices: a pod's, all its
     hosts' together."""
     best = max(link.variants, key=lambda v: v.gbps)

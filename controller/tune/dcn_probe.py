@@ -12,10 +12,10 @@ pod's exchange ends when its last host's block is in). From those seconds:
               bytes (the cost model's `rounds x dcn_latency_ms`);
   rate        for each (streams, chunk size) tried, a round of `size` bytes per host (raw float32):
               hosts x size / (seconds - latency), as Gb/s each way: one pod's rate, the sum over its
-              hosts' links as its slowest host sets it (per-host rate x hosts); cost.Links.dcn_gbps;
+              hosts' links as its slowest host sets it (per-host rate x hosts); cost_inputs.Links.dcn_gbps;
   host rate   for each compression tried, with the most streams and the largest chunk: if a round
               takes longer than its bytes at the raw rate would, the values per second the pod's
-              hosts together encode, decode and sum it at (cost.Calibration.host_values_per_s),
+              hosts together encode, decode and sum it at (cost_inputs.Calibration.host_values_per_s),
               else nothing.
 The reply says whether the data plane is CURVE-encrypted; every figure is of the link as it is.
   encryption  what CURVE costs, apart from the link (which the tuner cannot probe unencrypted:
@@ -113,7 +113,7 @@ class LinkMeasurement:
 def given_link(gbps: float | None, latency_ms: float | None, streams: list[int], chunk_bytes: list[int]
                ) -> LinkMeasurement:
     """--link-gbps and --latency-ms as given (ConfigError naming the flag if not usable)."""
-    from multipod.controller.tune.cost import check_number
+    from multipod.controller.tune.cost_inputs import check_number
     check_number("--link-gbps", gbps)
     assert gbps is not None
     latency_ms = 0.0 if latency_ms is None else latency_ms

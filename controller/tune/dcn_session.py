@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError naming the flag of a bad or contradictory input."""
     from multipod.controller.core.run_config import ConfigError
-    from multipod.controller.tune.cost import check_number
+    from multipod.controller.tune.cost_inputs import check_number
     from multipod.pod_worker.schema import Compression
     if args.workers and args.netns:
         raise ConfigError("--netns", "starts the pods itself: it does not go with --workers")
@@ -149,7 +149,7 @@ def check_args(args: argparse.Namespace) -> None:
 def cluster_shape(args: argparse.Namespace) -> tuple[list[list[str]] | None, int, int]:
     """(the --workers addresses [pod][host] or None, pods, hosts per pod), from --workers or
     --pods and --hosts-per-pod; ConfigError naming the flag that contradicts."""
-    from multipod.controller.cluster.pod_client import parse_workers
+    from multipod.controller.cluster.addresses import parse_workers
     from multipod.controller.core.run_config import ConfigError
     if not args.workers:
         return None, 2 if args.pods is None else args.pods, args.hosts_per_pod or 1

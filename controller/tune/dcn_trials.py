@@ -21,7 +21,7 @@ import pathlib
 import statistics
 from dataclasses import dataclass
 
-from multipod.controller.tune import cost
+from multipod.controller.tune import cost, cost_inputs
 from multipod.controller.tune.dcn_tuner import Trial, overrides
 
 LOSS_STEPS = 3
@@ -34,7 +34,7 @@ QUIET = ("eval.batches=0", "sample.tokens=0", "checkpoint.every=0", "run.measure
 RAW = ('dcn.lossless="off"',)
 
 
-def trial_overrides(base: list[str], choice: cost.SyncChoice, steps: int) -> list[str]:
+def trial_overrides(base: list[str], choice: cost_inputs.SyncChoice, steps: int) -> list[str]:
     """The base config's overrides, the candidate's settings, and the trial's length."""
     return [*base, *QUIET, *RAW, f"run.steps={steps}", *overrides(choice)]
 
@@ -85,7 +85,7 @@ def run_trial(config_path: str | None, base_overrides: list[str], projection: co
 @dataclass(frozen=True)
 class RunCalibration:
     """What the calibration run measured, medians over its steps after the warm-up (seconds)."""
-    choice: cost.SyncChoice     # the candidate it ran (fused, exact)
+    choice: cost_inputs.SyncChoice  # the candidate it ran (fused, exact)
     step_s: float               # the controller's step time
     compute_s: float            # forward + backward, the slowest pod's (StepRecord.compute_time_s)
     update_s: float             # sum + update + checksum (+ fingerprint), the slowest pod's
@@ -98,7 +98,7 @@ class RunCalibration:
                 "update_s": self.update_s, "exposed_exchange_s": self.exposed_exchange_s, "steps": self.steps}
 
 
-def calibration_of(records: list[dict], choice: cost.SyncChoice, warmup: int) -> RunCalibration | None:
+def calibration_of(records: list[dict], choice: cost_inputs.SyncChoice, warmup: int) -> RunCalibration | None:
     """The medians of a calibration run's step records after `warmup` (None if none was timed)."""
     timed = [r for r in records[warmup:] if r.get("step_time_s")]
     if not timed:
@@ -112,7 +112,7 @@ def calibration_of(records: list[dict], choice: cost.SyncChoice, warmup: int) ->
                           median(lambda r: r["exposed_exchange_s"]), len(timed))
 
 
-def run_calibration(config_path: str | None, base_overrides: list[str], choice: cost.SyncChoice, addresses: list,
+def run_calibration(config_path: str | None, base_overrides: list[str], choice: cost_inputs.SyncChoice, addresses: list,
                     run_dir: pathlib.Path, steps: int, warmup: int) -> RunCalibration:
     """Train the reference candidate for `steps` steps on the pods; its RunCalibration, or
     ConfigError("calibration run") naming why not."""

@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from multipod.controller.tune import cost
+from multipod.controller.tune import cost, cost_inputs
 from multipod.controller.tune.dcn_probe import ComputeMeasurement, LinkMeasurement
 from multipod.model.config import ConfigError
 from multipod.pod_worker.schema import Compression, OuterDtype, SyncConfig, SyncMode
@@ -67,7 +67,7 @@ class StepKind(enum.StrEnum):
     DILOCO_INNER = "DiLoCo inner"   # DiLoCo: inner steps, no exchange (the outer syncs are modelled)
 
 
-def step_kind(choice: cost.SyncChoice) -> StepKind:
+def step_kind(choice: cost_inputs.SyncChoice) -> StepKind:
     """Which calibrated step a candidate is predicted with."""
     if choice.sync.diloco:
         return StepKind.DILOCO_INNER
@@ -76,23 +76,23 @@ def step_kind(choice: cost.SyncChoice) -> StepKind:
 
 def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: int, devices: int,
               run: RunCalibration | None = None, hosts_per_pod: int = 1
-              ) -> tuple[cost.ModelShape, cost.Layout, cost.Chip, cost.Calibration]:
+              ) -> tuple[cost_inputs.ModelShape, cost_inputs.Layout, cost_inputs.Chip, cost_inputs.Calibration]:
     """The cost model's inputs for this run, calibrated on the measurements (module docstring);
     devices: a pod's chips, all its `hosts_per_pod` hosts' together."""
     for name, value in (("compute.forward_s", compute.forward_s), ("compute.compute_s", compute.compute_s)):
-        cost.check_number(name, value)
+        cost_inputs.check_number(name, value)
     if pods < 2:
         raise ConfigError("--pods", f"tuning the cross-pod sync needs at least 2 pods, got {pods}")
     if run is not None:
-        cost.check_number("calibration.compute_s", run.compute_s)
-        cost.check_number("calibration.step_s", run.step_s)
-    shape = cost.ModelShape.from_config(config.model, config.data.seq_len)
-    layout = cost.Layout(pods, hosts_per_pod, devices, config.data.global_batch * config.data.seq_len,
-                         config.model.microbatches, config.mesh.model)
+        cost_inputs.check_number("calibration.compute_s", run.compute_s)
+        cost_inputs.check_number("calibration.step_s", run.step_s)
+    shape = cost_inputs.ModelShape.from_config(config.model, config.data.seq_len)
+    layout = cost_inputs.Layout(pods, hosts_per_pod, devices, config.data.global_batch * config.data.seq_len,
+                                config.model.microbatches, config.mesh.model)
     layout.validate()
     compute_s = run.compute_s if run is not None else compute.compute_s
     peak = layout.tokens_per_pod * shape.flops_per_token / (devices * compute_s)
-    chip = cost.Chip(peak, 1.0)
+    chip = cost_inputs.Chip(peak, 1.0)
     backward_ratio = max(compute.backward_s, 1e-9) / compute.forward_s
     programs = (2 * shape.n_layers + 3) * layout.microbatches
     launch = 0.0
@@ -100,10 +100,10 @@ def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: 
         pass        # the overlapped programs' cost is inside the overlapped run's measured compute
     elif compute.overlapped_step_s is not None:
         launch = max(0.0, compute.overlapped_step_s - compute.step_s) / programs
-    calibration = cost.Calibration(backward_ratio=backward_ratio, dcn_efficiency=1.0, program_launch_s=launch,
-                                   block0_recompute_layers=0.0,
-                                   update_s=run.update_s if run is not None else compute.update_s,
-                                   host_values_per_s=dict(link.host_values_per_s))
+    calibration = cost_inputs.Calibration(backward_ratio=backward_ratio, dcn_efficiency=1.0, program_launch_s=launch,
+                                          block0_recompute_layers=0.0,
+                                          update_s=run.update_s if run is not None else compute.update_s,
+                                          host_values_per_s=dict(link.host_values_per_s))
     calibration.validate()
     if run is not None:
         links = links_of(link)[variant_index(link, run.choice)]
@@ -114,7 +114,7 @@ def calibrate(config, compute: ComputeMeasurement, link: LinkMeasurement, pods: 
     return shape, layout, chip, calibration
 
 
-def variant_index(link: LinkMeasurement, choice: cost.SyncChoice) -> int:
+def variant_index(link: LinkMeasurement, choice: cost_inputs.SyncChoice) -> int:
     """The link variant measured at the choice's streams and chunk size (ConfigError if none)."""
     for i, v in enumerate(link.variants):
         if (v.streams, v.chunk_bytes) == (choice.streams, choice.chunk_bytes):
@@ -122,17 +122,17 @@ def variant_index(link: LinkMeasurement, choice: cost.SyncChoice) -> int:
     raise ConfigError("link", f"no link variant of {choice.streams} stream(s), {choice.chunk_bytes} bytes chunks")
 
 
-def reference(link: LinkMeasurement, overlap: bool = False) -> cost.SyncChoice:
+def reference(link: LinkMeasurement, overlap: bool = False) -> cost_inputs.SyncChoice:
     """A calibration run's candidate: every-step sync, fused or overlapped, exact, on the fastest
     measured link variant (its exchange is the one the link probe measured most directly)."""
     if not link.variants:
         raise ConfigError("link", "no link measurement: nothing to predict with")
     best = max(link.variants, key=lambda v: v.gbps)
-    return cost.SyncChoice(overlap=overlap, compression=Compression.NONE, streams=best.streams,
-                           chunk_bytes=best.chunk_bytes)
+    return cost_inputs.SyncChoice(overlap=overlap, compression=Compression.NONE, streams=best.streams,
+                                  chunk_bytes=best.chunk_bytes)
 
 
-def diloco_reference(link: LinkMeasurement, steps: int) -> cost.SyncChoice:
+def diloco_reference(link: LinkMeasurement, steps: int) -> cost_inputs.SyncChoice:
     """DiLoCo's calibration run: inner steps only (H beyond the run's `steps`, so that no outer
     sync starts), on the fastest measured link variant."""
     every_step = reference(link)
@@ -169,13 +169,13 @@ def diloco_proposed(hosts_per_pod: int) -> bool:
     return hosts_per_pod == 1 or cost.DILOCO_ON_SEVERAL_HOSTS
 
 
-def links_of(link: LinkMeasurement) -> list[cost.Links]:
-    """One cost.Links per measured variant; ConfigError naming the field if a value is not usable."""
+def links_of(link: LinkMeasurement) -> list[cost_inputs.Links]:
+    """One cost_inputs.Links per measured variant; ConfigError naming the field if a value is not usable."""
     if not link.variants:
         raise ConfigError("link", "no link measurement: nothing to predict with")
     found = []
     for v in link.variants:
-        links = cost.Links(v.gbps, link.latency_ms, ICI_GBPS, streams=v.streams)
+        links = cost_inputs.Links(v.gbps, link.latency_ms, ICI_GBPS, streams=v.streams)
         try:
             links.validate()
         except ConfigError as exc:
@@ -216,7 +216,7 @@ def describe(p: cost.Projection) -> str:
     return f"{p.choice.label()}, {p.choice.streams} stream(s), {p.choice.chunk_bytes / 2**20:g} MiB chunks"
 
 
-def trial_warmup(choice: cost.SyncChoice, warmup: int) -> int:
+def trial_warmup(choice: cost_inputs.SyncChoice, warmup: int) -> int:
     """The first steps of a candidate's trial that are not timed: `warmup`, and for DiLoCo also
     the first outer sync of every fragment: the first F periods (H inner steps), and the
     overlap_steps after them, at whose end the last of them is applied. Those syncs compiled the
@@ -227,7 +227,7 @@ def trial_warmup(choice: cost.SyncChoice, warmup: int) -> int:
     return warmup + (choice.sync.inner_steps + choice.sync.overlap_steps if choice.sync.diloco else 0)
 
 
-def trial_steps(choice: cost.SyncChoice, steps: int, warmup: int) -> int:
+def trial_steps(choice: cost_inputs.SyncChoice, steps: int, warmup: int) -> int:
     """How many steps a candidate's trial trains: `steps`, or for DiLoCo its trial_warmup plus
     whole periods of its outer syncs (H/F inner steps each), at least two and at least `steps` in
     all, so that its mean step counts every outer exchange it pays, once per period."""
@@ -306,7 +306,7 @@ def choose(trials: list[Trial], allow_lossy: bool) -> Trial | None:
     return best
 
 
-def overrides(choice: cost.SyncChoice) -> list[str]:
+def overrides(choice: cost_inputs.SyncChoice) -> list[str]:
     """The chosen [dcn]/[sync] settings as `--set` values (dcn.overlap spelled as the enum)."""
     import json
     found = []

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from multipod import protos
+from multipod.controller.cluster.addresses import parse_workers, pod_hosts
 from multipod.controller.cluster.client import Probe, Verdict, WorkerClient, WorkerError
-from multipod.controller.cluster.pod_client import PodClient, make_pod_client, parse_workers, pod_hosts
+from multipod.controller.cluster.pod_client import PodClient, make_pod_client
 from multipod.controller.cluster.pods import Cluster
 from multipod.controller.commands.train import local_devices
 from multipod.controller.core.errors import RunError

@@ -8,16 +8,8 @@ import numpy as np
 import pytest
 
 from multipod.controller.tune import cost
-from multipod.controller.tune.cost import (
-    Calibration,
-    Chip,
-    Layout,
-    Links,
-    ModelShape,
-    SyncChoice,
-    bytes_per_value,
-    project,
-)
+from multipod.controller.tune.cost import bytes_per_value, project
+from multipod.controller.tune.cost_inputs import Calibration, Chip, Layout, Links, ModelShape, SyncChoice
 from multipod.model.config import ConfigError, ModelConfig
 from multipod.pod_worker.schema import Compression, OuterDtype, SyncConfig, SyncMode
 
