@@ -62,10 +62,15 @@ class DataConfig:
     cache_dir: str = ""
     seq_len: int = TrainShape.seq_len
     global_batch: int = TrainShape.global_batch   # sequences per step, over all pods
+    # 0: the whole source, however large (the token cache is built once, in shards, and memory-
+    # mapped). N > 0: the source's files in order up to N bytes on disk (the one that reaches N is
+    # read whole; the rest are left out and reported), e.g. to try a run on a part of a corpus.
+    max_bytes: int = 0
 
     def validate(self) -> None:
         positive("data.seq_len", self.seq_len)
         positive("data.global_batch", self.global_batch)
+        non_negative("data.max_bytes", self.max_bytes)
         if self.path and not pathlib.Path(self.path).exists():
             raise ConfigError("data.path", f"{self.path!r} does not exist")
         for name in ("text_field", "input_field", "output_field"):

@@ -56,8 +56,9 @@ def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
     if size is None:
         return load_tokenizer(data.tokenizer)
     # The split rule is in the key: it decides which documents the tokenizer may see.
-    key = hashlib.blake2b(f"{TOKENIZER_FORMAT}|{size}|{SPLIT_RULE}|{TRAIN_BYTES}|"
-                          f"{source_fingerprint(data.path, data.text_field)}".encode(), digest_size=16).hexdigest()
+    source = source_fingerprint(data.path, data.text_field, data.max_bytes)
+    key = hashlib.blake2b(f"{TOKENIZER_FORMAT}|{size}|{SPLIT_RULE}|{TRAIN_BYTES}|{source}".encode(),
+                          digest_size=16).hexdigest()
     path = root / "tokenizers" / key / "tokenizer.json"
     if path.is_file():
         tokenizer = load_tokenizer(str(path))
@@ -70,7 +71,7 @@ def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
     # The held-out documents stay out of the tokenizer's training too. (A source of fewer than
     # token_cache.EVAL_EVERY documents holds out the tail of its tokens instead, which the
     # tokenizer does see.)
-    texts = (doc.text for number, doc in enumerate(iter_documents(data.path, data.text_field))
+    texts = (doc.text for number, doc in enumerate(iter_documents(data.path, data.text_field, max_bytes=data.max_bytes))
              if not held_out(number))
     tokenizer = train_bpe(capped(texts, {}), size, path)   # at most TRAIN_BYTES of text: seconds
     out(f"tokenizer: trained in {time.perf_counter() - started:.1f}s")
@@ -102,7 +103,8 @@ def prepare(config: Config, vocab_given: bool = False, progress: bool = True) ->
         return prepare_task(config, root)
     tokenizer = resolve_tokenizer(config, root)
     config = resolve_vocab(config, tokenizer, vocab_given)
-    cache = open_cache(config.data.path, tokenizer, root, config.data.text_field, progress=progress)
+    cache = open_cache(config.data.path, tokenizer, root, config.data.text_field, progress=progress,
+                       max_bytes=config.data.max_bytes)
     dataset = TokenDataset(cache, config.data.seq_len, config.data.global_batch, config.run.seed)
     return RunData(config=config, tokenizer=tokenizer, dataset=dataset)
 

@@ -12,10 +12,11 @@ anything else is a text file and one document (UTF-8, invalid bytes replaced; a 
 byte is binary and left out as "not text").
 
 What is left out is counted in a CorpusReport: hidden files of a directory, unreadable files, files
-that are not text, and the files after the one that reached MAX_CORPUS_BYTES. A malformed .jsonl or
-.parquet is a DataError naming the file (and line) even inside a directory: dropping part of a
-dataset without a word would change what the model trains on. A file named on its own that cannot
-be used at all is an error too.
+that are not text, and, under a size cap (data.max_bytes), the files after the one that reached it.
+A malformed .jsonl or .parquet is a DataError naming the file (and line) even inside a directory:
+dropping part of a dataset without a word would change what the model trains on. A file named on
+its own that cannot be used at all is an error too. Without a cap a source is read whole, whatever
+its size: documents are yielded one at a time.
 """
 from __future__ import annotations
 
@@ -29,8 +30,6 @@ from collections.abc import Iterator
 
 from multipod.controller.data.batches import DataError
 
-# Cap on the source's size on disk: files after the one that reaches it are not read.
-MAX_CORPUS_BYTES = 256 << 20
 # Paths listed per skip reason in the report (the counts cover them all).
 REPORT_EXAMPLES = 3
 # Rows per record batch read from a parquet file: bounded memory whatever the file's size.
@@ -58,8 +57,8 @@ def _size(count: float) -> str:
     return f"{count:.1f} GiB"
 
 
-def _over_cap() -> str:
-    return f"over the {_size(MAX_CORPUS_BYTES)} cap"
+def _over_cap(max_bytes: int) -> str:
+    return f"over the data.max_bytes cap of {_size(max_bytes)}"
 
 
 @dataclasses.dataclass
@@ -160,10 +159,11 @@ def corpus_files(path: str = "") -> list[pathlib.Path]:
     return _candidates(path)[1]
 
 
-def source_fingerprint(path: str, text_field: str = "text") -> str:
+def source_fingerprint(path: str, text_field: str = "text", max_bytes: int = 0) -> str:
     """A hex digest of what the source's documents depend on, without reading any file: the sorted
-    (relative path, size, mtime_ns) of its files, text_field and the size cap. It changes when a
-    file is added, removed or modified (a rewrite moves mtime_ns even at the same size)."""
+    (relative path, size, mtime_ns) of its files, text_field and the size cap (max_bytes, 0 for
+    none). It changes when a file is added, removed or modified (a rewrite moves mtime_ns even at
+    the same size)."""
     root, files, _ = _candidates(path)
     entries = []
     for file in files:
@@ -172,14 +172,18 @@ def source_fingerprint(path: str, text_field: str = "text") -> str:
             entries.append([str(file.relative_to(root)) if file != root else file.name, stat.st_size, stat.st_mtime_ns])
         except OSError:     # unreadable now: skipped when read, and a different source if it returns
             entries.append([str(file), -1, -1])
-    blob = json.dumps([entries, text_field, MAX_CORPUS_BYTES]).encode()
+    # The cap is named as "no cap" (null) when 0: a digest that once held a fixed 256 MiB cap here
+    # must never match a source read whole.
+    blob = json.dumps([entries, text_field, max_bytes or None]).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
 def iter_documents(path: str, text_field: str = "text", report: CorpusReport | None = None,
-                   text_field_name: str = "data.text_field") -> Iterator[Document]:
+                   text_field_name: str = "data.text_field", max_bytes: int = 0) -> Iterator[Document]:
     """The documents of the source at `path` ("" = the default corpus), in a fixed order.
     `text_field_name` is what an error tells the user to set (`tokenizer train`: --text-field).
+    max_bytes > 0 caps the source by its files' sizes on disk: whole files are read in order, the
+    one that reaches the cap included, and the rest are left out and reported; 0 reads it whole.
 
     `report` (if given) counts the files read and those left out as they are met. A path that does
     not exist is a DataError at once; malformed files are DataErrors naming the file (and line or
@@ -187,18 +191,21 @@ def iter_documents(path: str, text_field: str = "text", report: CorpusReport | N
     root, files, hidden = _candidates(path)   # before the generator: a missing path fails here
     report = report if report is not None else CorpusReport()
     report.source = report.source or source_name(path)
-    return _documents(root, files, hidden, text_field, report, single=root.is_file(), field_name=text_field_name)
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0 (0: no cap), got {max_bytes}")
+    return _documents(root, files, hidden, text_field, report, single=root.is_file(), field_name=text_field_name,
+                      max_bytes=max_bytes)
 
 
 def _documents(root: pathlib.Path, files: list[pathlib.Path], hidden: list[pathlib.Path], text_field: str,
-               report: CorpusReport, single: bool, field_name: str) -> Iterator[Document]:
+               report: CorpusReport, single: bool, field_name: str, max_bytes: int) -> Iterator[Document]:
     for file in hidden:
         report.skip(HIDDEN, file)
     total = 0
     for index, file in enumerate(files):
-        if total >= MAX_CORPUS_BYTES:
+        if max_bytes and total >= max_bytes:
             for rest in files[index:]:
-                report.skip(_over_cap(), rest)
+                report.skip(_over_cap(max_bytes), rest)
             return
         yielded = False
         try:

@@ -1,9 +1,10 @@
 """The token cache: a source is tokenized once, then memory-mapped on every later run.
 
 open_cache(path, tokenizer, cache_root) finds the cache in `cache_root/tokens/<key>`, where the key
-is a digest of the format version, sources.source_fingerprint (the files' names, sizes and mtimes),
-the tokenizer's fingerprint, the text field and the split rule: while none of them changes, the
-cache is reused and nothing is read from the source. Otherwise it is built:
+is a digest of the format version, sources.source_fingerprint (the files' names, sizes and mtimes,
+and the size cap data.max_bytes), the tokenizer's fingerprint, the text field and the split rule:
+while none of them changes, the cache is reused and nothing is read from the source. Otherwise it
+is built, from a source of any size (shard by shard, a batch of documents in memory at a time):
 - documents are encoded a batch at a time (tokenizer.encode_batch: the HF tokenizer runs a batch in
   parallel), each followed by tokenizer.eos_id, and appended to its split's stream;
 - a stream is written as shards `train-00000.bin`, `train-00001.bin`, ... (and `eval-*.bin`) of at
@@ -123,24 +124,26 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def cache_key(path: str, tokenizer, text_field: str = "text") -> str:
-    """The cache directory's name for this source, tokenizer and text field (stats files only)."""
-    blob = json.dumps([FORMAT_VERSION, sources.source_fingerprint(path, text_field), tokenizer.fingerprint,
+def cache_key(path: str, tokenizer, text_field: str = "text", max_bytes: int = 0) -> str:
+    """The cache directory's name for this source, tokenizer, text field and size cap (stats files
+    only)."""
+    blob = json.dumps([FORMAT_VERSION, sources.source_fingerprint(path, text_field, max_bytes), tokenizer.fingerprint,
                        text_field, SPLIT_RULE])
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
 def open_cache(path: str, tokenizer, cache_root: pathlib.Path, text_field: str = "text", progress: bool = True,
-               shard_tokens: int | None = None) -> TokenCache:
+               shard_tokens: int | None = None, max_bytes: int = 0) -> TokenCache:
     """The token cache of the source at `path` ("" = the default corpus) under this tokenizer:
-    reused if complete, else built (with a progress bar on a terminal unless progress=False).
+    reused if complete, else built (with a progress bar on a terminal unless progress=False), from
+    the whole source or, with max_bytes > 0, its files up to that size (sources.iter_documents).
     Prints the corpus report and one status line. DataError if the source has no text."""
     from multipod.controller.observe.metrics import out
-    final = pathlib.Path(cache_root) / "tokens" / cache_key(path, tokenizer, text_field)
+    final = pathlib.Path(cache_root) / "tokens" / cache_key(path, tokenizer, text_field, max_bytes)
     cache = _load(final, built=False)
     if cache is None:
         start = time.monotonic()
-        _build(path, tokenizer, text_field, final, progress, shard_tokens or SHARD_TOKENS)
+        _build(path, tokenizer, text_field, final, progress, shard_tokens or SHARD_TOKENS, max_bytes)
         cache = _load(final, built=True)
         if cache is None:
             raise DataError(f"token cache {final} was built but does not load")
@@ -229,7 +232,7 @@ class _StreamWriter:
             self._file = None
 
 
-def _progress_bar(path: str, enabled: bool):
+def _progress_bar(path: str, enabled: bool, max_bytes: int):
     """A transient rich progress bar on stderr over the source's bytes on disk (None if off)."""
     if not (enabled and sys.stderr.isatty()):
         return None, None
@@ -241,7 +244,8 @@ def _progress_bar(path: str, enabled: bool):
             total += file.stat().st_size
         except OSError:
             pass
-    total = min(total, sources.MAX_CORPUS_BYTES)
+    if max_bytes:
+        total = min(total, max_bytes)
     bar = Progress(TextColumn("tokenizing {task.description}"), BarColumn(), DownloadColumn(),
                    TextColumn("{task.fields[documents]:,} documents"), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
@@ -267,7 +271,8 @@ def _remove_abandoned(final: pathlib.Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _build(path: str, tokenizer, text_field: str, final: pathlib.Path, progress: bool, shard_tokens: int) -> None:
+def _build(path: str, tokenizer, text_field: str, final: pathlib.Path, progress: bool, shard_tokens: int,
+           max_bytes: int) -> None:
     """Tokenize the source into a temporary directory, then rename it to `final`."""
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(final)
@@ -278,7 +283,7 @@ def _build(path: str, tokenizer, text_field: str, final: pathlib.Path, progress:
     text_bytes = dict.fromkeys(SPLITS, 0)
     first_docs: list[tuple[int, int]] = []    # (tokens with EOS, bytes) of the first EVAL_EVERY documents
     report = sources.CorpusReport()
-    bar, task = _progress_bar(path, progress)
+    bar, task = _progress_bar(path, progress, max_bytes)
     start = time.monotonic()
 
     def encode(texts: list[str]) -> None:
@@ -304,7 +309,7 @@ def _build(path: str, tokenizer, text_field: str, final: pathlib.Path, progress:
 
     try:
         pending, chars = [], 0
-        for doc in sources.iter_documents(path, text_field, report):
+        for doc in sources.iter_documents(path, text_field, report, max_bytes=max_bytes):
             pending.append(doc.text)
             chars += len(doc.text)
             if len(pending) >= ENCODE_BATCH or chars >= ENCODE_BATCH_CHARS:

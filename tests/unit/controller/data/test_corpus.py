@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from multipod.controller.core.run_config import load_config
+from multipod.controller.core.run_config import ConfigError, load_config
 from multipod.controller.data import corpus
 from multipod.controller.data.tokenizer import ByteTokenizer, TokenizerError
 
@@ -50,6 +50,31 @@ def test_bpe_is_trained_once_per_corpus_and_reused(tmp_path, capsys):
     (source / "c.py").write_text("import os\nprint(os.getcwd())\n" * 100)
     corpus.prepare(config, progress=False)
     assert "training a byte-level BPE" in capsys.readouterr().out
+
+
+def test_the_whole_source_is_read_unless_data_max_bytes_caps_it(tmp_path, capsys):
+    """No cap by default, whatever the source's size; data.max_bytes reads the files in order up to
+    that size (the one that reaches it whole), says what it left out, and builds a cache of its own
+    (neither is ever taken for the other); a negative cap is refused naming the field."""
+    source = tmp_path / "corpus"
+    source.mkdir()
+    for name, letter in (("a.txt", "a"), ("b.txt", "b"), ("c.txt", "c")):
+        (source / name).write_text((letter * 63 + "\n") * 64)        # 4 KiB each
+    sets = [f"data.path={str(source)!r}".replace("'", '"'), 'data.tokenizer="bytes"',
+            f"data.cache_dir={str(tmp_path / 'cache')!r}".replace("'", '"'),
+            "data.seq_len=16", "data.global_batch=2", "model.max_seq_len=16"]
+    whole = corpus.prepare(load_config(None, sets), progress=False)
+    assert sum(whole.dataset.cache.documents.values()) == 3
+    assert "nothing skipped" in capsys.readouterr().out
+    capped = corpus.prepare(load_config(None, [*sets, "data.max_bytes=5000"]), progress=False)
+    assert "skipped 1 file(s) (4.0 KiB): 1 over the data.max_bytes cap of 4.9 KiB: c.txt" in capsys.readouterr().out
+    assert sum(capped.dataset.cache.documents.values()) == 2
+    assert capped.dataset.cache.directory != whole.dataset.cache.directory
+    assert len(capped.dataset.cache.train) + len(capped.dataset.cache.eval) == 2 * (4096 + 1)
+    again = corpus.prepare(load_config(None, sets), progress=False)
+    assert again.dataset.cache.directory == whole.dataset.cache.directory and not again.dataset.cache.built
+    with pytest.raises(ConfigError, match="data.max_bytes"):
+        load_config(None, [*sets, "data.max_bytes=-1"])
 
 
 def test_the_checkpoint_directory_holds_the_config_and_the_tokenizer(tmp_path):

@@ -115,7 +115,6 @@ def test_the_loader_reports_what_it_read_and_what_it_skipped(tmp_path, monkeypat
     (root / "d.txt").write_text("d" * 600)                  # reaches the cap: the last file read
     (root / "e.txt").write_text("e" * 700)
     (root / "f.txt").write_text("f" * 800)
-    monkeypatch.setattr(sources, "MAX_CORPUS_BYTES", 1000)
     read_bytes = pathlib.Path.read_bytes
 
     def unreadable_c(self):
@@ -125,17 +124,23 @@ def test_the_loader_reports_what_it_read_and_what_it_skipped(tmp_path, monkeypat
     monkeypatch.setattr(pathlib.Path, "read_bytes", unreadable_c)
 
     report = CorpusReport()
-    assert texts(root, report=report) == ["a" * 600, "d" * 600]
+    assert texts(root, report=report, max_bytes=1000) == ["a" * 600, "d" * 600]
     line = report.summary()
     assert line.startswith(f"corpus {root}: read 2 file(s) (1.2 KiB); skipped 6 file(s) (1.7 KiB): "), line
-    assert "2 over the 1000 B cap: e.txt, f.txt" in line
+    assert "2 over the data.max_bytes cap of 1000 B: e.txt, f.txt" in line
     assert "1 unreadable: c.txt (Permission denied)" in line
     assert "1 not text (contain NUL bytes): b.bin" in line
     assert "2 hidden: .git/config, .notes" in line
     assert (report.files_read, report.bytes_read) == (2, 1200)
     skipped = {why: (s.files, s.bytes) for why, s in report.skipped.items()}
     assert skipped == {sources.HIDDEN: (2, 15), sources.NOT_TEXT: (1, 200), sources.UNREADABLE: (1, 50),
-                       "over the 1000 B cap": (2, 1500)}
+                       "over the data.max_bytes cap of 1000 B": (2, 1500)}
+    # Without a cap (the default) every text file is read, however large the source.
+    whole = CorpusReport()
+    assert texts(root, report=whole) == ["a" * 600, "d" * 600, "e" * 700, "f" * 800]
+    assert not any("cap" in why for why in whole.skipped)
+    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
+        iter_documents(str(root), max_bytes=-1)
 
 
 def test_the_default_corpus_is_the_stdlib_and_skips_nothing():
@@ -154,6 +159,8 @@ def test_the_fingerprint_follows_the_files_without_reading_them(tmp_path, monkey
     first = source_fingerprint(str(tmp_path))
     assert source_fingerprint(str(tmp_path)) == first
     assert source_fingerprint(str(tmp_path), text_field="body") != first
+    # A cap reads another corpus (up to its size) than the whole source, and one cap another than the next.
+    assert len({first, *(source_fingerprint(str(tmp_path), max_bytes=cap) for cap in (2, 3))}) == 3
     monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: pytest.fail("read"))
     stat = (tmp_path / "a.txt").stat()
     (tmp_path / "a.txt").write_text("two")                  # same size, new content and mtime
