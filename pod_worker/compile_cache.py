@@ -21,10 +21,20 @@ letting each host write them contends for nothing.
 
 This reaches into jax's private compiler module (there is no public switch); on a jax without
 those names it does nothing and says so once.
+
+After a kill: jax's bounded cache writes a program, then its access-time file, under the folder's
+lock. A process killed between the two (a SIGKILLed pod, a Ctrl-C, the OOM killer) leaves a program
+without its access time, perhaps cut short, and jax 0.10's eviction, which reads every access time
+before each write, then fails every later write on the machine: the cache stops growing, with a
+warning at each compile that says only "Error writing persistent compilation cache entry" (jax
+issue 39880, fixed after 0.10.2). A worker therefore removes such entries at its start, under the
+same lock (remove_orphans): a program lost that way compiles once more.
 """
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
 from collections.abc import Mapping
 
 from multipod.pod_worker.schema.caches import COMPILED, default_cache_root
@@ -72,3 +82,43 @@ def let_this_host_write(process_id: int) -> bool:
 
     compiler._cache_write = cache_write
     return True
+
+
+# jax's names for an entry's two files (jax._src.lru_cache._CACHE_SUFFIX and _ATIME_SUFFIX) and
+# for the folder's lock file.
+_PROGRAM, _ACCESS_TIME, _LOCK = "-cache", "-atime", ".lockfile"
+
+
+def remove_orphans(environ: Mapping[str, str], timeout_s: float = 10.0) -> int:
+    """Delete the entries of the bounded compilation cache that `environ` names
+    (JAX_COMPILATION_CACHE_DIR, with JAX_COMPILATION_CACHE_MAX_SIZE set: only a bounded cache keeps
+    access times) whose access-time file is missing: what a process killed in the middle of a
+    write leaves, and what makes jax 0.10 fail every later write (the module's docstring). Under
+    jax's own lock on the folder, so a write in progress is never taken for one. Returns how many
+    were removed; a cache that is absent, unbounded or locked for longer than `timeout_s` is left
+    as it is (it only costs compile time)."""
+    folder, bound = environ.get("JAX_COMPILATION_CACHE_DIR"), environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+    if not folder or bound.strip() in ("", "-1") or not os.path.isdir(folder):
+        return 0
+    import filelock
+    lock = filelock.FileLock(os.path.join(folder, _LOCK))
+    try:
+        lock.acquire(timeout=timeout_s)
+    except (filelock.Timeout, OSError) as exc:
+        log.warning("could not check the compilation cache %s for entries a killed process left: %s", folder, exc)
+        return 0
+    try:
+        names = set(os.listdir(folder))
+        orphans = [name for name in names
+                   if name.endswith(_PROGRAM) and name[:-len(_PROGRAM)] + _ACCESS_TIME not in names]
+        for name in orphans:
+            pathlib.Path(folder, name).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove entries a killed process left in the compilation cache %s: %s", folder, exc)
+        return 0
+    finally:
+        lock.release()
+    if orphans:
+        log.warning("removed %d program(s) a killed process left half written in the compilation cache %s (they "
+                    "compile again once); jax would otherwise have stopped writing to it", len(orphans), folder)
+    return len(orphans)

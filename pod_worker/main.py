@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --port-file {args.port_file}: cannot write in {folder} (no such folder, "
                              f"or no permission)")
     # Before anything imports jax, which reads its cache settings when it starts.
-    from multipod.pod_worker.compile_cache import default_cache_env
+    from multipod.pod_worker.compile_cache import default_cache_env, remove_orphans
     os.environ.update(default_cache_env(os.environ))
     from multipod.pod_worker.hosts import HostLayout, start_distributed
     try:
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s")
     for chatty in ("absl", "orbax"):    # orbax narrates every save at INFO; its warnings still show
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    remove_orphans(os.environ)      # what a killed worker left would stop jax writing the cache
     from multipod.protos.channels import SecurityError, set_default_security
     try:
         security = security_from_args(args)

@@ -19,7 +19,7 @@
 """
 import os
 
-from multipod.pod_worker.compile_cache import COMPILE_CACHE_MAX_BYTES
+from multipod.pod_worker.compile_cache import COMPILE_CACHE_MAX_BYTES, remove_orphans
 from multipod.pod_worker.devices import simulate_cpu_devices
 from multipod.pod_worker.schema.caches import COMPILED
 from tests.helpers import TEST_CACHE_ROOT
@@ -40,3 +40,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # read a program another was still writing ("ZstdError: error determining content size from
 # frame header", seen once in a pass), and compile it again.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(COMPILE_CACHE_MAX_BYTES))
+# What a process killed mid-write left in it (a kill test's worker, an interrupted session) would
+# stop jax writing to it for this session and every later one; each worker removes it at its start
+# too (pod_worker/compile_cache.py).
+remove_orphans(os.environ)
