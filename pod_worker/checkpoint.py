@@ -26,6 +26,8 @@ import logging
 import pathlib
 from typing import TYPE_CHECKING
 
+from multipod.pod_worker.schema.training import LrSchedule, wsd_decay_start
+
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
 else:
@@ -253,19 +255,65 @@ _HINTS = {"schedule_steps": " (the steps the learning rate decays over: optimize
 
 def check_compatible(path: str, metadata: dict, state_key: dict) -> None:
     """CheckpointError naming every value the checkpoint at `path` disagrees on, among those the
-    pod's state depends on (WorkerConfig.state_key: model, optimizer, schedule, seed, batch shape)."""
+    pod's state depends on (WorkerConfig.state_key: model, optimizer, schedule, seed, batch shape).
+
+    A warmup-stable-decay schedule (optimizer.schedule = "wsd") on both sides may differ in its
+    length and decay: the rates of the steps the checkpoint ran are this run's too as long as the
+    checkpoint's step is in both schedules' stable phase (or warmup), so it resumes bitwise as a
+    run of this schedule from the start. That is what wsd is for: a run extended, or a decay
+    branched off, from a checkpoint of its stable phase."""
     saved = metadata.get("state_key")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} has no state key in its metadata; it was not written by "
                               f"this version of multipod")
     have = {name: value for name, value in _flatten("", saved).items() if name not in _RETIRED_KEYS}
     want = _flatten("", state_key)
+    for key in (have, want):    # a key without a schedule is cosine's (and written before wsd existed)
+        key.setdefault(_SCHEDULE, LrSchedule.COSINE.value)
+    problems = []
+    if have[_SCHEDULE] == want[_SCHEDULE] == LrSchedule.WSD.value:
+        problems = _wsd_resume_problems(metadata, have, want)
+        for key in (have, want):
+            for name in _WSD_LENGTH:
+                key.pop(name, None)
     missing = "<missing>"
     differences = [f"{name}: checkpoint has {have.get(name, missing)!r}, this run has {want.get(name, missing)!r}"
                    + _HINTS.get(name, "").format(saved=have.get(name, missing))
                    for name in sorted(set(have) | set(want)) if have.get(name, missing) != want.get(name, missing)]
-    if differences:
-        raise CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(differences))
+    if differences or problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this run: " + "; ".join(differences + problems))
+
+
+_SCHEDULE = "optimizer.schedule"
+# What a wsd schedule's length and decay are made of: they may differ between the checkpoint and
+# the run while its step is before both decays.
+_WSD_LENGTH = ("schedule_steps", "optimizer.decay_fraction")
+
+
+def _wsd_resume_problems(metadata: dict, have: dict, want: dict) -> list[str]:
+    """Why a checkpoint of a wsd run cannot resume in this wsd run (empty if it can): its step must
+    not be past the start of either schedule's decay."""
+    step = metadata.get("step")
+    try:
+        starts = {side: wsd_decay_start(int(key["schedule_steps"]), float(key["optimizer.decay_fraction"]),
+                                        int(key["optimizer.warmup_steps"])) for side, key in (("saved", have),
+                                                                                               ("this", want))}
+    except (KeyError, TypeError, ValueError):
+        return ["its wsd schedule is not recorded whole (schedule_steps, optimizer.decay_fraction, "
+                "optimizer.warmup_steps)"]
+    if not isinstance(step, int):
+        return ["it does not record its step, which a wsd schedule's resume needs"]
+    if have[_WSD_LENGTH[0]] == want[_WSD_LENGTH[0]] and have[_WSD_LENGTH[1]] == want[_WSD_LENGTH[1]]:
+        return []       # the same schedule: any step resumes
+    problems = []
+    if step > starts["saved"]:
+        problems.append(f"step {step} is past the start of its own wsd decay (step {starts['saved']}): a run "
+                        f"with another schedule length resumes only from a checkpoint of the stable phase")
+    if step > starts["this"]:
+        problems.append(f"this run's wsd decay starts at step {starts['this']}, before the checkpoint's step "
+                        f"{step}: lengthen the run (--steps / optimizer.decay_steps) or lower "
+                        f"optimizer.decay_fraction")
+    return problems
 
 
 def _flatten(prefix: str, value) -> dict:

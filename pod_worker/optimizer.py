@@ -7,17 +7,26 @@ import functools
 import jax
 import optax
 
-from multipod.pod_worker.schema import OptimizerConfig
+from multipod.pod_worker.schema import LrSchedule, OptimizerConfig
 
 
 @functools.lru_cache(maxsize=16)
 def make_schedule(opt: OptimizerConfig, schedule_steps: int):
-    """Linear warmup to the peak learning rate, then cosine decay over schedule_steps to
-    min_lr_ratio of it."""
-    decay = schedule_steps
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=opt.learning_rate, warmup_steps=opt.warmup_steps,
-        decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.learning_rate * opt.min_lr_ratio)
+    """Linear warmup to the peak learning rate, then (optimizer.schedule) cosine decay over
+    schedule_steps to min_lr_ratio of it, or the peak held until OptimizerConfig.decay_start and a
+    linear decay to min_lr_ratio of it at schedule_steps (warmup-stable-decay). Either holds its
+    final rate after schedule_steps."""
+    end = opt.learning_rate * opt.min_lr_ratio
+    if opt.schedule is LrSchedule.COSINE:
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=opt.learning_rate, warmup_steps=opt.warmup_steps,
+            decay_steps=max(schedule_steps, opt.warmup_steps + 1), end_value=end)
+    start = opt.decay_start(schedule_steps)
+    parts = [optax.linear_schedule(0.0, opt.learning_rate, opt.warmup_steps),
+             optax.constant_schedule(opt.learning_rate)]
+    if schedule_steps > start:      # decay_fraction 0 (or no steps left after the warmup): no decay
+        parts.append(optax.linear_schedule(opt.learning_rate, end, schedule_steps - start))
+    return optax.join_schedules(parts, [opt.warmup_steps, start][:len(parts) - 1])
 
 
 @functools.lru_cache(maxsize=16)

@@ -30,7 +30,7 @@ from multipod.pod_worker.schema.dcn import (
 from multipod.pod_worker.schema.loader import build, non_negative, plain, positive
 from multipod.pod_worker.schema.overlap import AUTO_MIN_ACTIVATIONS, PROMPT_RUNS_FUSED, Overlap, resolve_overlap
 from multipod.pod_worker.schema.sync import OuterDtype, OuterFailure, OuterOptimizer, SyncConfig, SyncMode
-from multipod.pod_worker.schema.training import MeshConfig, OptimizerConfig, PromptConfig, TrainShape
+from multipod.pod_worker.schema.training import LrSchedule, MeshConfig, OptimizerConfig, PromptConfig, TrainShape
 from multipod.pod_worker.schema.worker import (
     WorkerConfig,
     check_fits,
@@ -41,8 +41,8 @@ from multipod.pod_worker.schema.worker import (
 
 __all__ = [
     "AUTO_MIN_ACTIVATIONS", "COMPILED", "MAX_AUTO_STREAMS", "MAX_STREAMS", "PROMPT_RUNS_FUSED", "Compression",
-    "DcnConfig", "Lossless", "MeshConfig", "OptimizerConfig", "OuterDtype", "OuterFailure", "OuterOptimizer",
-    "Overlap", "PromptConfig", "SyncConfig", "SyncMode", "TrainShape", "WorkerConfig", "build", "default_cache_root",
-    "check_fits", "check_prompt", "check_sync", "non_negative", "plain", "positive", "resolve_overlap",
-    "streams_for_cpus", "streams_per_peer", "this_host_cpus", "validate_sections",
+    "DcnConfig", "Lossless", "LrSchedule", "MeshConfig", "OptimizerConfig", "OuterDtype", "OuterFailure",
+    "OuterOptimizer", "Overlap", "PromptConfig", "SyncConfig", "SyncMode", "TrainShape", "WorkerConfig", "build",
+    "default_cache_root", "check_fits", "check_prompt", "check_sync", "non_negative", "plain", "positive",
+    "resolve_overlap", "streams_for_cpus", "streams_per_peer", "this_host_cpus", "validate_sections",
 ]

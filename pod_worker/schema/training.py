@@ -2,24 +2,40 @@
 mesh, the run's shape (TrainShape) and prompt tuning (PromptConfig)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from multipod.model.config import ConfigError, PromptKind, to_enum
 from multipod.pod_worker.schema.loader import non_negative, positive
 
 
+class LrSchedule(enum.StrEnum):
+    """optimizer.schedule: the learning rate's shape after its linear warmup (pod_worker/optimizer.py)."""
+    COSINE = "cosine"       # cosine decay over the schedule's steps to learning_rate * min_lr_ratio
+    # Warmup-stable-decay: the peak rate held, then a linear decay to learning_rate * min_lr_ratio
+    # over the last decay_fraction of the schedule's steps. A run stopped in its stable phase
+    # resumes with another length (the rates it ran are those of the longer run).
+    WSD = "wsd"
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup then cosine decay, and global-norm clipping."""
+    """AdamW with linear warmup then a cosine (or warmup-stable-decay) schedule, and global-norm
+    clipping."""
     learning_rate: float = 2e-2     # the default run's (docs/default_run.md)
     warmup_steps: int = 20
-    decay_steps: int = 0          # 0: decay over the run's total steps
-    min_lr_ratio: float = 0.1     # the cosine decays to learning_rate * min_lr_ratio
+    decay_steps: int = 0          # the schedule's length; 0: the run's total steps
+    min_lr_ratio: float = 0.1     # the schedule ends at learning_rate * min_lr_ratio
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0        # 0 disables clipping
+    schedule: LrSchedule = LrSchedule.COSINE
+    decay_fraction: float = 0.2   # wsd: the share of the schedule's steps the final decay takes
+
+    def __post_init__(self):
+        object.__setattr__(self, "schedule", to_enum("optimizer.schedule", LrSchedule, self.schedule))
 
     def validate(self) -> None:
         positive("optimizer.learning_rate", self.learning_rate)
@@ -28,10 +44,22 @@ class OptimizerConfig:
         non_negative("optimizer.weight_decay", self.weight_decay)
         non_negative("optimizer.clip_norm", self.clip_norm)
         positive("optimizer.eps", self.eps)
-        for name in ("min_lr_ratio", "b1", "b2"):
+        for name in ("min_lr_ratio", "b1", "b2", "decay_fraction"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"optimizer.{name}", f"must be in [0, 1], got {value}")
+
+    def decay_start(self, schedule_steps: int) -> int:
+        """wsd: the first step of the final decay (the rate is the peak's before it, from the end
+        of the warmup); the decay ends at schedule_steps."""
+        return wsd_decay_start(schedule_steps, self.decay_fraction, self.warmup_steps)
+
+
+def wsd_decay_start(schedule_steps: int, decay_fraction: float, warmup_steps: int) -> int:
+    """The first step of a warmup-stable-decay schedule's final decay. The one place this step is
+    computed: the schedule (pod_worker/optimizer.py) and the checkpoints' resume rule
+    (checkpoint.py) use it."""
+    return max(warmup_steps, schedule_steps - round(decay_fraction * schedule_steps))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from multipod.pod_worker.schema.dcn import DcnConfig
 from multipod.pod_worker.schema.loader import build, plain
 from multipod.pod_worker.schema.overlap import PROMPT_RUNS_FUSED, Overlap
 from multipod.pod_worker.schema.sync import SyncConfig
-from multipod.pod_worker.schema.training import MeshConfig, OptimizerConfig, PromptConfig, TrainShape
+from multipod.pod_worker.schema.training import LrSchedule, MeshConfig, OptimizerConfig, PromptConfig, TrainShape
 
 
 def validate_sections(config, seq_len_field: str, seq_len: int) -> None:
@@ -53,6 +53,10 @@ class WorkerConfig:
         # the same schedule when the run has N steps, so a finished run can train on past its end
         # with its schedule kept (optimizer.decay_steps = its steps).
         optimizer = {k: v for k, v in plain(self.optimizer).items() if k != "decay_steps"}
+        if self.optimizer.schedule is LrSchedule.COSINE:
+            # As the keys of checkpoints written before wsd existed (checkpoint.check_compatible
+            # reads a key without a schedule as cosine); decay_fraction changes no cosine rate.
+            del optimizer["schedule"], optimizer["decay_fraction"]
         key = {"model": plain(self.model), "optimizer": optimizer,
                "schedule_steps": self.schedule_steps, "seed": self.train.seed,
                "seq_len": self.train.seq_len, "global_batch": self.train.global_batch}

@@ -164,3 +164,32 @@ def test_a_finished_run_trains_on_past_its_end_bitwise_with_its_schedule_kept(tw
     assert [(r["loss"], r["checksums"], r["learning_rate"]) for r in on] == \
         [(r["loss"], r["checksums"], r["learning_rate"]) for r in reference[STEPS:]]
     assert len({r["learning_rate"] for r in on}) == 1     # the final rate, held
+
+
+def test_a_wsd_run_resumed_from_its_stable_phase_trains_bitwise_as_the_longer_run(tmp_path):
+    """optimizer.schedule = "wsd" (warmup-stable-decay), as a user extends a run: a 6-step run (its
+    decay starts at step 5) saved step 4, in its stable phase, and step 6. Resumed as a run of 10
+    steps (decay from step 8), the newest checkpoint, inside the decay, is refused naming why;
+    step 4's resumes, and steps 4-9 are bitwise those of the 10-step run from its start, learning
+    rates included: the peak held until the decay, which steps 8 and 9 are the first of."""
+    common = ("local", "--pods", "1", "--devices-per-pod", "1", "--config", TINY, "--seed", "5", "--no-report",
+              "--set", "sample.tokens=0", "--set", "eval.batches=0", "--set", "optimizer.schedule=wsd")
+    short = run_cli(*common, "--steps", "6", "--checkpoint-every", "4", "--run-dir", str(tmp_path / "short"))
+    assert short.returncode == 0, short.stdout + short.stderr
+    longer = ("--steps", "10", "--resume", "--checkpoint-dir", str(tmp_path / "short" / "checkpoints"))
+    refused = run_cli(*common, *longer, "--run-dir", str(tmp_path / "refused"))
+    assert refused.returncode != 0
+    assert "step 6 is past the start of its own wsd decay (step 5)" in refused.stderr, refused.stderr[-2000:]
+    shutil.rmtree(tmp_path / "short" / "checkpoints" / "6")
+    resumed = run_cli(*common, *longer, "--run-dir", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "(step 4," in resumed.stdout
+    whole = run_cli(*common, "--steps", "10", "--run-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    on, reference = read_metrics(tmp_path / "resumed"), read_metrics(tmp_path / "whole")
+    assert [r["step"] for r in on] == list(range(4, 10))
+    assert [(r["loss"], r["checksums"], r["learning_rate"]) for r in on] == \
+        [(r["loss"], r["checksums"], r["learning_rate"]) for r in reference[4:]]
+    rates = [r["learning_rate"] for r in reference]
+    assert len(set(rates[2:8])) == 1 and rates[9] < rates[7]      # (step 8's is the peak, to float rounding)
+    assert [r["learning_rate"] for r in read_metrics(tmp_path / "short")][:5] == rates[:5]

@@ -16,7 +16,7 @@ import pytest
 
 from multipod.pod_worker import checkpoint
 from multipod.pod_worker.checkpoint_writer import Writer
-from multipod.pod_worker.schema import SyncConfig
+from multipod.pod_worker.schema import LrSchedule, SyncConfig
 from multipod.pod_worker.trainer import PodTrainer
 from multipod.protos import codec, multipod_pb2 as pb
 from tests.helpers import tiny_worker_config
@@ -158,6 +158,42 @@ def test_a_finished_run_trains_on_past_its_end_with_its_schedule_kept():
     with pytest.raises(checkpoint.CheckpointError, match="sync.outer_lr: checkpoint has 0.7, this run has 0.5"):
         checkpoint.check_compatible("c/20", saved, _with(CONFIG, 20, sync=dataclasses.replace(diloco, outer_lr=0.5))
                                     .state_key())
+
+
+def _wsd(config, total_steps: int, decay_fraction: float = 0.2):
+    optimizer = dataclasses.replace(config.optimizer, schedule=LrSchedule.WSD, decay_fraction=decay_fraction)
+    return dataclasses.replace(_with(config, total_steps), optimizer=optimizer)
+
+
+def test_a_wsd_run_resumes_with_another_length_from_its_stable_phase():
+    """warmup-stable-decay: a checkpoint taken before both schedules' decays ran at the rates of
+    either (test_optimizer.py), so a run of 100 steps resumes a 20-step run's step 16 (its decay
+    starts at 16) and a shorter or differently decaying run too; a step inside a decay is
+    refused saying whose decay and what to change; cosine and wsd never stand in for each other,
+    and a cosine run's key is what it was before wsd existed (old checkpoints still resume)."""
+    short = {"state_key": _wsd(CONFIG, 20).state_key(), "step": 16}
+    checkpoint.check_compatible("c/16", short, _wsd(CONFIG, 100).state_key())
+    checkpoint.check_compatible("c/16", short, _wsd(CONFIG, 100, decay_fraction=0.5).state_key())
+    checkpoint.check_compatible("c/16", short, _wsd(CONFIG, 20).state_key())
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 17 is past the start of its own wsd decay \(step 16\)"):
+        checkpoint.check_compatible("c/17", {**short, "step": 17}, _wsd(CONFIG, 100).state_key())
+    checkpoint.check_compatible("c/17", {**short, "step": 17}, _wsd(CONFIG, 20).state_key())    # the same schedule
+    with pytest.raises(checkpoint.CheckpointError, match=r"this run's wsd decay starts at step 12, before the "
+                                                         r"checkpoint's step 16: lengthen the run"):
+        checkpoint.check_compatible("c/16", short, _wsd(CONFIG, 15).state_key())
+    # The peak and the warmup are the rates of every step: they must match.
+    other_peak = dataclasses.replace(_wsd(CONFIG, 100), optimizer=dataclasses.replace(
+        _wsd(CONFIG, 100).optimizer, learning_rate=0.5))
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.learning_rate"):
+        checkpoint.check_compatible("c/16", short, other_peak.state_key())
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.schedule: checkpoint has 'wsd', this run has "
+                                                         "'cosine'"):
+        checkpoint.check_compatible("c/16", short, _with(CONFIG, 100).state_key())
+    cosine = {"state_key": _with(CONFIG, 20).state_key(), "step": 16}
+    assert "schedule" not in cosine["state_key"]["optimizer"]
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.schedule: checkpoint has 'cosine', this run has "
+                                                         "'wsd'"):
+        checkpoint.check_compatible("c/16", cosine, _wsd(CONFIG, 20).state_key())
 
 
 def test_missing_checkpoint_gets_a_clear_error(worker, tmp_path):
