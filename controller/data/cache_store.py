@@ -83,7 +83,8 @@ def _newest(folder: pathlib.Path) -> float:
 def _token_cache_describes(folder: pathlib.Path) -> str:
     try:
         index = json.loads((folder / "index.json").read_text())
-        return f"{index['source'] or 'the default corpus'}, tokenizer {index['tokenizer']['name']}"
+        capped = f" (its first {index['max_bytes']:,} bytes: data.max_bytes)" if index.get("max_bytes") else ""
+        return f"{index['source'] or 'the default corpus'}{capped}, tokenizer {index['tokenizer']['name']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "no readable index.json (a run removes and rebuilds it)"
 

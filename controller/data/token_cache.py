@@ -324,6 +324,7 @@ def _build(path: str, tokenizer, text_field: str, final: pathlib.Path, progress:
             writer.close()
         index = {
             "format": FORMAT_VERSION, "dtype": dtype.name, "source": report.source, "text_field": text_field,
+            "max_bytes": max_bytes,
             "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
                           "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
             "split_rule": SPLIT_RULE, "report": report.summary(), "build_seconds": round(time.monotonic() - start, 3),

@@ -4,6 +4,7 @@ the days asked, leaves the rest and a build that may still be running, and a dry
 nothing."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -54,6 +55,13 @@ def test_list_names_each_entry_its_source_and_its_size(prepared, capsys):
     assert cli.main(["cache", "list", "--cache-dir", str(root)]) == 0
     out = capsys.readouterr().out
     assert str(tokens.path) in out and "2 entries" in out
+    assert "data.max_bytes" not in tokens.describes
+    # A capped source's cache says so, beside the whole source's (data.max_bytes).
+    capped = dataclasses.replace(config, data=dataclasses.replace(config.data, max_bytes=100))
+    corpus.prepare(capped, progress=False)
+    described = [e.describes for e in cache_store.entries(root) if e.kind == "tokens"]
+    assert sorted("data.max_bytes" in d for d in described) == [False, True], described
+    assert any("(its first 100 bytes: data.max_bytes)" in d for d in described)
 
 
 def test_prune_removes_only_what_no_run_used_for_the_days_asked(prepared, capsys):
