@@ -17,22 +17,23 @@ import time
 from multipod.controller.core.run_config import Config, ConfigError
 from multipod.controller.data.cache_store import default_root, mark_used
 from multipod.controller.data.dataset import TokenDataset
-from multipod.controller.data.sources import iter_documents, source_fingerprint
+from multipod.controller.data.sources import iter_documents, source_bytes, source_fingerprint
 from multipod.controller.data.token_cache import SPLIT_RULE, held_out, open_cache
 from multipod.controller.data.tokenizer import (
     TRAIN_BYTES,
     Tokenizer,
     TokenizerError,
-    capped,
     load_tokenizer,
     padded_vocab,
+    sampled,
     train_bpe,
 )
 from multipod.controller.observe.metrics import out
 
 # Bump when the recipe of a "bpe:N" tokenizer changes: cached ones are then retrained. 2: trained
-# on the training documents only (the held-out ones left out).
-TOKENIZER_FORMAT = 2
+# on the training documents only (the held-out ones left out); 3: on a sample spread over a source
+# larger than TRAIN_BYTES, not on its first TRAIN_BYTES (tokenizer.sampled).
+TOKENIZER_FORMAT = 3
 
 
 @dataclasses.dataclass
@@ -73,7 +74,8 @@ def resolve_tokenizer(config: Config, root: pathlib.Path) -> Tokenizer:
     # tokenizer does see.)
     texts = (doc.text for number, doc in enumerate(iter_documents(data.path, data.text_field, max_bytes=data.max_bytes))
              if not held_out(number))
-    tokenizer = train_bpe(capped(texts, {}), size, path)   # at most TRAIN_BYTES of text: seconds
+    # At most TRAIN_BYTES of text (seconds), spread over the whole source.
+    tokenizer = train_bpe(sampled(texts, source_bytes(data.path, data.max_bytes), {}), size, path)
     out(f"tokenizer: trained in {time.perf_counter() - started:.1f}s")
     return tokenizer
 

@@ -159,6 +159,18 @@ def corpus_files(path: str = "") -> list[pathlib.Path]:
     return _candidates(path)[1]
 
 
+def source_bytes(path: str = "", max_bytes: int = 0) -> int:
+    """The source's size on disk (its files' sizes, without reading them), at most max_bytes if
+    given: what a sample of it is spread over (tokenizer.sampled)."""
+    total = 0
+    for file in corpus_files(path):
+        try:
+            total += file.stat().st_size
+        except OSError:
+            continue
+    return min(total, max_bytes) if max_bytes else total
+
+
 def source_fingerprint(path: str, text_field: str = "text", max_bytes: int = 0) -> str:
     """A hex digest of what the source's documents depend on, without reading any file: the sorted
     (relative path, size, mtime_ns) of its files, text_field and the size cap (max_bytes, 0 for

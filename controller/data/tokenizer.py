@@ -28,8 +28,8 @@ from multipod.controller.data.batches import DataError
 # axis that divides it (and the embedding matmul stays aligned).
 VOCAB_MULTIPLE = 128
 BPE_EOS = "<|endoftext|>"
-# `multipod tokenizer train` feeds the trainer at most this much text (the first documents), so
-# that it takes seconds (the whole default corpus, ~30 MiB of stdlib .py, trains in ~5 s on 2 cores).
+# A BPE is trained on at most this much text (documents spread over a larger source: `sampled`),
+# so that it takes seconds (the whole default corpus, ~30 MiB of stdlib .py, trains in ~5 s on 2 cores).
 TRAIN_BYTES = 32 << 20
 # Names of the end-of-text token in common tokenizer.json files, in order of preference (GPT-2 and
 # most BPEs, Llama 3, T5 / Mistral / Llama 2, Gemma, BERT).
@@ -246,29 +246,41 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: pathlib.Path | str, *,
     return load_tokenizer(str(out))
 
 
-def capped(texts: Iterable[str], count: dict, limit: int = TRAIN_BYTES) -> Iterator[str]:
-    """`texts` until `limit` UTF-8 bytes have been given (so that BPE training takes seconds);
-    count["documents"] and count["bytes"] say how much was."""
+def sampled(texts: Iterable[str], source_bytes: int, count: dict, limit: int = TRAIN_BYTES) -> Iterator[str]:
+    """At most `limit` UTF-8 bytes of `texts` (so that BPE training takes seconds), spread evenly
+    over a source of about `source_bytes`: every document while the source fits, else a share of
+    limit / source_bytes of the documents' bytes, taken where their running total crosses each
+    step of it (error diffusion: deterministic, and as even as whole documents allow). A corpus
+    of many parts (code/, books/, web/) then trains its tokenizer on all of them, not on the
+    first 32 MiB in name order. count["documents"] and count["bytes"] say how much was given."""
     count.setdefault("documents", 0)
     count.setdefault("bytes", 0)
+    share = 1.0 if source_bytes <= limit else limit / source_bytes
+    credit = 0.0
     for text in texts:
         if count["bytes"] >= limit:
             return
+        size = len(text.encode("utf-8"))
+        credit += share * size
+        if credit < size * (1.0 - 1e-9):
+            continue
+        credit -= size
         count["documents"] += 1
-        count["bytes"] += len(text.encode("utf-8"))
+        count["bytes"] += size
         yield text
 
 
 def train_main(args) -> int:
     """`multipod tokenizer train`: train a byte-level BPE and write tokenizer.json; exit code."""
-    from multipod.controller.data.sources import iter_documents
+    from multipod.controller.data.sources import iter_documents, source_bytes
     source = args.data or "Python's standard library"
     count: dict = {}
     start = time.perf_counter()
-    texts = capped((doc.text for doc in iter_documents(args.data, text_field=args.text_field,
-                                                                text_field_name="--text-field")), count)
+    size = source_bytes(args.data)
+    texts = sampled((doc.text for doc in iter_documents(args.data, text_field=args.text_field,
+                                                                 text_field_name="--text-field")), size, count)
     tok = train_bpe(texts, args.vocab_size, args.out, source=source)
-    cut = f" (the first {TRAIN_BYTES >> 20} MiB of it)" if count["bytes"] >= TRAIN_BYTES else ""
+    cut = f" (spread over its {size / (1 << 20):,.0f} MiB)" if size > TRAIN_BYTES else ""
     print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens on {count['documents']:,} documents, "
           f"{count['bytes'] / (1 << 20):.1f} MiB of {source}{cut}, in {time.perf_counter() - start:.1f} s: "
           f"{args.out}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Tokenizers: a byte-level BPE trained here round-trips any text; tokenizer.json and SentencePiece
-files load; bad tokenizer files get a TokenizerError that names them."""
+files load; bad tokenizer files get a TokenizerError that names them; a BPE's training sample is
+spread over a large source."""
 import json
 import random
 import re
@@ -7,7 +8,14 @@ import re
 import numpy as np
 import pytest
 
-from multipod.controller.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, padded_vocab, train_bpe
+from multipod.controller.data.tokenizer import (
+    ByteTokenizer,
+    TokenizerError,
+    load_tokenizer,
+    padded_vocab,
+    sampled,
+    train_bpe,
+)
 
 # Text with what a byte-level BPE must keep exactly: runs of spaces, tabs, CRLF, non-ASCII
 # letters, CJK, an emoji, a literal special token and a NUL.
@@ -164,3 +172,21 @@ def test_byte_tokenizer_round_trips():
     text = TRICKY.replace("\x00", "")
     ids = tok.encode(text)
     assert len(ids) == len(text.encode()) and tok.decode(ids) == text
+
+
+def test_a_bpe_sample_is_spread_over_a_source_larger_than_the_limit():
+    """Every document while the source fits the limit; beyond it a share of each part of the source,
+    in order, deterministically, up to the limit: the tokenizer of a corpus of many parts sees them
+    all, not the first ones in name order."""
+    docs = [f"{part}-{i:03d} " * 10 for part in ("code", "books", "web") for i in range(100)]   # 100 docs a part
+    total = sum(len(d) for d in docs)
+    count: dict = {}
+    assert list(sampled(docs, total, count, limit=total)) == docs
+    assert count == {"documents": 300, "bytes": total}
+    count = {}
+    sample = list(sampled(docs, total, count, limit=total // 10))
+    assert sample == list(sampled(docs, total, {}, limit=total // 10))                   # deterministic
+    assert [sum(d.startswith(part) for d in sample) for part in ("code", "books", "web")] == [10, 10, 10]
+    assert sample == [d for d in docs if d in sample] and count["bytes"] <= total // 10
+    # The old way took the first documents only: the same budget would have been code's alone.
+    assert all(d.startswith("code") for d in docs[:30])
