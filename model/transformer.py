@@ -1,13 +1,11 @@
 """The decoder-only PaLM-style Transformer and its parameter initialisation."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from multipod.model.config import ModelConfig
 from multipod.model.layers import GATHERED, LOGITS, RESIDUAL, ParallelBlock, RMSNorm, constrain, remat_policy
@@ -106,56 +104,27 @@ def _init_fn(config: ModelConfig):
     return functools.partial(_boxed_init, config)
 
 
-def _boxed_shell_init(config: ModelConfig, key: jax.Array):
-    """The parameters outside the blocks ({"embedding", "final_norm"}), boxed: the model's own
-    init without its blocks, so with the values the whole model's init gives them."""
-    return _boxed_init(dataclasses.replace(config, n_layers=0), key)
-
-
-def _boxed_block_init(config: ModelConfig, key: jax.Array, index: jax.Array):
-    """One block's parameters, boxed, from the model's key and the block's index (an argument, not
-    a constant: one program initialises every block)."""
-    x = jnp.zeros((*_INIT_TOKENS_SHAPE, config.d_model), config.compute_dtype)
-    return block_class(config)(config).init(jax.random.fold_in(key, index), x)["params"]
-
-
-def _init_options() -> dict | None:
-    # On CPU, LLVM-optimising the unrolled threefry rounds of every initializer costs compile time
-    # for no benefit (the init runs once per worker start), so it is skipped there. Values stay a
-    # deterministic function of the seed for a given jax version and backend.
-    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-
-
 @functools.lru_cache(maxsize=16)
 def _jitted_init(config: ModelConfig, sharding_treedef, sharding_leaves):
-    """(the shell's program, the blocks' program), laid out by the shardings if given. Cached
-    (keyed on the flattened, hashable shardings) so repeated init_params calls for one config and
-    layout compile once."""
-    shell_shardings = block_shardings = None
+    # Cached (keyed on the flattened, hashable shardings) so repeated init_params calls
+    # for one config and layout compile once.
+    shardings = None
     if sharding_treedef is not None:
-        # jit's out_shardings must match each program's boxed output (unboxed after the call,
-        # which moves no data). Every block has the same logical axes: block_0's layout is each's.
+        # The boxed tree's structure with the shardings as leaves: jit's out_shardings must match
+        # the boxed output (unboxed after the call, which moves no data).
         boxed = abstract_params(config)
         if jax.tree_util.tree_structure(_values(boxed)) != sharding_treedef:
             raise ValueError("init_params: `shardings` must have the parameter tree's structure")
         shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(boxed), sharding_leaves)
-        shell_shardings = {name: shardings[name] for name in ("embedding", "final_norm")}
-        block_shardings = shardings["block_0"]
-    options = _init_options()
-    return (jax.jit(functools.partial(_boxed_shell_init, config), out_shardings=shell_shardings,
-                    compiler_options=options),
-            jax.jit(functools.partial(_boxed_block_init, config), out_shardings=block_shardings,
-                    compiler_options=options))
+    # On CPU, LLVM-optimising the unrolled threefry rounds of every initializer costs
+    # ~0.5 s of compile per parameter for no benefit (init runs once), so skip it there.
+    # Values stay a deterministic function of the seed for a given jax version/backend.
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    return jax.jit(_init_fn(config), out_shardings=shardings, compiler_options=options)
 
 
 def init_params(config: ModelConfig, seed: int, shardings=None) -> dict:
     """Unboxed param tree (plain arrays), a deterministic function of `seed` only.
-
-    Two programs, whatever the depth: the embedding and the final norm (the values the whole
-    model's init gives them), and one block's parameters, run once per block with the block's
-    index folded into the key. One program of the whole model's init held a random generator per
-    parameter of every block: on CPU its compile grew to ~10 s at 16 layers, and its load from the
-    compilation cache at every worker start to ~1.8 s.
 
     `shardings` (optional, e.g. from `partitioning.param_shardings`) makes jit create
     each parameter directly in its sharded layout; values are bitwise the same as the
@@ -166,12 +135,7 @@ def init_params(config: ModelConfig, seed: int, shardings=None) -> dict:
     leaves: list = []
     if shardings is not None:
         leaves, treedef = jax.tree_util.tree_flatten(shardings)
-    shell, block = _jitted_init(config, treedef, tuple(leaves))
-    key = jax.random.PRNGKey(seed)
-    params = dict(_values(shell(key)))
-    for i in range(config.n_layers):
-        params[f"block_{i}"] = _values(block(key, np.int32(i)))
-    return params
+    return _values(_jitted_init(config, treedef, tuple(leaves))(jax.random.PRNGKey(seed)))
 
 
 @functools.lru_cache(maxsize=16)
