@@ -293,6 +293,8 @@ _WSD_LENGTH = ("schedule_steps", "optimizer.decay_fraction")
 def _wsd_resume_problems(metadata: dict, have: dict, want: dict) -> list[str]:
     """Why a checkpoint of a wsd run cannot resume in this wsd run (empty if it can): its step must
     not be past the start of either schedule's decay."""
+    if have[_WSD_LENGTH[0]] == want[_WSD_LENGTH[0]] and have[_WSD_LENGTH[1]] == want[_WSD_LENGTH[1]]:
+        return []       # the same schedule: any step resumes
     step = metadata.get("step")
     try:
         starts = {side: wsd_decay_start(int(key["schedule_steps"]), float(key["optimizer.decay_fraction"]),
@@ -303,8 +305,6 @@ def _wsd_resume_problems(metadata: dict, have: dict, want: dict) -> list[str]:
                 "optimizer.warmup_steps)"]
     if not isinstance(step, int):
         return ["it does not record its step, which a wsd schedule's resume needs"]
-    if have[_WSD_LENGTH[0]] == want[_WSD_LENGTH[0]] and have[_WSD_LENGTH[1]] == want[_WSD_LENGTH[1]]:
-        return []       # the same schedule: any step resumes
     problems = []
     if step > starts["saved"]:
         problems.append(f"step {step} is past the start of its own wsd decay (step {starts['saved']}): a run "

@@ -238,14 +238,7 @@ def _progress_bar(path: str, enabled: bool, max_bytes: int):
         return None, None
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-    total = 0
-    for file in sources.corpus_files(path):
-        try:
-            total += file.stat().st_size
-        except OSError:
-            pass
-    if max_bytes:
-        total = min(total, max_bytes)
+    total = sources.source_bytes(path, max_bytes)
     bar = Progress(TextColumn("tokenizing {task.description}"), BarColumn(), DownloadColumn(),
                    TextColumn("{task.fields[documents]:,} documents"), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
