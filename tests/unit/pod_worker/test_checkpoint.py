@@ -335,3 +335,23 @@ def test_a_checkpoint_of_other_shapes_is_refused_naming_the_leaf(tmp_path):
     assert str(tmp_path / "1") in message and "does not fit this pod's state" in message
     assert "checkpoint has shape (32, 64), this pod has (32, 128)" in message, message
     assert "params." in message and len(message) < 2000
+
+
+def test_replicated_arrays_are_split_between_replicas_only_when_large(tmp_path, caplog):
+    # Orbax's replica-parallel save slices each replicated array between its replicas, a compiled
+    # slice program per shape and device: under MIN_REPLICA_PARALLEL_SLICE_BYTES a part is not
+    # worth one. Shapes of this test's own, so no earlier test compiled their slices.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(2), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    large = checkpoint.MIN_REPLICA_PARALLEL_SLICE_BYTES // 4 * 2 + 4 * 3   # float32: 2 parts at the bound
+    host = {"small": np.arange(6 * 37, dtype=np.float32).reshape(6, 37),
+            "large": np.linspace(0, 1, large, dtype=np.float32).reshape(2, large // 2)}
+    state = {"params": jax.device_put(host, replicated), "step": 1}
+    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax._src.interpreters.pxla"):
+        checkpoint.save(str(tmp_path), state, "f", json.dumps({}))
+    sliced = {record.getMessage().split("ShapedArray(")[1].split(")")[0] for record in caplog.records
+              if record.getMessage().startswith("Compiling jit(slice)")}
+    assert sliced == {f"float32[2,{large // 2}]"}
+    restored, _ = checkpoint.restore(str(tmp_path / "1"), state)
+    for name, value in host.items():
+        assert np.array_equal(np.asarray(restored["params"][name]), value)
