@@ -13,6 +13,10 @@ import numpy as np
 from multipod.pod_worker import programs
 from multipod.pod_worker.hosts import host_value
 
+# One program for the whole tree (jnp.copy leaf by leaf compiles one per leaf shape). Its outputs
+# are new buffers laid out as its inputs: XLA never returns a parameter that was not donated.
+_copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
 
 def fingerprint(*trees) -> str:
     """A hash of the bytes of every leaf, in tree order: equal iff the states are bitwise equal."""
@@ -59,7 +63,7 @@ class TrainerState:
         """A copy of the parameters on the devices, in their training layout, for generation: the
         next update donates the live buffers. Take it between steps (a sequencer hold). In DiLoCo
         mode, of the agreed parameters."""
-        return jax.tree.map(jnp.copy, self.agreed_params)
+        return _copy_tree(self.agreed_params)
 
     def host_state(self, replica: int | None = None) -> dict:
         """Parameters, optimizer state and step as host arrays (for checkpoints, sampling and a
