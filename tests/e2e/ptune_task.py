@@ -1,7 +1,9 @@
 """The toy task of the prompt-tuning tests, written into a test's folder: a base corpus of lines in
 two modes, "A>" followed by letters from abcd and "B>" followed by letters from wxyz, and a task
 whose input is ">" alone and whose output is an A-mode line. A base model trained on the corpus
-cannot tell from ">" which mode is wanted (half its lines are each); a learned prompt can."""
+cannot tell from ">" which mode is wanted (half its lines are each); a learned prompt can. The task
+also ends each output with the end-of-text token, which the base only saw after a document's last
+line: the prompt learns that too (test_ptune.py)."""
 from __future__ import annotations
 
 import json
