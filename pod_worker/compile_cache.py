@@ -37,7 +37,7 @@ import os
 import pathlib
 from collections.abc import Mapping
 
-from multipod.pod_worker.schema.caches import COMPILED, default_cache_root
+from multipod.pod_worker.schema.caches import compiled_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def default_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
     nothing if JAX_COMPILATION_CACHE_DIR names a cache already."""
     if environ.get("JAX_COMPILATION_CACHE_DIR"):
         return {}
-    return {"JAX_COMPILATION_CACHE_DIR": str((default_cache_root(environ) / COMPILED).absolute()),
+    return {"JAX_COMPILATION_CACHE_DIR": str(compiled_cache_dir(environ)),
             "JAX_COMPILATION_CACHE_MAX_SIZE": environ.get("JAX_COMPILATION_CACHE_MAX_SIZE",
                                                           str(COMPILE_CACHE_MAX_BYTES)),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}

@@ -6,4 +6,5 @@
   addresses   the pods' HOST:PORT lists: `--workers` parsed, one pod's hosts checked
   pods        Cluster: connect, configure, the pods' agreement, the watchdog, the diagnosis
   spares      SparePool: standby pods for hot-swap, checked; offers read from RUN_DIR/spares
+  compile_marks  CompileMarks: which configurations the pods' shared compilation cache holds
 """

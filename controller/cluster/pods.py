@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from multipod import protos
@@ -18,6 +19,7 @@ from multipod.controller.core.errors import PodFailure, RunError
 from multipod.protos import multipod_pb2 as pb
 
 if TYPE_CHECKING:
+    from multipod.controller.cluster.compile_marks import CompileMarks
     from multipod.controller.core.run_config import Config
 
 # What the pods must agree on. A freshly configured pod starts from the seed's initial state,
@@ -214,12 +216,15 @@ class Cluster:
         timeout = self.config.run.configure_timeout_s
         return parallel(lambda c: c.configure(request(c), timeout), targets)
 
-    def configure(self, shared_cache: bool = False) -> list[pb.ConfigureReply]:
+    def configure(self, shared_cache: CompileMarks | None = None,
+                  announce: Callable[[bool], None] | None = None) -> list[pb.ConfigureReply]:
         """Configure every pod and refuse pods that disagree on protocol, mesh, config or state;
-        the replies are kept as the reference for pods restarted later. shared_cache: the pods
-        share one persistent compilation cache (pods on one machine, as `multipod local` starts
-        them): pod 0 configures first and the others then load its compiled programs from the
-        cache instead of compiling the same programs at the same time."""
+        the replies are kept as the reference for pods restarted later. shared_cache: the marks
+        of the one persistent compilation cache the pods share (pods on one machine, as
+        `multipod local` starts them, cluster/compile_marks.py): unless it holds this
+        configuration's programs, pod 0 configures first and the others then load its programs
+        instead of compiling the same ones at the same time. announce(at_once) is called once the
+        order is known, before any pod compiles."""
         from multipod.controller.core.run_config import ConfigError
         self.dcn_addresses = self.collect_dcn_addresses()
         # Told before any pod compiles: the same config on other device counts gives other meshes.
@@ -227,10 +232,17 @@ class Cluster:
             detail = ", ".join(f"{c.name} has {n}" for c, n in zip(self.clients, self.device_counts))
             raise RunError(f"pods disagree on device count, so on mesh shape: {detail}. Every pod must run "
                            f"the same multipod version with the same device count and mesh.")
-        if shared_cache and len(self.clients) > 1:
-            replies = self._configure(self.clients[:1]) + self._configure(self.clients[1:])
-        else:
+        marks, mark = (shared_cache, None) if len(self.clients) > 1 else (None, None)
+        if marks is not None:
+            mark = marks.key(self.config.worker_config().to_json(), len(self.clients), self.device_counts,
+                             self.hosts_per_pod)
+        at_once = marks is None or mark is None or marks.holds(mark)
+        if announce is not None:
+            announce(at_once)
+        if at_once:
             replies = self._configure(self.clients)
+        else:
+            replies = self._configure(self.clients[:1]) + self._configure(self.clients[1:])
         for what, get in AGREEMENT:
             values = [get(r) for r in replies]
             if len(set(values)) > 1:
@@ -244,6 +256,8 @@ class Cluster:
             raise ConfigError("data.global_batch", f"{global_batch} split over {len(self.clients)} pods gives "
                               f"{per_pod} rows per pod, not a multiple of the data axis ({data_axis})")
         self.first_replies = list(replies)
+        if marks is not None and mark is not None:
+            marks.add(mark)
         return replies
 
     def configure_restarted(self, pods: list[int]) -> list[pb.ConfigureReply]:

@@ -7,8 +7,10 @@ spike.py, recovery.py, metrics.py, events.py, summary.py."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
+from multipod.controller.cluster.compile_marks import CompileMarks
 from multipod.controller.cluster.pods import Cluster, connect
 from multipod.controller.cluster.spares import Spare, SparePool
 from multipod.controller.components.checkpointer import Checkpointer
@@ -76,6 +78,17 @@ def record_config(data: RunData, run_dir: pathlib.Path) -> None:
     config = data.config
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
     write_beside_checkpoints(data, checkpoint_dir(config, run_dir))
+
+
+def _configuring(pods: int, local: bool, at_once: bool) -> str:
+    """What the configure is about to do, said before it starts (it can take a while)."""
+    if not local or pods == 1:
+        return f"configuring {pods} pod(s): compiling the step (this takes a while the first time)"
+    if at_once:
+        return (f"configuring {pods} pod(s) at once: this machine's compilation cache holds their programs from an "
+                f"earlier run")
+    return (f"configuring {pods} pod(s): pod 0 compiles the step (this takes a while the first time), then the "
+            f"others load it from the shared compilation cache")
 
 
 def _accounting(cluster: Cluster, replies, local: bool) -> Accounting:
@@ -156,12 +169,8 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         out(f"reattached to {cluster.size} live pod(s) at step {replies[0].step} (every state hash equal): "
             f"no checkpoint read")
     else:
-        if local and cluster.size > 1:      # the pods share the run's compilation cache
-            out(f"configuring {cluster.size} pod(s): pod 0 compiles the step (this takes a while the first "
-                f"time), then the others load it from the shared compilation cache")
-        else:
-            out(f"configuring {cluster.size} pod(s): compiling the step (this takes a while the first time)")
-        replies = cluster.configure(shared_cache=local)
+        replies = cluster.configure(shared_cache=CompileMarks.of_workers(os.environ) if local else None,
+                                    announce=lambda at_once: out(_configuring(cluster.size, local, at_once)))
     accounting = _accounting(cluster, replies, local)
     overlapped, why_not = resolve_overlap(config.worker_config(), config.data.global_batch // cluster.size)
     if not overlapped and config.dcn.overlap is Overlap.AUTO:

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from multipod.controller.cluster.client import Verdict, WorkerClient, WorkerError
+from multipod.controller.cluster.compile_marks import CompileMarks
 from multipod.controller.cluster.pods import Cluster, Watchdog
 from multipod.controller.core.errors import RunError
 from multipod.protos import multipod_pb2 as pb
@@ -169,15 +170,20 @@ def test_pods_with_different_device_counts_are_refused_before_any_compiles():
     assert pods[0].calls == [] and pods[1].calls == []     # no Configure: nothing was compiled
 
 
-@pytest.mark.parametrize("shared_cache", [True, False])
-def test_pods_sharing_a_compilation_cache_configure_pod_0_first_and_the_rest_together(shared_cache):
+def _configure_in_order(cluster_pods: int, marks: CompileMarks | None, num_devices: int = 2):
+    """Configure fake pods; (the events of their Configure calls, what `announce` was told). The
+    pods expected to be configured at once meet at a barrier: configured one after another, the
+    first would wait there alone, the barrier would break, and the configure would fail."""
     events: list[tuple[str, int]] = []
-    pods = [FakePod(p) for p in range(3)]
-    # The pods that must be configured at once meet at a barrier: configured one after another,
-    # the first would wait there alone, the barrier would break, and the configure would fail.
-    together = [1, 2] if shared_cache else [0, 1, 2]
+    told: list[bool] = []
+    pods = [FakePod(p) for p in range(cluster_pods)]
+    cold = marks is not None and not marks.holds(
+        marks.key(make_config().worker_config().to_json(), cluster_pods, [num_devices] * cluster_pods, 1))
+    together = list(range(1, cluster_pods)) if cold else list(range(cluster_pods))
     meeting = threading.Barrier(len(together), timeout=30)
     for pod in pods:
+        pod.num_devices = num_devices
+
         def answer(request, pod=pod):
             events.append(("start", pod.pod_index))
             if pod.pod_index in together:
@@ -185,14 +191,38 @@ def test_pods_sharing_a_compilation_cache_configure_pod_0_first_and_the_rest_tog
             events.append(("end", pod.pod_index))
             return configure_reply(pod.pod_index)
         pod.on_configure = answer
-    replies = Cluster(pods, make_config()).configure(shared_cache=shared_cache)
-    assert [r.pod_index for r in replies] == [0, 1, 2]
-    if shared_cache:
-        # Pod 0 alone, so the others load its programs; then pods 1 and 2 at once.
-        assert events[:2] == [("start", 0), ("end", 0)]
-        assert {e for e in events[2:4]} == {("start", 1), ("start", 2)}
-    else:
-        assert {e for e in events[:3]} == {("start", 0), ("start", 1), ("start", 2)}
+    replies = Cluster(pods, make_config()).configure(shared_cache=marks, announce=told.append)
+    assert [r.pod_index for r in replies] == list(range(cluster_pods))
+    return events, told
+
+
+def test_pods_sharing_a_cold_compilation_cache_configure_pod_0_first_then_all_at_once(tmp_path):
+    marks = CompileMarks(tmp_path)
+    events, told = _configure_in_order(3, marks)
+    # Pod 0 alone, so the others load its programs; then pods 1 and 2 at once.
+    assert told == [False]
+    assert events[:2] == [("start", 0), ("end", 0)]
+    assert {e for e in events[2:4]} == {("start", 1), ("start", 2)}
+    # The configure left its mark: the next run of this configuration configures every pod at once.
+    events, told = _configure_in_order(3, marks)
+    assert told == [True] and {e for e in events[:3]} == {("start", 0), ("start", 1), ("start", 2)}
+    # Another device count is another configuration, with programs of its own.
+    events, told = _configure_in_order(3, marks, num_devices=4)
+    assert told == [False] and events[:2] == [("start", 0), ("end", 0)]
+
+
+def test_pods_without_a_shared_cache_configure_all_at_once():
+    events, told = _configure_in_order(3, None)
+    assert told == [True] and {e for e in events[:3]} == {("start", 0), ("start", 1), ("start", 2)}
+
+
+def test_a_cache_folder_that_cannot_take_the_mark_keeps_the_cold_order(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache's folder would be")
+    marks = CompileMarks(blocker)
+    for _ in range(2):
+        events, told = _configure_in_order(2, marks)
+        assert told == [False] and events[:2] == [("start", 0), ("end", 0)]
 
 
 @pytest.mark.parametrize("batches", [2, 0])
