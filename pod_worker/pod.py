@@ -113,14 +113,15 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
     # -- configure -----------------------------------------------------------------------------
     def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
                   pod_index: int | None = None, standby: bool = False,
-                  evaluates: bool = True) -> tuple[PodTrainer, str]:
+                  evaluates: bool = True, generation_only: bool = False) -> tuple[PodTrainer, str]:
         """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id` with
         `peers` (every pod's data-plane address, in pod order);
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
         refused from now on. A spare (pod_index None) becomes pod `pod_index` here, for good once
         the configure succeeds. standby: a spare only builds and compiles the trainer, and stays a
         spare; a later configure of the same config and pod count takes that trainer at once.
-        evaluates: the run evaluates, so the evaluation is compiled now too (TrainerPrograms.warm_up)."""
+        evaluates: the run evaluates, so the evaluation is compiled now too (TrainerPrograms.warm_up).
+        generation_only: the pod will only generate, so the step's programs are not compiled now."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
             if standby:
                 if self.pod_index is not None:
@@ -136,22 +137,27 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
                     raise InvalidRequest("a spare needs the pod index of the slot it takes")
                 self._take_slot(pod_index)
                 try:
-                    return self._configure(config, num_pods, peers, run_id, evaluates)
+                    return self._configure(config, num_pods, peers, run_id, evaluates, generation_only)
                 except BaseException:
                     self._take_slot(None)      # still a spare: another run (or slot) may take it
                     raise
-            return self._configure(config, num_pods, peers, run_id, evaluates)
+            return self._configure(config, num_pods, peers, run_id, evaluates, generation_only)
 
-    def _build(self, config: WorkerConfig, num_pods: int, evaluates: bool = True) -> PodTrainer:
+    def _build(self, config: WorkerConfig, num_pods: int, evaluates: bool = True,
+               generation_only: bool = False) -> PodTrainer:
         """A trainer for `config`, its programs compiled for this pod's shard of num_pods (the
-        evaluation's too if the run `evaluates`)."""
+        evaluation's too if the run `evaluates`); with generation_only, none of the step's: a pod
+        of `multipod generate` compiles generation's own programs at its first request, and a
+        training step its programs at its first call."""
         trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
         shard = (config.train.global_batch // num_pods, config.train.seq_len + 1)
-        trainer.compile_for(shard)
-        trainer.warm_up(shard, evaluate=evaluates)
+        if not generation_only:
+            trainer.compile_for(shard)
+            trainer.warm_up(shard, evaluate=evaluates)
         if config.sync.diloco:
             trainer.start_outer(num_pods)
-            trainer.warm_up_outer()
+            if not generation_only:
+                trainer.warm_up_outer()
         return trainer
 
     def _take_slot(self, pod_index: int | None) -> None:
@@ -164,13 +170,13 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
                  else "the configure failed: a spare again")
 
     def _configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
-                   evaluates: bool = True) -> tuple[PodTrainer, str]:
+                   evaluates: bool = True, generation_only: bool = False) -> tuple[PodTrainer, str]:
         """configure's work, inside its hold."""
         standby, self._standby = self._standby, None
         if standby is not None and standby[:2] == (config.config_hash(), num_pods):
             trainer = standby[2]        # compiled on standby, still in its initial state
         else:
-            trainer = self._build(config, num_pods, evaluates)
+            trainer = self._build(config, num_pods, evaluates, generation_only)
         # Built before the old one closes: if it fails, the pod keeps a working exchange.
         exchange = self._new_exchange(run_id, trainer, config, list(peers))
         if self.exchange is not None:

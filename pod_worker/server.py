@@ -52,7 +52,10 @@ MAX_PODS = 32
 
 
 def _accounting(trainer) -> dict:
-    """ConfigureReply's compiled-step accounting fields (0 where XLA reports nothing)."""
+    """ConfigureReply's compiled-step accounting fields (0 where XLA reports nothing, and all 0 for
+    a pod configured to generate only, which did not compile the step)."""
+    if not trainer.step_compiled:
+        return {}
     stats = trainer.compiled_stats()
     return {"hardware_flops_per_step": stats["hardware_flops_per_step"] or 0.0,
             "memory_argument_bytes": stats["argument_bytes"] or 0, "memory_output_bytes": stats["output_bytes"] or 0,
@@ -104,7 +107,8 @@ class PodWorkerService(TrainingRpcs, StateRpcs, GenerationRpcs, pb_grpc.PodWorke
             # or with standby only compiles.
             trainer, fp = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id,
                                              pod_index=int(request.pod_index), standby=request.standby,
-                                             evaluates=request.evaluates)
+                                             evaluates=request.evaluates,
+                                             generation_only=request.generation_only)
         pod_index = self.pod.pod_index if self.pod.pod_index is not None else request.pod_index
         import jax
         return pb.ConfigureReply(

@@ -66,6 +66,12 @@ class TrainerPrograms:
         return overlapped
 
     @property
+    def step_compiled(self) -> bool:
+        """Whether compile_for compiled the step's programs (a pod configured to generate only
+        did not)."""
+        return hasattr(self, "_grad_compiled")
+
+    @property
     def overlapped(self) -> bool:
         """Whether the pod's step is now the overlapped one (the last _choose_step's decision)."""
         return self._overlapped is not None
@@ -119,7 +125,7 @@ class TrainerPrograms:
         whole pod's (per-device FLOPs x devices) for one step: gradient program (once per
         microbatch), recompute included, plus the update.
         """
-        if not hasattr(self, "_grad_compiled"):
+        if not self.step_compiled:
             raise RuntimeError("compiled_stats() needs compile_for() first")
         grad_mem = programs.memory_stats(self._grad_compiled)
         k = self.config.model.microbatches

@@ -100,9 +100,11 @@ class Cluster:
     generation after every restore or membership change, so stale links are never mixed with new
     ones), and in degraded mode which pod computes which slot's shard (`hosts`)."""
 
-    def __init__(self, clients: list[PodApi], config: Config):
+    def __init__(self, clients: list[PodApi], config: Config, generation_only: bool = False):
         self.clients = clients
         self.config = config
+        # The pods will only generate (`multipod generate`): they do not compile the training step.
+        self.generation_only = generation_only
         self.base_run_id = uuid.uuid4().hex
         self.generation = 0
         self.first_replies: list[pb.ConfigureReply] | None = None
@@ -212,7 +214,8 @@ class Cluster:
         request = lambda c: pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=c.pod_index, num_pods=len(self.clients),
             peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id,
-            dcn_addresses=self.dcn_addresses, keep_state=keep_state, evaluates=self.evaluates)
+            dcn_addresses=self.dcn_addresses, keep_state=keep_state, evaluates=self.evaluates,
+            generation_only=self.generation_only)
         timeout = self.config.run.configure_timeout_s
         return parallel(lambda c: c.configure(request(c), timeout), targets)
 
@@ -408,8 +411,9 @@ class Cluster:
         return [c.pod_index for c, s in zip(self.clients, statuses) if not s.configured]
 
 
-def connect(addresses: list, config: Config) -> Cluster:
-    """A Cluster of clients for every pod, each checked for readiness within the deadline.
+def connect(addresses: list, config: Config, generation_only: bool = False) -> Cluster:
+    """A Cluster of clients for every pod, each checked for readiness within the deadline
+    (generation_only: the pods of `multipod generate`, see Cluster).
     addresses[p]: pod p's hosts, a list of HOST:PORT or one string with them separated by ","
     (addresses.py's parse_workers makes the lists from --workers). A pod of one host gets a WorkerClient,
     a pod of several a PodClient over its hosts."""
@@ -425,4 +429,4 @@ def connect(addresses: list, config: Config) -> Cluster:
         for client in clients:
             client.close()
         raise
-    return Cluster(clients, config)
+    return Cluster(clients, config, generation_only)

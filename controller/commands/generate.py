@@ -216,7 +216,7 @@ def main(args) -> int:
     # A running pod takes the user's secret and TLS; a local one gets a fresh secret.
     set_default_security(security_from_args(args) if remote else Security(token=secrets.token_urlsafe(32)))
     with _pod(args, remote) as addresses:
-        cluster = connect(addresses, config)
+        cluster = connect(addresses, config, generation_only=True)
         try:
             if remote:
                 cluster.collect_dcn_addresses()     # the pod's device count, from its Status

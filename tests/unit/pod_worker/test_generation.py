@@ -143,3 +143,35 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(worker, method, c
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert re.search(match, info.value.details()), info.value.details()
     assert len(codec.decode(worker.stub.Generate(_request(prompt=np.array([1], np.uint8)), timeout=60).tokens)) == 6
+
+
+def _configure_generation_only(target: InProcessWorker) -> pb.ConfigureReply:
+    from multipod import protos
+    return target.stub.Configure(pb.ConfigureRequest(
+        protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[target.address],
+        worker_config_json=CONFIG.to_json(), run_id="generation-only", generation_only=True), timeout=300)
+
+
+def _step(target: InProcessWorker) -> pb.StepReply:
+    rows, cols = CONFIG.train.global_batch, CONFIG.train.seq_len + 1
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (rows, cols), dtype=np.int32)
+    return target.stub.Step(pb.StepRequest(step=0, tokens=codec.encode(tokens), global_tokens=rows * (cols - 1),
+                                           run_id=target.pod.setup().run_id), timeout=120)
+
+
+def test_a_pod_configured_to_generate_only_compiles_no_step_and_generates_and_trains_alike():
+    # `multipod generate`'s pods (ConfigureRequest.generation_only): the step's programs are not
+    # compiled at configure; generation, and a step if one comes, are the same as on a pod
+    # configured to train.
+    trains, generates = InProcessWorker(CONFIG, "trains"), InProcessWorker(CONFIG, "generates")
+    try:
+        reply = _configure_generation_only(generates)
+        assert not generates.pod.setup().trainer.step_compiled and trains.pod.setup().trainer.step_compiled
+        assert reply.memory_peak_bytes == 0 and reply.hardware_flops_per_step == 0
+        request = _request([np.array([100, 101, 32], np.uint8), np.array([7], np.int32)], temperature=0.9, seed=3)
+        assert generates.stub.Generate(request, timeout=120).tokens == trains.stub.Generate(request, timeout=120).tokens
+        stepped, compiled = _step(generates), _step(trains)
+        assert (stepped.checksum, stepped.loss_sum) == (compiled.checksum, compiled.loss_sum)
+    finally:
+        trains.close()
+        generates.close()

@@ -235,3 +235,11 @@ def test_pods_compile_the_evaluation_at_configure_only_if_the_run_evaluates(batc
     cluster.configure_restarted([1])
     requests = [r for pod in pods for m, r in pod.calls if m == "Configure"]
     assert len(requests) == 3 and all(r.evaluates == (batches > 0) for r in requests)
+
+
+@pytest.mark.parametrize("generation_only", [True, False])
+def test_the_pods_of_multipod_generate_are_told_not_to_compile_the_step(generation_only):
+    pods = [FakePod(0)]
+    Cluster(pods, make_config(), generation_only=generation_only).configure()
+    (request,) = [r for m, r in pods[0].calls if m == "Configure"]
+    assert request.generation_only == generation_only
