@@ -235,11 +235,11 @@ class Cluster:
             detail = ", ".join(f"{c.name} has {n}" for c, n in zip(self.clients, self.device_counts))
             raise RunError(f"pods disagree on device count, so on mesh shape: {detail}. Every pod must run "
                            f"the same multipod version with the same device count and mesh.")
-        marks, mark = (shared_cache, None) if len(self.clients) > 1 else (None, None)
-        if marks is not None:
-            mark = marks.key(self.config.worker_config().to_json(), len(self.clients), self.device_counts,
-                             self.hosts_per_pod)
-        at_once = marks is None or mark is None or marks.holds(mark)
+        # One pod has no order to choose; its programs need no mark.
+        marks = shared_cache if len(self.clients) > 1 else None
+        mark = "" if marks is None else marks.key(self.config.worker_config().to_json(), len(self.clients),
+                                                  self.device_counts, self.hosts_per_pod)
+        at_once = marks is None or marks.holds(mark)
         if announce is not None:
             announce(at_once)
         if at_once:
@@ -259,7 +259,7 @@ class Cluster:
             raise ConfigError("data.global_batch", f"{global_batch} split over {len(self.clients)} pods gives "
                               f"{per_pod} rows per pod, not a multiple of the data axis ({data_axis})")
         self.first_replies = list(replies)
-        if marks is not None and mark is not None:
+        if marks is not None:
             marks.add(mark)
         return replies
 
