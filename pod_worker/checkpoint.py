@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 # Across the hosts of a pod that spreads the writing itself, and orbax's default is kept. Within one
 # process the same process writes every part, and the split only spreads the device-to-host copies
 # over its devices, at the price of a compiled slice program per shape and device at the first save
-# (14 programs, about 0.15 s of CPU warm and more cold, for the tiny model on 2 devices, with the
-# step loop waiting) and a dispatch per part at every save. A single-process pod splits only the
+# (with the step loop waiting; docs/benchmarks.md, "Two fewer kinds of program") and a dispatch per
+# part at every save. A single-process pod splits only the
 # arrays whose parts are at least this large, where the copies are worth spreading.
 MIN_REPLICA_PARALLEL_SLICE_BYTES = 1 << 20
 

@@ -4,15 +4,16 @@ already holds, so that the pods configure all at once when it does.
 Pods on one machine share one persistent compilation cache (pod_worker/compile_cache.py). On a
 cold cache pod 0 configures first and the others then load what it compiled: configured at once,
 every pod would compile the same programs on cores they share. On a warm cache that order only
-makes the others wait for pod 0 to load its programs (measured on the tiny config, 2 pods: a run
-of 4 steps took 5.7-6.5 s in that order and 3.9-5.1 s configured at once, for the same CPU).
+makes the others wait for pod 0 to load its programs (docs/benchmarks.md, "Pods configured at
+once").
 
 So after a configure the controller leaves a mark in the cache's folder, named by a hash of what
 the pods' programs depend on: the worker config, the pod count, every pod's device count, the
-hosts per pod, and jax's version. When the mark is there, the next run configures every pod at
-once. A mark can outlive the programs (jax evicts the least recently read when the cache is
-full, and a change of multipod's code changes them): such a run then compiles its programs in
-every pod at once, once. The programs and the run's results never depend on the order.
+hosts per pod, whether the run evaluates (the evaluation's program), and jax's version. When the
+mark is there, the next run configures every pod at once. A mark can outlive the programs (jax
+evicts the least recently read when the cache is full, and a change of multipod's code changes
+them): such a run then compiles its programs in every pod at once, once. The programs and the
+run's results never depend on the order.
 """
 from __future__ import annotations
 
@@ -54,9 +55,11 @@ class CompileMarks:
         return cls(compiled_cache_dir(environ))
 
     @staticmethod
-    def key(worker_config_json: str, num_pods: int, device_counts: Sequence[int], hosts_per_pod: int) -> str:
+    def key(worker_config_json: str, num_pods: int, device_counts: Sequence[int], hosts_per_pod: int,
+            evaluates: bool) -> str:
         """The name of a configuration's mark."""
-        what = json.dumps([worker_config_json, num_pods, list(device_counts), hosts_per_pod, _jax_versions()])
+        what = json.dumps([worker_config_json, num_pods, list(device_counts), hosts_per_pod, evaluates,
+                           _jax_versions()])
         return hashlib.blake2b(what.encode(), digest_size=16).hexdigest()
 
     def holds(self, key: str) -> bool:

@@ -238,7 +238,7 @@ class Cluster:
         # One pod has no order to choose; its programs need no mark.
         marks = shared_cache if len(self.clients) > 1 else None
         mark = "" if marks is None else marks.key(self.config.worker_config().to_json(), len(self.clients),
-                                                  self.device_counts, self.hosts_per_pod)
+                                                  self.device_counts, self.hosts_per_pod, self.evaluates)
         at_once = marks is None or marks.holds(mark)
         if announce is not None:
             announce(at_once)

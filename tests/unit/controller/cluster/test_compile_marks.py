@@ -21,12 +21,13 @@ def test_the_marks_live_in_the_cache_the_workers_use(tmp_path):
 
 def test_every_part_of_a_configuration_names_another_mark(tmp_path):
     marks = CompileMarks(tmp_path)
-    base = ('{"model": 1}', 2, [2, 2], 1)
+    base = ('{"model": 1}', 2, [2, 2], 1, True)
     key = marks.key(*base)
     assert key == marks.key(*base)
-    others = [('{"model": 2}', 2, [2, 2], 1), ('{"model": 1}', 3, [2, 2, 2], 1),
-              ('{"model": 1}', 2, [4, 4], 1), ('{"model": 1}', 2, [2, 2], 2)]
-    assert len({key, *(marks.key(*o) for o in others)}) == 5
+    others = [('{"model": 2}', 2, [2, 2], 1, True), ('{"model": 1}', 3, [2, 2, 2], 1, True),
+              ('{"model": 1}', 2, [4, 4], 1, True), ('{"model": 1}', 2, [2, 2], 2, True),
+              ('{"model": 1}', 2, [2, 2], 1, False)]
+    assert len({key, *(marks.key(*o) for o in others)}) == 6
     assert not marks.holds(key)
     marks.add(key)
     assert marks.holds(key) and not marks.holds(marks.key(*others[0]))
@@ -35,7 +36,7 @@ def test_every_part_of_a_configuration_names_another_mark(tmp_path):
 def test_the_orphan_check_leaves_the_marks_and_the_programs_alone(tmp_path):
     folder = tmp_path / "jax"
     marks = CompileMarks(folder)
-    marks.add(marks.key("{}", 2, [1, 1], 1))
+    marks.add(marks.key("{}", 2, [1, 1], 1, False))
     (folder / "jit_step-1-cache").write_bytes(b"program")
     (folder / "jit_step-1-atime").write_bytes(b"0")
     env = {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 20)}

@@ -178,7 +178,8 @@ def _configure_in_order(cluster_pods: int, marks: CompileMarks | None, num_devic
     told: list[bool] = []
     pods = [FakePod(p) for p in range(cluster_pods)]
     cold = marks is not None and not marks.holds(
-        marks.key(make_config().worker_config().to_json(), cluster_pods, [num_devices] * cluster_pods, 1))
+        marks.key(make_config().worker_config().to_json(), cluster_pods, [num_devices] * cluster_pods, 1,
+                  make_config().eval.batches > 0))
     together = list(range(1, cluster_pods)) if cold else list(range(cluster_pods))
     meeting = threading.Barrier(len(together), timeout=30)
     for pod in pods:
