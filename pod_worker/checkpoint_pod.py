@@ -119,6 +119,7 @@ class CheckpointPod:
         "drop" a copy of this pod's own state, which is what that pod takes when it rejoins from a
         live peer (membership.send_state: host_state). Between steps (a sequencer hold)."""
         trainer = setup.trainer
+        trainer.require_state("save")
         if slot is None or slot == self.pod_index:
             return trainer.params, trainer.opt_state, None
         if trainer.outer is None:
@@ -235,7 +236,8 @@ class CheckpointPod:
         laid out as `trainer`'s state (orbax reshards a checkpoint written by another device or
         host count), and checked against its fingerprint before anyone uses it (CorruptCheckpoint).
         `warm_start`: an every-step checkpoint, read without an outer state."""
-        target = {"params": trainer.params, "opt_state": trainer.opt_state, "step": trainer.step}
+        # The state's layout, not the state: a pod configured to generate holds none before this.
+        target = {**trainer.state_abstract, "step": trainer.step}
         if trainer.outer is not None and not warm_start:
             saved = checkpoint.read_metadata(path).get("outer")
             if not isinstance(saved, dict):

@@ -121,7 +121,9 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         the configure succeeds. standby: a spare only builds and compiles the trainer, and stays a
         spare; a later configure of the same config and pod count takes that trainer at once.
         evaluates: the run evaluates, so the evaluation is compiled now too (TrainerPrograms.warm_up).
-        generation_only: the pod will only generate, so the step's programs are not compiled now."""
+        generation_only: the pod will only generate, so the step's programs are not compiled now,
+        and it builds no initial state: its first Restore gives it one (steps, saves, evaluations
+        and generation are refused until then, NoState)."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
             if standby:
                 if self.pod_index is not None:
@@ -149,7 +151,11 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         evaluation's too if the run `evaluates`); with generation_only, none of the step's: a pod
         of `multipod generate` compiles generation's own programs at its first request, and a
         training step its programs at its first call."""
-        trainer = (PromptTrainer if config.prompt.enabled else PodTrainer)(config, layout=self.layout)
+        kind = PromptTrainer if config.prompt.enabled else PodTrainer
+        # A pod that only generates takes its state from a Restore: it initialises none to replace.
+        # (DiLoCo's outer state starts from initial parameters, so such a pod builds them.)
+        trainer = kind(config, layout=self.layout,
+                       initial_state=not (generation_only and kind.defers_initial_state and not config.sync.diloco))
         shard = (config.train.global_batch // num_pods, config.train.seq_len + 1)
         if not generation_only:
             trainer.compile_for(shard)
@@ -182,11 +188,14 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         if self.exchange is not None:
             self.exchange.close()
         self._peers, self.exchange = list(peers), exchange
-        self._checksum = (trainer.step, trainer.checksum())
+        self._checksum = (trainer.step, trainer.checksum() if trainer.has_state else "")
         epoch = self.seq.reset(trainer.step, "reconfigured")
         self._setup = Setup(trainer, config, num_pods, epoch, run_id=run_id)
         # Read inside the hold: a step may donate the state's buffers once it is released.
-        fp = trainer.fingerprint()
+        fp = trainer.fingerprint() if trainer.has_state else ""
+        if generation_only:
+            log.info("%s: configured to generate only: no step programs%s", self.layout.name(self.pod_index),
+                     "" if trainer.has_state else ", no initial state (its first Restore gives it one)")
         return trainer, fp
 
     # -- step ----------------------------------------------------------------------------------
@@ -206,6 +215,7 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         pods (pod_worker/split.py); this pod computes its run of each, and the slots it hosts
         are those extra shards or split ones it ends."""
         trainer = setup.trainer
+        trainer.require_state("train")     # refused before it counts as a step: nothing failed
         extra = extra or {}
         if trainer.outer is not None and any(splits.values() if splits else ()):
             raise InvalidRequest(f"step {step}: a DiLoCo pod does not split a failed pod's shard")

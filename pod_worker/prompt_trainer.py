@@ -108,6 +108,8 @@ def _unboxed(model: ModelConfig):
 class PromptTrainer(PodTrainer):
     """PodTrainer for prompt.kind: trains the prompt parameters on the frozen base (see the module)."""
 
+    defers_initial_state = False    # the base it loads and the seeded prompt are where it starts
+
     def _initial_params(self):
         """Load the base, then the prompt parameters from the seed (replicated: they are small)."""
         model, prompt = self.config.model, self.config.prompt

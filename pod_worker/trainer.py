@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,9 +36,16 @@ from multipod.pod_worker.outcome import StepOutcome, StepResult
 from multipod.pod_worker.schema import Compression, WorkerConfig
 from multipod.pod_worker.split import Piece, Relay
 from multipod.pod_worker.trainer_programs import TrainerPrograms
-from multipod.pod_worker.trainer_state import TrainerState, fingerprint
+from multipod.pod_worker.trainer_state import NoState, TrainerState, fingerprint
 
-__all__ = ["PodTrainer", "fingerprint"]     # fingerprint lives in trainer_state.py; importers take it from here
+# NoState and fingerprint live in trainer_state.py; importers take them from here.
+__all__ = ["NoState", "PodTrainer", "fingerprint"]
+
+
+def _abstract(tree, shardings):
+    """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs), laid out by `shardings`."""
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        tree, shardings)
 
 
 class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
@@ -47,7 +55,18 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
 
     base_fingerprint = ""   # the frozen base model's, when the pod tunes a prompt (PromptTrainer)
 
-    def __init__(self, config: WorkerConfig, devices=None, layout: HostLayout | None = None):
+    # Whether a trainer of this class can start without a state (initial_state=False): a
+    # PromptTrainer's frozen base and seeded prompt are its starting point, so it cannot.
+    defers_initial_state = True
+
+    def __init__(self, config: WorkerConfig, devices=None, layout: HostLayout | None = None,
+                 initial_state: bool = True):
+        """initial_state=False: no parameters and no optimizer state until load_state (a restore)
+        gives them: nothing is initialised that a restore would replace (the init program is not
+        compiled or run, and the state is never held twice). Until then the state's uses raise
+        NoState."""
+        if not initial_state and not self.defers_initial_state:
+            raise ValueError(f"{type(self).__name__} always builds its initial state")
         self.config = config
         self.layout = layout = layout or HostLayout()
         devices = list(devices if devices is not None else jax.devices())
@@ -64,14 +83,22 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
 
         self.batch_sharding = batch_sharding(self.mesh)
         self.scalar_sharding = replicated(self.mesh)
-        self.param_sharding, self.params = self._initial_params()
-        opt_abstract = jax.eval_shape(self.tx.init, self.params)
+        self.param_sharding, self.params = self._initial_params() if initial_state else \
+            (self._param_layout(), None)
+        params_abstract = self.params if self.params is not None else \
+            jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+                         nn.unbox(abstract_params(config.model)), self.param_sharding)
+        opt_abstract = jax.eval_shape(self.tx.init, params_abstract)
         # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
         # need an explicit replicated sharding or jit's in_shardings refuses them.
         self.opt_sharding = opt_shardings(opt_abstract, self.param_sharding, self.scalar_sharding)
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
-        self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(self.params)]
-        self._treedef = jax.tree.structure(self.params)
+        self.opt_state = None if self.params is None else \
+            jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
+        # The state's shapes, dtypes and shardings, whether it is held yet or not (a restore's target).
+        self.state_abstract = {"params": _abstract(params_abstract, self.param_sharding),
+                               "opt_state": _abstract(opt_abstract, self.opt_sharding)}
+        self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(params_abstract)]
+        self._treedef = jax.tree.structure(params_abstract)
         # Several hosts: each exchanges one block of every leaf with its peers on the other pods.
         # int8/int4 scale each block of BLOCK values, restarting at every host's block: blocks
         # that start on that grid decode to the values one host's whole leaves do.
@@ -81,11 +108,14 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         self.outer: OuterSync | None = None     # DiLoCo (sync.mode): the agreed state, set by start_outer
         self._compile()
 
+    def _param_layout(self):
+        """The shardings of what this pod trains: the whole model, laid out by the rules table."""
+        return param_shardings(abstract_params(self.config.model), self.mesh)
+
     def _initial_params(self):
-        """(shardings, parameters) of what this pod trains: the whole model, laid out by the rules
-        table. Identical on every pod: a pure function of the seed, computed locally, never
-        transferred."""
-        sharding = param_shardings(abstract_params(self.config.model), self.mesh)
+        """(shardings, parameters) of what this pod trains. Identical on every pod: a pure function
+        of the seed, computed locally, never transferred."""
+        sharding = self._param_layout()
         # Outside activate_rules, as abstract_params traced the init: jax then reuses that trace
         # (a trace is cached per mesh context). jit's out_shardings lays the parameters out.
         params = init_params(self.config.model, self.config.train.seed, shardings=sharding)
@@ -226,6 +256,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         with relay.send, or, ending the slot, reaches all_reduce as that slot's extra leaves (and
         its loss, carried along the chain, is reported as that slot's shard). On a pod of several
         hosts each host relays its block of every partial sum (split.py)."""
+        self.require_state("train")
         extra = dict(sorted((extra or {}).items()))
         pieces = sorted(pieces or [], key=lambda piece: piece.slot)
         if (extra or pieces) and all_reduce is None:
@@ -407,6 +438,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         the whole batch and puts its own rows on its devices)."""
         if loss_mask is not None:
             raise ValueError("a loss mask is taken only by a pod tuning a prompt (prompt.kind)")
+        self.require_state("evaluate")
         batch: jax.Array
         if self.layout.multi:
             batch = jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])

@@ -11,7 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from multipod.pod_worker import programs
+from multipod.pod_worker.errors import NotReady
 from multipod.pod_worker.hosts import host_value
+
+
+class NoState(NotReady):
+    """The trainer holds no state yet (PodTrainer(initial_state=False), before its first restore)."""
 
 # One program for the whole tree (jnp.copy leaf by leaf compiles one per leaf shape). Its outputs
 # are new buffers laid out as its inputs: XLA never returns a parameter that was not donated.
@@ -31,6 +36,18 @@ class TrainerState:
     """The state I/O of PodTrainer: it works on PodTrainer's params, opt_state, step, shardings and
     (DiLoCo) outer state."""
 
+    @property
+    def has_state(self) -> bool:
+        """Whether the trainer holds its parameters and optimizer state (PodTrainer(initial_state=
+        False): not until a restore)."""
+        return self.params is not None
+
+    def require_state(self, what: str) -> None:
+        """NoState if there is no state to `what` yet."""
+        if self.params is None:
+            raise NoState(f"no state to {what} yet: this pod was configured to generate only, and takes its "
+                          f"state from its first Restore")
+
     def save_metadata(self) -> dict:
         """What a checkpoint of this trainer records beside its state (PromptTrainer: its base)."""
         return {}
@@ -45,6 +62,7 @@ class TrainerState:
         agreed state (the agreed parameters and the outer optimizer's), which every pod shares."""
         if self.outer is not None:
             return fingerprint(*self.outer.agreed_state())
+        self.require_state("hash")
         return fingerprint(self.params, self.opt_state)
 
     def checksum(self) -> str:
@@ -56,6 +74,7 @@ class TrainerState:
                 value = programs.checksum_hex(host_value(self._outer_checksum(*self.outer.agreed_state())))
                 self._outer_checksum_of = cached = (self.outer.version, value)
             return cached[1]
+        self.require_state("check")
         program = getattr(self, "_checksum_compiled", None) or self._checksum
         return programs.checksum_hex(host_value(program(self.params, self.opt_state)))
 
@@ -63,12 +82,14 @@ class TrainerState:
         """A copy of the parameters on the devices, in their training layout, for generation: the
         next update donates the live buffers. Take it between steps (a sequencer hold). In DiLoCo
         mode, of the agreed parameters."""
+        self.require_state("generate from")
         return _copy_tree(self.agreed_params)
 
     def host_state(self, replica: int | None = None) -> dict:
         """Parameters, optimizer state and step as host arrays (for checkpoints, sampling and a
         peer's rejoin); in DiLoCo mode also the outer state ("outer": outer_arrays), and with
         `replica`, the inner state of that slot's replica if this pod hosts one."""
+        self.require_state("copy")
         own = self.outer.replicas.get(replica) if self.outer is not None and replica is not None else None
         params, opt_state = (own.params, own.opt_state) if own is not None else (self.params, self.opt_state)
         state = {"params": jax.tree.map(host_value, params),
@@ -79,11 +100,12 @@ class TrainerState:
         return state
 
     def load_state(self, params, opt_state, step: int) -> None:
-        """Replace the state (after a restore); shapes are checked against the current state."""
-        expected = jax.tree.structure(self.params)
+        """Replace the state (after a restore; or give the trainer its first); shapes are checked
+        against the model's."""
+        expected = jax.tree.structure(self.state_abstract["params"])
         if jax.tree.structure(params) != expected:
             raise ValueError("checkpoint parameters have a different structure than this model")
-        for have, want in zip(jax.tree.leaves(params), jax.tree.leaves(self.params)):
+        for have, want in zip(jax.tree.leaves(params), jax.tree.leaves(self.state_abstract["params"])):
             if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
                 raise ValueError(f"checkpoint parameter {have.shape}/{have.dtype} != model's {want.shape}/{want.dtype}")
         self.params = jax.device_put(params, self.param_sharding)

@@ -84,6 +84,9 @@ def test_a_pod_of_two_hosts_local_or_running_generates_the_one_host_text(checkpo
     assert "2 simulated device(s) on 2 hosts, mesh data=2 model=1" in local.stderr
     assert running.returncode == 0, running.stdout + running.stderr
     assert f"generating on the pod at {hosts.replace(',', ', ')}: 2 device(s) on 2 host(s)" in running.stderr
+    for host in (0, 1):     # the command configured its pod to generate: nothing built that a restore replaces
+        assert "configured to generate only: no step programs, no initial state" in \
+            (tmp_path / f"host-{host}.log").read_text()
     assert local.stdout == running.stdout == one_host.stdout
     assert refused.returncode == 2 and "the model axis stays inside a host" in refused.stderr, refused.stderr
 

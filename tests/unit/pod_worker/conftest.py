@@ -20,6 +20,7 @@ def pods_on_device_0(monkeypatch) -> None:
     from multipod.pod_worker import pod as pod_module
     from multipod.pod_worker.trainer import PodTrainer
 
-    def on_device_0(config, layout=None):
-        return PodTrainer(config, [jax.devices()[0]], layout)
-    monkeypatch.setattr(pod_module, "PodTrainer", on_device_0)
+    class OnDevice0(PodTrainer):
+        def __init__(self, config, devices=None, layout=None, initial_state=True):
+            super().__init__(config, [jax.devices()[0]], layout, initial_state)
+    monkeypatch.setattr(pod_module, "PodTrainer", OnDevice0)

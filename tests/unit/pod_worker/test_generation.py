@@ -159,16 +159,42 @@ def _step(target: InProcessWorker) -> pb.StepReply:
                                            run_id=target.pod.setup().run_id), timeout=120)
 
 
-def test_a_pod_configured_to_generate_only_compiles_no_step_and_generates_and_trains_alike():
+def test_a_pod_configured_to_generate_only_builds_nothing_a_restore_replaces_and_then_works_alike(
+        tmp_path, monkeypatch):
     # `multipod generate`'s pods (ConfigureRequest.generation_only): the step's programs are not
-    # compiled at configure; generation, and a step if one comes, are the same as on a pod
-    # configured to train.
-    trains, generates = InProcessWorker(CONFIG, "trains"), InProcessWorker(CONFIG, "generates")
+    # compiled at configure, and no initial state is built (the init program neither compiled nor
+    # run, the state never held twice): the first Restore gives the pod its state. Until then what
+    # needs a state is refused, naming why; after it, generation and a step are the same as on a
+    # pod configured to train that restored the same checkpoint.
+    from multipod.pod_worker import trainer as trainer_module
+    trains = InProcessWorker(CONFIG, "trains")
+    initialised = []
+    real_init = trainer_module.init_params
+    monkeypatch.setattr(trainer_module, "init_params", lambda *a, **k: initialised.append(a) or real_init(*a, **k))
+    generates = InProcessWorker(CONFIG, "generates")
     try:
+        initialised.clear()         # the fixture configured it to train first, as any pod starts
         reply = _configure_generation_only(generates)
-        assert not generates.pod.setup().trainer.step_compiled and trains.pod.setup().trainer.step_compiled
-        assert reply.memory_peak_bytes == 0 and reply.hardware_flops_per_step == 0
+        trainer = generates.pod.setup().trainer
+        assert not initialised and not trainer.has_state and not trainer.step_compiled
+        assert trains.pod.setup().trainer.step_compiled
+        assert reply.memory_peak_bytes == 0 and reply.hardware_flops_per_step == 0 and reply.fingerprint == ""
         request = _request([np.array([100, 101, 32], np.uint8), np.array([7], np.int32)], temperature=0.9, seed=3)
+        for refused in (lambda: generates.stub.Generate(request, timeout=60), lambda: _step(generates),
+                        lambda: generates.stub.Save(pb.SaveRequest(step=0, directory=str(tmp_path / "no")),
+                                                    timeout=60)):
+            with pytest.raises(grpc.RpcError) as info:
+                refused()
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+            assert "configured to generate only" in info.value.details()
+        assert generates.stub.Status(pb.StatusRequest(), timeout=10).state == pb.WORKER_STATE_READY
+
+        saved = trains.stub.Save(pb.SaveRequest(step=0, directory=str(tmp_path / "ckpt")), timeout=120)
+        for target in (trains, generates):
+            restored = target.stub.Restore(pb.RestoreRequest(directory=str(tmp_path / "ckpt"), run_id="restored"),
+                                           timeout=120)
+            assert restored.fingerprint == saved.fingerprint
+        assert not initialised and trainer.has_state
         assert generates.stub.Generate(request, timeout=120).tokens == trains.stub.Generate(request, timeout=120).tokens
         stepped, compiled = _step(generates), _step(trains)
         assert (stepped.checksum, stepped.loss_sum) == (compiled.checksum, compiled.loss_sum)

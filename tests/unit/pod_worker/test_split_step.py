@@ -146,7 +146,7 @@ def test_the_chain_is_checked():
 
 
 # -- Pod.step: the split comes in the request ----------------------------------------------------
-def test_pods_run_a_split_step_and_refuse_splits_that_do_not_fit(monkeypatch):
+def test_pods_run_a_split_step_and_refuse_splits_that_do_not_fit(request):
     """Pods (pod_worker/pod.py) over loopback, pod 1 gone: a step whose extra shard carries
     microbatch_hosts runs split and ends bitwise where the healthy step does; a split that does
     not fit the membership is refused (InvalidRequest) before anything runs."""
@@ -162,7 +162,7 @@ def test_pods_run_a_split_step_and_refuse_splits_that_do_not_fit(monkeypatch):
     finally:
         reference.close()
     # Both Pods' trainers on device 0, as in Pods above (one-device programs: no collectives).
-    monkeypatch.setattr(pod_module, "PodTrainer", lambda cfg, layout=None: PodTrainer(cfg, [jax.devices()[0]], layout))
+    request.getfixturevalue("pods_on_device_0")
     listeners = [Listener(p, "127.0.0.1:0", SECRET) for p in (0, 1, 2)]
     addresses = [lst.address for lst in listeners]
     p0, p2 = pods = [pod_module.Pod(p, listeners[p]) for p in (0, 2)]
