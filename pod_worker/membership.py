@@ -201,7 +201,8 @@ class PodMembership:
         with self.seq.hold("receiving a peer's state", deadline, state=pb.WORKER_STATE_RESTORING):
             setup = self.setup()
             trainer = setup.trainer
-            current = (trainer.params, trainer.opt_state, trainer.outer_arrays())
+            # The state's layout (a pod that awaits its state holds none yet).
+            current = (trainer.state_abstract["params"], trainer.state_abstract["opt_state"], trainer.outer_arrays())
             leaves, treedef = jax.tree.flatten(current)
             specs = [LeafSpec(tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves]
             receiver = StateReceiver(transfer_id, self.pod_index, from_pod, specs,

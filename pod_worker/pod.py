@@ -113,7 +113,8 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
     # -- configure -----------------------------------------------------------------------------
     def configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
                   pod_index: int | None = None, standby: bool = False,
-                  evaluates: bool = True, generation_only: bool = False) -> tuple[PodTrainer, str]:
+                  evaluates: bool = True, generation_only: bool = False,
+                  awaits_state: bool = False) -> tuple[PodTrainer, str]:
         """Build the trainer (compiled for this pod's shard) and a DCN exchange under `run_id` with
         `peers` (every pod's data-plane address, in pod order);
         refused at once (Busy) while a step or another hold runs. Steps of an earlier setup are
@@ -121,9 +122,10 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         the configure succeeds. standby: a spare only builds and compiles the trainer, and stays a
         spare; a later configure of the same config and pod count takes that trainer at once.
         evaluates: the run evaluates, so the evaluation is compiled now too (TrainerPrograms.warm_up).
-        generation_only: the pod will only generate, so the step's programs are not compiled now,
-        and it builds no initial state: its first Restore gives it one (steps, saves, evaluations
-        and generation are refused until then, NoState)."""
+        generation_only: the pod will only generate, so the step's programs are not compiled now.
+        awaits_state: its state will come from a Restore, so it builds no initial state (steps,
+        saves, evaluations and generation are refused until then, NoState); a PromptTrainer or a
+        DiLoCo pod, whose start is its initial state, builds it all the same."""
         with self.seq.hold("a configure", deadline=0.0, state=pb.WORKER_STATE_CONFIGURING):
             if standby:
                 if self.pod_index is not None:
@@ -139,23 +141,22 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
                     raise InvalidRequest("a spare needs the pod index of the slot it takes")
                 self._take_slot(pod_index)
                 try:
-                    return self._configure(config, num_pods, peers, run_id, evaluates, generation_only)
+                    return self._configure(config, num_pods, peers, run_id, evaluates, generation_only, awaits_state)
                 except BaseException:
                     self._take_slot(None)      # still a spare: another run (or slot) may take it
                     raise
-            return self._configure(config, num_pods, peers, run_id, evaluates, generation_only)
+            return self._configure(config, num_pods, peers, run_id, evaluates, generation_only, awaits_state)
 
     def _build(self, config: WorkerConfig, num_pods: int, evaluates: bool = True,
-               generation_only: bool = False) -> PodTrainer:
+               generation_only: bool = False, awaits_state: bool = False) -> PodTrainer:
         """A trainer for `config`, its programs compiled for this pod's shard of num_pods (the
         evaluation's too if the run `evaluates`); with generation_only, none of the step's: a pod
         of `multipod generate` compiles generation's own programs at its first request, and a
         training step its programs at its first call."""
         kind = PromptTrainer if config.prompt.enabled else PodTrainer
-        # A pod that only generates takes its state from a Restore: it initialises none to replace.
-        # (DiLoCo's outer state starts from initial parameters, so such a pod builds them.)
+        # DiLoCo's outer state starts from initial parameters: such a pod builds them all the same.
         trainer = kind(config, layout=self.layout,
-                       initial_state=not (generation_only and kind.defers_initial_state and not config.sync.diloco))
+                       initial_state=not (awaits_state and kind.defers_initial_state and not config.sync.diloco))
         shard = (config.train.global_batch // num_pods, config.train.seq_len + 1)
         if not generation_only:
             trainer.compile_for(shard)
@@ -176,13 +177,14 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
                  else "the configure failed: a spare again")
 
     def _configure(self, config: WorkerConfig, num_pods: int, peers: list[str], run_id: str,
-                   evaluates: bool = True, generation_only: bool = False) -> tuple[PodTrainer, str]:
+                   evaluates: bool = True, generation_only: bool = False,
+                   awaits_state: bool = False) -> tuple[PodTrainer, str]:
         """configure's work, inside its hold."""
         standby, self._standby = self._standby, None
         if standby is not None and standby[:2] == (config.config_hash(), num_pods):
             trainer = standby[2]        # compiled on standby, still in its initial state
         else:
-            trainer = self._build(config, num_pods, evaluates, generation_only)
+            trainer = self._build(config, num_pods, evaluates, generation_only, awaits_state)
         # Built before the old one closes: if it fails, the pod keeps a working exchange.
         exchange = self._new_exchange(run_id, trainer, config, list(peers))
         if self.exchange is not None:
@@ -193,9 +195,10 @@ class Pod(PodMembership, CheckpointPod, DilocoPod, LinkProbePod):
         self._setup = Setup(trainer, config, num_pods, epoch, run_id=run_id)
         # Read inside the hold: a step may donate the state's buffers once it is released.
         fp = trainer.fingerprint() if trainer.has_state else ""
-        if generation_only:
-            log.info("%s: configured to generate only: no step programs%s", self.layout.name(self.pod_index),
-                     "" if trainer.has_state else ", no initial state (its first Restore gives it one)")
+        if generation_only or not trainer.has_state:
+            log.info("%s: configured %s", self.layout.name(self.pod_index), ", ".join(
+                (["to generate only: no step programs"] if generation_only else []) +
+                ([] if trainer.has_state else ["no initial state (its first Restore gives it one)"])))
         return trainer, fp
 
     # -- step ----------------------------------------------------------------------------------

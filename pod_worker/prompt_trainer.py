@@ -146,8 +146,8 @@ class PromptTrainer(PodTrainer):
         rows, cols = tokens.shape
         return MaskedBatch(tokens, jax.ShapeDtypeStruct((rows, cols - 1), np.uint8, sharding=self.batch_sharding), 0)
 
-    def _grad_inputs(self, batch: MaskedBatch, norm) -> tuple:
-        return self.params, self.base, batch.tokens, batch.loss_mask, norm
+    def _grad_inputs(self, batch: MaskedBatch, norm, params=None) -> tuple:
+        return self.params if params is None else params, self.base, batch.tokens, batch.loss_mask, norm
 
     def put_batch(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> MaskedBatch:
         """Tokens and their loss mask (None: every target counts) onto the devices (with several

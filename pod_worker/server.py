@@ -108,7 +108,8 @@ class PodWorkerService(TrainingRpcs, StateRpcs, GenerationRpcs, pb_grpc.PodWorke
             trainer, fp = self.pod.configure(config, request.num_pods, dcn_addresses, request.run_id,
                                              pod_index=int(request.pod_index), standby=request.standby,
                                              evaluates=request.evaluates,
-                                             generation_only=request.generation_only)
+                                             generation_only=request.generation_only,
+                                             awaits_state=request.awaits_state)
         pod_index = self.pod.pod_index if self.pod.pod_index is not None else request.pod_index
         import jax
         return pb.ConfigureReply(

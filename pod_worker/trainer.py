@@ -230,9 +230,10 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         """What put_batch makes of tokens shaped so, without data (compile_for)."""
         return tokens
 
-    def _grad_inputs(self, batch, norm) -> tuple:
-        """The gradient program's arguments for a batch put_batch made (or its abstract_batch)."""
-        return self.params, batch, norm
+    def _grad_inputs(self, batch, norm, params=None) -> tuple:
+        """The gradient program's arguments for a batch put_batch made (or its abstract_batch), with
+        the trainer's parameters (or `params`, e.g. their layout)."""
+        return self.params if params is None else params, batch, norm
 
     def train_step(self, batch: jax.Array, global_tokens: int, all_reduce=None,
                    take_fingerprint: bool = False, extra: dict[int, jax.Array] | None = None,

@@ -86,13 +86,15 @@ class TrainerPrograms:
         start = time.perf_counter()
         batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.scalar_sharding)
-        inputs = self._grad_inputs(self.abstract_batch(batch), norm)
+        # Lowered for the state's layout, not the state itself: a pod that awaits its state has none.
+        params, opt_state = self.state_abstract["params"], self.state_abstract["opt_state"]
+        inputs = self._grad_inputs(self.abstract_batch(batch), norm, params)
         if self.config.model.microbatches > 1:
             inputs += (jax.ShapeDtypeStruct((), jnp.int32, sharding=self.scalar_sharding),)
         with activate_rules(self.mesh):
             self._grad_compiled = self._grad_step.lower(*inputs).compile()
-            self._update_compiled = self._apply_update.lower(self.params, self.opt_state, self.params).compile()
-            self._checksum_compiled = self._checksum.lower(self.params, self.opt_state).compile()
+            self._update_compiled = self._apply_update.lower(params, opt_state, params).compile()
+            self._checksum_compiled = self._checksum.lower(params, opt_state).compile()
         self._compiled_shape = tuple(batch_shape)
         return {"compile_s": time.perf_counter() - start}
 
@@ -103,7 +105,16 @@ class TrainerPrograms:
         compile (or load from the persistent compilation cache) at configure, where pods that
         share a cache compile them once (Cluster.configure), instead of at the first step and
         evaluation, where every pod would compile them at once. The state is untouched: nothing
-        is applied."""
+        is applied. A trainer that awaits its state compiles the evaluation for the state's layout
+        (its first evaluation then traces it again, and loads it from the cache) and leaves the
+        per-layer programs to its first step."""
+        if not self.has_state:
+            if evaluate:
+                batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
+                with activate_rules(self.mesh):
+                    self._eval_step.lower(self.state_abstract["params"], batch).compile()
+            float(self.schedule(0))
+            return
         if evaluate:
             self.evaluate(np.zeros(batch_shape, np.int32))
         # The learning rate a step reports: the schedule's program, compiled at its first call

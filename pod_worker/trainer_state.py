@@ -45,8 +45,8 @@ class TrainerState:
     def require_state(self, what: str) -> None:
         """NoState if there is no state to `what` yet."""
         if self.params is None:
-            raise NoState(f"no state to {what} yet: this pod was configured to generate only, and takes its "
-                          f"state from its first Restore")
+            raise NoState(f"no state to {what} yet: this pod was configured to await its state, which its first "
+                          f"Restore gives it")
 
     def save_metadata(self) -> dict:
         """What a checkpoint of this trainer records beside its state (PromptTrainer: its base)."""

@@ -38,7 +38,7 @@ WORKER_STATE_RESTORING: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses", "keep_state", "host_index", "hosts_per_pod", "standby", "evaluates", "generation_only")
+    __slots__ = ("protocol_version", "pod_index", "num_pods", "peer_addresses", "worker_config_json", "run_id", "dcn_addresses", "keep_state", "host_index", "hosts_per_pod", "standby", "evaluates", "generation_only", "awaits_state")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PODS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class ConfigureRequest(_message.Message):
     STANDBY_FIELD_NUMBER: _ClassVar[int]
     EVALUATES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ONLY_FIELD_NUMBER: _ClassVar[int]
+    AWAITS_STATE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pod_index: int
     num_pods: int
@@ -65,7 +66,8 @@ class ConfigureRequest(_message.Message):
     standby: bool
     evaluates: bool
     generation_only: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., keep_state: _Optional[bool] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., standby: _Optional[bool] = ..., evaluates: _Optional[bool] = ..., generation_only: _Optional[bool] = ...) -> None: ...
+    awaits_state: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., pod_index: _Optional[int] = ..., num_pods: _Optional[int] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., worker_config_json: _Optional[str] = ..., run_id: _Optional[str] = ..., dcn_addresses: _Optional[_Iterable[str]] = ..., keep_state: _Optional[bool] = ..., host_index: _Optional[int] = ..., hosts_per_pod: _Optional[int] = ..., standby: _Optional[bool] = ..., evaluates: _Optional[bool] = ..., generation_only: _Optional[bool] = ..., awaits_state: _Optional[bool] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
     __slots__ = ("protocol_version", "pod_index", "mesh_shape", "num_devices", "config_hash", "fingerprint", "param_count", "device_kind", "step", "hardware_flops_per_step", "memory_argument_bytes", "memory_output_bytes", "memory_temp_bytes", "memory_peak_bytes", "base_fingerprint")

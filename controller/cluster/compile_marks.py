@@ -9,7 +9,8 @@ once").
 
 So after a configure the controller leaves a mark in the cache's folder, named by a hash of what
 the pods' programs depend on: the worker config, the pod count, every pod's device count, the
-hosts per pod, whether the run evaluates (the evaluation's program), and jax's version. When the
+hosts per pod, whether the run evaluates (the evaluation's program), whether the pods build an
+initial state (the parameter init's program: a resumed run's pods do not) and jax's version. When the
 mark is there, the next run configures every pod at once. A mark can outlive the programs (jax
 evicts the least recently read when the cache is full, and a change of multipod's code changes
 them): such a run then compiles its programs in every pod at once, once. The programs and the
@@ -56,10 +57,11 @@ class CompileMarks:
 
     @staticmethod
     def key(worker_config_json: str, num_pods: int, device_counts: Sequence[int], hosts_per_pod: int,
-            evaluates: bool) -> str:
-        """The name of a configuration's mark."""
+            evaluates: bool, initial_state: bool = True) -> str:
+        """The name of a configuration's mark (initial_state: the pods build their initial state,
+        whose init program the others do not compile)."""
         what = json.dumps([worker_config_json, num_pods, list(device_counts), hosts_per_pod, evaluates,
-                           _jax_versions()])
+                           _jax_versions()] + ([] if initial_state else ["awaits_state"]))
         return hashlib.blake2b(what.encode(), digest_size=16).hexdigest()
 
     def holds(self, key: str) -> bool:

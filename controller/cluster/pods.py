@@ -208,26 +208,31 @@ class Cluster:
                 found[pod] = f"restarted (process {known} is now {status.pid})"
         return found
 
-    def _configure(self, targets: list[PodApi], keep_state: bool = False) -> list[pb.ConfigureReply]:
+    def _configure(self, targets: list[PodApi], keep_state: bool = False,
+                   awaits_state: bool = False) -> list[pb.ConfigureReply]:
         addresses = [c.address for c in self.clients]
         worker_json = self.config.worker_config().to_json()
         request = lambda c: pb.ConfigureRequest(
             protocol_version=protos.PROTOCOL_VERSION, pod_index=c.pod_index, num_pods=len(self.clients),
             peer_addresses=addresses, worker_config_json=worker_json, run_id=self.run_id,
             dcn_addresses=self.dcn_addresses, keep_state=keep_state, evaluates=self.evaluates,
-            generation_only=self.generation_only)
+            generation_only=self.generation_only, awaits_state=awaits_state)
         timeout = self.config.run.configure_timeout_s
         return parallel(lambda c: c.configure(request(c), timeout), targets)
 
     def configure(self, shared_cache: CompileMarks | None = None,
-                  announce: Callable[[bool], None] | None = None) -> list[pb.ConfigureReply]:
+                  announce: Callable[[bool], None] | None = None,
+                  awaits_state: bool = False) -> list[pb.ConfigureReply]:
         """Configure every pod and refuse pods that disagree on protocol, mesh, config or state;
         the replies are kept as the reference for pods restarted later. shared_cache: the marks
         of the one persistent compilation cache the pods share (pods on one machine, as
         `multipod local` starts them, cluster/compile_marks.py): unless it holds this
         configuration's programs, pod 0 configures first and the others then load its programs
         instead of compiling the same ones at the same time. announce(at_once) is called once the
-        order is known, before any pod compiles."""
+        order is known, before any pod compiles. awaits_state: the pods' state will come from a
+        Restore (a resumed run, generation), so they build no initial state to replace
+        (ConfigureRequest.awaits_state); a pod restarted later is then held to the static agreement
+        only (there is no initial state to compare)."""
         from multipod.controller.core.run_config import ConfigError
         self.dcn_addresses = self.collect_dcn_addresses()
         # Told before any pod compiles: the same config on other device counts gives other meshes.
@@ -237,15 +242,18 @@ class Cluster:
                            f"the same multipod version with the same device count and mesh.")
         # One pod has no order to choose; its programs need no mark.
         marks = shared_cache if len(self.clients) > 1 else None
-        mark = "" if marks is None else marks.key(self.config.worker_config().to_json(), len(self.clients),
-                                                  self.device_counts, self.hosts_per_pod, self.evaluates)
-        at_once = marks is None or marks.holds(mark)
+        mark = lambda initial_state: "" if marks is None else marks.key(     # noqa: E731
+            self.config.worker_config().to_json(), len(self.clients), self.device_counts, self.hosts_per_pod,
+            self.evaluates, initial_state)
+        # Pods that build no initial state need a subset of the programs of pods that do.
+        at_once = marks is None or marks.holds(mark(not awaits_state)) or (awaits_state and marks.holds(mark(True)))
         if announce is not None:
             announce(at_once)
         if at_once:
-            replies = self._configure(self.clients)
+            replies = self._configure(self.clients, awaits_state=awaits_state)
         else:
-            replies = self._configure(self.clients[:1]) + self._configure(self.clients[1:])
+            replies = self._configure(self.clients[:1], awaits_state=awaits_state) + \
+                self._configure(self.clients[1:], awaits_state=awaits_state)
         for what, get in AGREEMENT:
             values = [get(r) for r in replies]
             if len(set(values)) > 1:
@@ -258,9 +266,9 @@ class Cluster:
         if per_pod % data_axis:
             raise ConfigError("data.global_batch", f"{global_batch} split over {len(self.clients)} pods gives "
                               f"{per_pod} rows per pod, not a multiple of the data axis ({data_axis})")
-        self.first_replies = list(replies)
+        self.first_replies, self.fresh_reference = list(replies), not awaits_state
         if marks is not None:
-            marks.add(mark)
+            marks.add(mark(not awaits_state))
         return replies
 
     def configure_restarted(self, pods: list[int]) -> list[pb.ConfigureReply]:

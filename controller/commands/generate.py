@@ -225,7 +225,7 @@ def main(args) -> int:
                 _say(f"generating on the pod at {', '.join(remote)}: {devices} device(s) on {hosts} host(s), mesh "
                      f"data={devices // args.model_parallel} model={args.model_parallel}")
             started = time.perf_counter()
-            cluster.configure()
+            cluster.configure(awaits_state=True)      # the restore below gives the pod its state
             client = cluster.clients[0]
             # A prompt checkpoint is the state of a prompt-tuning pod, whose base --checkpoint is.
             target = ({"path": str(restore.path)} if restore.path else {"directory": str(restore.steps)})

@@ -169,8 +169,10 @@ def train(cluster: Cluster, run_dir: pathlib.Path, data: RunData, progress: Prog
         out(f"reattached to {cluster.size} live pod(s) at step {replies[0].step} (every state hash equal): "
             f"no checkpoint read")
     else:
+        # A resumed run's pods take their state from the checkpoint: they build no initial state.
         replies = cluster.configure(shared_cache=CompileMarks.of_workers(os.environ) if local else None,
-                                    announce=lambda at_once: out(_configuring(cluster.size, local, at_once)))
+                                    announce=lambda at_once: out(_configuring(cluster.size, local, at_once)),
+                                    awaits_state=resume)
     accounting = _accounting(cluster, replies, local)
     overlapped, why_not = resolve_overlap(config.worker_config(), config.data.global_batch // cluster.size)
     if not overlapped and config.dcn.overlap is Overlap.AUTO:

@@ -238,6 +238,9 @@ def test_resumed_run_equals_the_uninterrupted_run(reference, tmp_path, env, comm
                   env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from" in result.stdout and "step 9" in result.stdout
+    for pod in (0, 1):      # each took its state from the checkpoint, with no initial state built to replace
+        assert "configured no initial state (its first Restore gives it one)" in \
+            (run_dir / f"worker-{pod}.log").read_text()
     resumed, original = _final(run_dir), _final(reference)
     assert sorted(resumed) == [9]
     for step, record in resumed.items():     # bitwise: exact float equality

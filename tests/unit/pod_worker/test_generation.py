@@ -149,7 +149,8 @@ def _configure_generation_only(target: InProcessWorker) -> pb.ConfigureReply:
     from multipod import protos
     return target.stub.Configure(pb.ConfigureRequest(
         protocol_version=protos.PROTOCOL_VERSION, pod_index=0, num_pods=1, peer_addresses=[target.address],
-        worker_config_json=CONFIG.to_json(), run_id="generation-only", generation_only=True), timeout=300)
+        worker_config_json=CONFIG.to_json(), run_id="generation-only", generation_only=True, awaits_state=True),
+        timeout=300)
 
 
 def _step(target: InProcessWorker) -> pb.StepReply:
@@ -161,9 +162,10 @@ def _step(target: InProcessWorker) -> pb.StepReply:
 
 def test_a_pod_configured_to_generate_only_builds_nothing_a_restore_replaces_and_then_works_alike(
         tmp_path, monkeypatch):
-    # `multipod generate`'s pods (ConfigureRequest.generation_only): the step's programs are not
-    # compiled at configure, and no initial state is built (the init program neither compiled nor
-    # run, the state never held twice): the first Restore gives the pod its state. Until then what
+    # `multipod generate`'s pods (ConfigureRequest.generation_only and awaits_state): the step's
+    # programs are not compiled at configure, and no initial state is built (the init program
+    # neither compiled nor run, the state never held twice): the first Restore gives the pod its
+    # state. Until then what
     # needs a state is refused, naming why; after it, generation and a step are the same as on a
     # pod configured to train that restored the same checkpoint.
     from multipod.pod_worker import trainer as trainer_module
@@ -186,7 +188,7 @@ def test_a_pod_configured_to_generate_only_builds_nothing_a_restore_replaces_and
             with pytest.raises(grpc.RpcError) as info:
                 refused()
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
-            assert "configured to generate only" in info.value.details()
+            assert "first Restore" in info.value.details()
         assert generates.stub.Status(pb.StatusRequest(), timeout=10).state == pb.WORKER_STATE_READY
 
         saved = trains.stub.Save(pb.SaveRequest(step=0, directory=str(tmp_path / "ckpt")), timeout=120)

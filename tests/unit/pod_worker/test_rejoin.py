@@ -228,12 +228,20 @@ def test_identity_hosts_mean_every_pod_computes_its_own_shard(pair):
 
 
 # -- state transfer ----------------------------------------------------------------------------------
-def test_a_freshly_configured_pod_takes_a_live_peers_state_and_steps_on(pair):
+@pytest.mark.parametrize("awaits_state", [False, True])
+def test_a_freshly_configured_pod_takes_a_live_peers_state_and_steps_on(pair, awaits_state):
+    # awaits_state: configured without an initial state (ConfigureRequest.awaits_state), the peer's
+    # state is its first.
     donor, receiver = pair.pods
-    receiver.configure(CONFIG, NUM_PODS, pair.addresses, _id("restarted"))
+    receiver.configure(CONFIG, NUM_PODS, pair.addresses, _id("restarted"), awaits_state=awaits_state)
     pair.train_alone(2)
     assert receiver.trainer.step == 0 and donor.trainer.step >= 2
-    assert receiver.trainer.fingerprint() != donor.trainer.fingerprint()
+    if awaits_state:
+        assert not receiver.trainer.has_state
+        with pytest.raises(NotReady, match="first Restore"):
+            receiver.trainer.fingerprint()
+    else:
+        assert receiver.trainer.fingerprint() != donor.trainer.fingerprint()
     epoch = receiver.seq.epoch
 
     sent, got = pair.transfer()

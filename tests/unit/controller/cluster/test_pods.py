@@ -170,16 +170,20 @@ def test_pods_with_different_device_counts_are_refused_before_any_compiles():
     assert pods[0].calls == [] and pods[1].calls == []     # no Configure: nothing was compiled
 
 
-def _configure_in_order(cluster_pods: int, marks: CompileMarks | None, num_devices: int = 2):
+def _configure_in_order(cluster_pods: int, marks: CompileMarks | None, num_devices: int = 2,
+                        awaits_state: bool = False, cold: bool | None = None):
     """Configure fake pods; (the events of their Configure calls, what `announce` was told). The
     pods expected to be configured at once meet at a barrier: configured one after another, the
-    first would wait there alone, the barrier would break, and the configure would fail."""
+    first would wait there alone, the barrier would break, and the configure would fail. `cold`:
+    whether pod 0 is expected to configure first (default: unless the marks hold the fresh
+    configuration's mark)."""
     events: list[tuple[str, int]] = []
     told: list[bool] = []
     pods = [FakePod(p) for p in range(cluster_pods)]
-    cold = marks is not None and not marks.holds(
-        marks.key(make_config().worker_config().to_json(), cluster_pods, [num_devices] * cluster_pods, 1,
-                  make_config().eval.batches > 0))
+    if cold is None:
+        cold = marks is not None and not marks.holds(
+            marks.key(make_config().worker_config().to_json(), cluster_pods, [num_devices] * cluster_pods, 1,
+                      make_config().eval.batches > 0))
     together = list(range(1, cluster_pods)) if cold else list(range(cluster_pods))
     meeting = threading.Barrier(len(together), timeout=30)
     for pod in pods:
@@ -192,8 +196,10 @@ def _configure_in_order(cluster_pods: int, marks: CompileMarks | None, num_devic
             events.append(("end", pod.pod_index))
             return configure_reply(pod.pod_index)
         pod.on_configure = answer
-    replies = Cluster(pods, make_config()).configure(shared_cache=marks, announce=told.append)
+    replies = Cluster(pods, make_config()).configure(shared_cache=marks, announce=told.append,
+                                                     awaits_state=awaits_state)
     assert [r.pod_index for r in replies] == list(range(cluster_pods))
+    assert all(r.awaits_state == awaits_state for pod in pods for m, r in pod.calls if m == "Configure")
     return events, told
 
 
@@ -244,3 +250,35 @@ def test_the_pods_of_multipod_generate_are_told_not_to_compile_the_step(generati
     Cluster(pods, make_config(), generation_only=generation_only).configure()
     (request,) = [r for m, r in pods[0].calls if m == "Configure"]
     assert request.generation_only == generation_only
+
+
+def test_a_resumed_run_s_pods_await_their_state_so_a_restarted_pod_has_no_initial_state_to_match():
+    """Cluster.configure(awaits_state=True), a resumed run's: every pod is told to build no
+    initial state (its restore gives it one). There is then no initial state for a pod restarted
+    later to match: one whose initial fingerprint differs is accepted (it restores, or takes a
+    peer's state, as the others did), while the static agreement still holds."""
+    pods = [FakePod(0), FakePod(1)]
+    for pod in pods:
+        pod.on_configure = lambda request, pod=pod: configure_reply(pod.pod_index, fingerprint="")
+    cluster = Cluster(pods, make_config())
+    cluster.configure(awaits_state=True)
+    assert [r.awaits_state for pod in pods for m, r in pod.calls if m == "Configure"] == [True, True]
+    pods[1].on_configure = lambda request: configure_reply(1, fingerprint="an-initial-state")
+    assert [r.pod_index for r in cluster.configure_restarted([1])] == [1]
+    pods[1].on_configure = lambda request: configure_reply(1, config_hash="other")
+    with pytest.raises(RunError, match="config hash"):
+        cluster.configure_restarted([1])
+
+
+def test_a_resumed_run_configures_at_once_where_a_fresh_run_left_its_mark_and_not_the_other_way_round(tmp_path):
+    """A resumed run's pods compile a subset of a fresh run's programs (no parameter init): a fresh
+    run's mark lets them configure at once; their own mark does not let a fresh run's pods, whose
+    init program the cache may not hold."""
+    fresh_first = CompileMarks(tmp_path / "fresh-first")
+    assert _configure_in_order(2, fresh_first)[1] == [False]
+    assert _configure_in_order(2, fresh_first, awaits_state=True, cold=False)[1] == [True]
+    resumed_first = CompileMarks(tmp_path / "resumed-first")
+    assert _configure_in_order(2, resumed_first, awaits_state=True, cold=True)[1] == [False]
+    assert _configure_in_order(2, resumed_first, cold=True)[1] == [False]
+    assert _configure_in_order(2, resumed_first, awaits_state=True, cold=False)[1] == [True]
+    assert _configure_in_order(2, resumed_first, cold=False)[1] == [True]
