@@ -86,8 +86,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         self.param_sharding, self.params = self._initial_params() if initial_state else \
             (self._param_layout(), None)
         params_abstract = self.params if self.params is not None else \
-            jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
-                         nn.unbox(abstract_params(config.model)), self.param_sharding)
+            _abstract(nn.unbox(abstract_params(config.model)), self.param_sharding)
         opt_abstract = jax.eval_shape(self.tx.init, params_abstract)
         # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
         # need an explicit replicated sharding or jit's in_shardings refuses them.
