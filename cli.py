@@ -7,6 +7,7 @@ must set the simulated device count before jax initialises.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 
 
@@ -42,6 +43,10 @@ def entry() -> None:
     here, never in `main`: a caller that runs `main` in its own process (a test, a notebook)
     must not have that process ended under it 20 s later. A controller command's Ctrl-C is
     never lost (controller/core/interrupt.py)."""
+    # A crash in native code (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: XLA, gRPC, ZeroMQ) prints
+    # every thread's Python stack to stderr (a worker's log) before the process dies, instead of
+    # ending it without a word.
+    faulthandler.enable()
     controller = sys.argv[1:2] != ["worker"]
     if controller:
         from multipod.controller.core.interrupt import install
