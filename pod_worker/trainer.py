@@ -18,20 +18,18 @@ from __future__ import annotations
 import functools
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multipod.model import abstract_params, init_params
-from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, param_shardings, replicated
+from multipod.model.partitioning import activate_rules, batch_sharding, make_mesh, replicated
 from multipod.pod_worker import split
 from multipod.pod_worker.dcn import BLOCK, ExchangeError, ExchangeStats, LeafSpec
 from multipod.pod_worker.diloco import OuterSync
 from multipod.pod_worker.diloco_trainer import DilocoTrainer
 from multipod.pod_worker.generation import Generator
 from multipod.pod_worker.hosts import Assembler, HostBlock, HostLayout, check_multi_host, host_value
-from multipod.pod_worker.optimizer import make_optimizer, make_schedule, opt_shardings
+from multipod.pod_worker.optimizer import make_optimizer, make_schedule
 from multipod.pod_worker.outcome import StepOutcome, StepResult
 from multipod.pod_worker.schema import Compression, WorkerConfig
 from multipod.pod_worker.split import Piece, Relay
@@ -42,22 +40,12 @@ from multipod.pod_worker.trainer_state import NoState, TrainerState, fingerprint
 __all__ = ["NoState", "PodTrainer", "fingerprint"]
 
 
-def _abstract(tree, shardings):
-    """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs), laid out by `shardings`."""
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                        tree, shardings)
-
-
 class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
     """Parameters, optimizer state and compiled programs of one pod. With several hosts
     (`layout`), every host of the pod builds the same trainer over all the pod's devices
     (jax.devices() spans the pod's jax.distributed cluster) and runs the same programs."""
 
     base_fingerprint = ""   # the frozen base model's, when the pod tunes a prompt (PromptTrainer)
-
-    # Whether a trainer of this class can start without a state (initial_state=False): a
-    # PromptTrainer's frozen base and seeded prompt are its starting point, so it cannot.
-    defers_initial_state = True
 
     def __init__(self, config: WorkerConfig, devices=None, layout: HostLayout | None = None,
                  initial_state: bool = True):
@@ -83,19 +71,7 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
 
         self.batch_sharding = batch_sharding(self.mesh)
         self.scalar_sharding = replicated(self.mesh)
-        self.param_sharding, self.params = self._initial_params() if initial_state else \
-            (self._param_layout(), None)
-        params_abstract = self.params if self.params is not None else \
-            _abstract(nn.unbox(abstract_params(config.model)), self.param_sharding)
-        opt_abstract = jax.eval_shape(self.tx.init, params_abstract)
-        # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
-        # need an explicit replicated sharding or jit's in_shardings refuses them.
-        self.opt_sharding = opt_shardings(opt_abstract, self.param_sharding, self.scalar_sharding)
-        self.opt_state = None if self.params is None else \
-            jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
-        # The state's shapes, dtypes and shardings, whether it is held yet or not (a restore's target).
-        self.state_abstract = {"params": _abstract(params_abstract, self.param_sharding),
-                               "opt_state": _abstract(opt_abstract, self.opt_sharding)}
+        params_abstract = self._build_state(initial_state)
         self.leaf_specs = [LeafSpec(tuple(l.shape), np.dtype(l.dtype)) for l in jax.tree.leaves(params_abstract)]
         self._treedef = jax.tree.structure(params_abstract)
         # Several hosts: each exchanges one block of every leaf with its peers on the other pods.
@@ -107,18 +83,6 @@ class PodTrainer(DilocoTrainer, TrainerPrograms, TrainerState):
         self.outer: OuterSync | None = None     # DiLoCo (sync.mode): the agreed state, set by start_outer
         self._compile()
 
-    def _param_layout(self):
-        """The shardings of what this pod trains: the whole model, laid out by the rules table."""
-        return param_shardings(abstract_params(self.config.model), self.mesh)
-
-    def _initial_params(self):
-        """(shardings, parameters) of what this pod trains. Identical on every pod: a pure function
-        of the seed, computed locally, never transferred."""
-        sharding = self._param_layout()
-        # Outside activate_rules, as abstract_params traced the init: jax then reuses that trace
-        # (a trace is cached per mesh context). jit's out_shardings lays the parameters out.
-        params = init_params(self.config.model, self.config.train.seed, shardings=sharding)
-        return sharding, params
 
     @property
     def exchange_specs(self) -> list[LeafSpec]:

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import hashlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from multipod.model import abstract_params, init_params
+from multipod.model.partitioning import param_shardings
 from multipod.pod_worker import programs
 from multipod.pod_worker.errors import NotReady
 from multipod.pod_worker.hosts import host_value
+from multipod.pod_worker.optimizer import opt_shardings
 
 
 class NoState(NotReady):
@@ -32,9 +36,51 @@ def fingerprint(*trees) -> str:
     return digest.hexdigest()
 
 
+def abstract_tree(tree, shardings):
+    """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs), laid out by `shardings`."""
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        tree, shardings)
+
+
 class TrainerState:
     """The state I/O of PodTrainer: it works on PodTrainer's params, opt_state, step, shardings and
     (DiLoCo) outer state."""
+
+    # Whether a trainer of this class can start without a state (initial_state=False): a
+    # PromptTrainer's frozen base and seeded prompt are its starting point, so it cannot.
+    defers_initial_state = True
+
+    def _build_state(self, initial_state: bool):
+        """The state's shardings, and the initial state itself, or with initial_state=False only
+        its layout (state_abstract; params and opt_state None until load_state). Returns the
+        parameters' tree (arrays, or their ShapeDtypeStructs)."""
+        self.param_sharding, self.params = self._initial_params() if initial_state else \
+            (self._param_layout(), None)
+        params_abstract = self.params if self.params is not None else \
+            abstract_tree(nn.unbox(abstract_params(self.config.model)), self.param_sharding)
+        opt_abstract = jax.eval_shape(self.tx.init, params_abstract)
+        # Optimizer leaves shaped like a parameter take its sharding; scalars (e.g. AdamW's count)
+        # need an explicit replicated sharding or jit's in_shardings refuses them.
+        self.opt_sharding = opt_shardings(opt_abstract, self.param_sharding, self.scalar_sharding)
+        self.opt_state = None if self.params is None else \
+            jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
+        # The state's shapes, dtypes and shardings, whether it is held yet or not (a restore's target).
+        self.state_abstract = {"params": abstract_tree(params_abstract, self.param_sharding),
+                               "opt_state": abstract_tree(opt_abstract, self.opt_sharding)}
+        return params_abstract
+
+    def _param_layout(self):
+        """The shardings of what this pod trains: the whole model, laid out by the rules table."""
+        return param_shardings(abstract_params(self.config.model), self.mesh)
+
+    def _initial_params(self):
+        """(shardings, parameters) of what this pod trains. Identical on every pod: a pure function
+        of the seed, computed locally, never transferred."""
+        sharding = self._param_layout()
+        # Outside activate_rules, as abstract_params traced the init: jax then reuses that trace
+        # (a trace is cached per mesh context). jit's out_shardings lays the parameters out.
+        params = init_params(self.config.model, self.config.train.seed, shardings=sharding)
+        return sharding, params
 
     @property
     def has_state(self) -> bool:

@@ -41,7 +41,7 @@ def test_a_crash_in_native_code_prints_every_thread_s_stack(side, tmp_path):
         argv = cli_argv("worker", "--pod-index", "0", "--listen", "127.0.0.1:0", "--insecure-no-auth",
                         "--port-file", str(port_file))
         err = _crash(argv, lambda _: port_file.exists(), tmp_path)
-        waiting = "serve"
+        where = "in serve"          # written once serving, from inside serve(), which then waits
     else:
         corpus = tmp_path / "corpus.txt"
         corpus.write_text("a few lines of text for a controller that never meets its worker\n" * 200)
@@ -50,6 +50,6 @@ def test_a_crash_in_native_code_prints_every_thread_s_stack(side, tmp_path):
                         "--checkpoint-dir", str(tmp_path / "checkpoints"), "--run-dir", str(tmp_path / "run"),
                         "--set", f"run.connect_timeout_s={DEADLINE_S}")
         err = _crash(argv, lambda out: "token cache" in out, tmp_path)
-        waiting = "wait_ready"
+        where = "in run_training"   # the token cache is ready inside it, then it connects
     assert "Fatal Python error: Segmentation fault" in err, err
-    assert "most recent call first" in err and waiting in err, err
+    assert "most recent call first" in err and where in err, err

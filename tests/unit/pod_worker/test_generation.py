@@ -168,7 +168,7 @@ def test_a_pod_configured_to_generate_only_builds_nothing_a_restore_replaces_and
     # state. Until then what
     # needs a state is refused, naming why; after it, generation and a step are the same as on a
     # pod configured to train that restored the same checkpoint.
-    from multipod.pod_worker import trainer as trainer_module
+    from multipod.pod_worker import trainer_state as trainer_module
     trains = InProcessWorker(CONFIG, "trains")
     initialised = []
     real_init = trainer_module.init_params
