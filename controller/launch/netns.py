@@ -262,6 +262,15 @@ def clean_stale(ip: str = "ip") -> list[str]:
     """Remove the namespaces and root links that runs whose controller is gone left behind (a
     killed `multipod local --netns`); returns their names. Runs of live processes are left alone."""
     removed = []
+    # The root links first: each is a veth whose peer lives in its run's `-net` namespace, and the
+    # kernel tears a removed namespace's devices down in the background, that peer's root end with
+    # them, so after the namespaces a link might be there or not.
+    for line in _run([ip, "-o", "link", "show"], check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+        match = _LINK.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            _run([ip, "link", "delete", name], check=False)
+            removed.append(name)
     for name in _namespaces(ip):
         match = _NAMESPACE.match(name)
         if match and not _pid_alive(int(match.group(1))):
@@ -271,12 +280,6 @@ def clean_stale(ip: str = "ip") -> list[str]:
         match = _NAMESPACE.match(etc.name)
         if match and not _pid_alive(int(match.group(1))):
             shutil.rmtree(etc, ignore_errors=True)
-    for line in _run([ip, "-o", "link", "show"], check=False).stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
-        match = _LINK.match(name)
-        if match and not _pid_alive(int(match.group(1))):
-            _run([ip, "link", "delete", name], check=False)
-            removed.append(name)
     return removed
 
 
