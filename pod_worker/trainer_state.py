@@ -1,4 +1,5 @@
-"""A PodTrainer's state in and out, a mixin of PodTrainer (trainer.py): what it hashes to (the
+"""A PodTrainer's state in and out, a mixin of PodTrainer (trainer.py): its construction (the
+initial state, or only its layout for a pod that awaits a restore), what it hashes to (the
 per-step on-device checksum; the fingerprint, BLAKE2b of a host copy), copies of it (on the host
 for checkpoints, sampling and a peer's rejoin; on the devices for generation), its replacement
 after a restore, and the checkpoint hooks a PromptTrainer overrides."""
