@@ -7,11 +7,12 @@ The step is split in two compiled programs so the DCN exchange can sit between t
              whole if the summed gradient is not finite. Every pod runs the same program on the
              same bytes, so the decision and the result are identical everywhere.
 
-PodTrainer keeps the mesh and the per-step core (gradients -> exchange
--> update -> checksum); its other jobs are mixins of their own: trainer_programs.py
-TrainerPrograms (compiling the programs, choosing the fused or overlapped step, their XLA
-accounting), trainer_state.py TrainerState (the state's construction, or only its layout until a
-restore; checksum, fingerprint, host copies and loads of the state) and diloco_trainer.py DilocoTrainer (the DiLoCo outer sync, snapshots, replay).
+PodTrainer keeps the mesh and the per-step core (gradients -> exchange -> update -> checksum);
+its other jobs are mixins of their own: trainer_programs.py TrainerPrograms (compiling the
+programs, choosing the fused or overlapped step, their XLA accounting), trainer_state.py
+TrainerState (the state's construction, or only its layout until a restore; checksum,
+fingerprint, host copies and loads of the state) and diloco_trainer.py DilocoTrainer (the DiLoCo
+outer sync, snapshots, replay).
 """
 from __future__ import annotations
 
