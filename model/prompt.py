@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from multipod.model.config import PromptKind
+from multipod.model.layers import declare_param
 
 
 class PromptEncoder(nn.Module):
@@ -36,7 +37,7 @@ class PromptEncoder(nn.Module):
     def __call__(self) -> jax.Array:
         # The base embedding's own scale (model/transformer.py), so the virtual tokens start like tokens.
         init = nn.initializers.normal(self.d_model ** -0.5)
-        virtual = self.param("virtual", init, (self.virtual_tokens, self.d_model), jnp.float32)
+        virtual = declare_param(self, "virtual", init, (self.virtual_tokens, self.d_model), jnp.float32)
         if self.kind == "prompt":
             return virtual
         x = virtual

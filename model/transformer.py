@@ -8,7 +8,16 @@ import jax
 import jax.numpy as jnp
 
 from multipod.model.config import ModelConfig
-from multipod.model.layers import GATHERED, LOGITS, RESIDUAL, ParallelBlock, RMSNorm, constrain, remat_policy
+from multipod.model.layers import (
+    GATHERED,
+    LOGITS,
+    RESIDUAL,
+    ParallelBlock,
+    RMSNorm,
+    constrain,
+    declare_param,
+    remat_policy,
+)
 
 # Shape of the dummy input used to create parameters; no parameter depends on it.
 _INIT_TOKENS_SHAPE = (1, 1)
@@ -40,7 +49,7 @@ class Transformer(nn.Module):
         # "repeat the input" bias (initial loss 12 for d=256) and make Adam's absolute steps tiny
         # relative to the embedding. sigma = 1/sqrt(d_model) keeps that logit O(1).
         init = nn.with_logical_partitioning(nn.initializers.normal(c.d_model ** -0.5), ("vocab", "embed"))
-        embedding = self.param("embedding", init, (c.vocab_size, c.d_model), c.weight_dtype, unbox=True)
+        embedding = declare_param(self, "embedding", init, (c.vocab_size, c.d_model), c.weight_dtype)
         embedding = embedding.astype(c.compute_dtype)
 
         x = embed_tokens(embedding, tokens)
