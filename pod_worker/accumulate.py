@@ -36,6 +36,31 @@ import jax.numpy as jnp
 from multipod.model import ModelConfig
 from multipod.model.partitioning import activate_rules, batch_sharding, rules_for
 from multipod.pod_worker.programs import split_microbatches
+from multipod.pod_worker.shared_programs import shared
+
+
+def _as_f32(g):
+    return jax.tree.map(lambda x: x.astype(jnp.float32), g)
+
+
+def _add(acc, g):
+    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g)
+
+
+def _add_last(acc, g):
+    return jax.tree.map(lambda a, x: (a + x.astype(a.dtype)).astype(x.dtype), acc, g)
+
+
+# The adds know nothing of the config or the mesh: one jit each for every MicrobatchSum.
+_FIRST, _ADD, _ADD_LAST = jax.jit(_as_f32), jax.jit(_add, donate_argnums=0), jax.jit(_add_last, donate_argnums=0)
+
+
+@shared
+def _microbatch_program(model_cfg: ModelConfig, mesh):
+    def microbatch(tokens, m):
+        with rules_for(model_cfg):
+            return split_microbatches(tokens, model_cfg.microbatches)[m]
+    return jax.jit(microbatch, static_argnums=1, out_shardings=batch_sharding(mesh))
 
 
 class MicrobatchSum:
@@ -45,19 +70,8 @@ class MicrobatchSum:
 
     def __init__(self, model_cfg: ModelConfig, mesh):
         self.count = model_cfg.microbatches
-
-        def microbatch(tokens, m):
-            with rules_for(model_cfg):
-                return split_microbatches(tokens, model_cfg.microbatches)[m]
-
-        as_f32 = lambda g: jax.tree.map(lambda x: x.astype(jnp.float32), g)
-        add = lambda acc, g: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g)
-        add_last = lambda acc, g: jax.tree.map(lambda a, x: (a + x.astype(a.dtype)).astype(x.dtype), acc, g)
-        with activate_rules(mesh):
-            self._microbatch = jax.jit(microbatch, static_argnums=1, out_shardings=batch_sharding(mesh))
-            self._first = jax.jit(as_f32)
-            self._add = jax.jit(add, donate_argnums=0)
-            self._add_last = jax.jit(add_last, donate_argnums=0)
+        self._microbatch = _microbatch_program(model_cfg, mesh)
+        self._first, self._add, self._add_last = _FIRST, _ADD, _ADD_LAST
         self.mesh = mesh
 
     def microbatch(self, tokens: jax.Array, m: int) -> jax.Array:

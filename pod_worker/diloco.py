@@ -42,6 +42,7 @@ from multipod.pod_worker.diloco_warmup import OuterWarmUp
 from multipod.pod_worker.hosts import host_value, start_host_copy
 from multipod.pod_worker.optimizer import opt_shardings
 from multipod.pod_worker.schema import OuterOptimizer, SyncConfig
+from multipod.pod_worker.shared_programs import shared
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,39 @@ def fragment_leaves(params, num_layers: int, fragments: int) -> list[list[int]]:
 
 def outer_optimizer(sync: SyncConfig) -> optax.GradientTransformation:
     """The outer step that the averaged pseudo-gradient drives (sync.outer_optimizer)."""
-    return optax.sgd(sync.outer_lr, momentum=sync.outer_momentum or None,
-                     nesterov=sync.outer_optimizer is OuterOptimizer.NESTEROV)
+    return _outer_tx(*_outer_settings(sync))
+
+
+def _outer_settings(sync: SyncConfig) -> tuple:
+    """What of `sync` the outer optimizer is made of."""
+    return sync.outer_optimizer, sync.outer_lr, sync.outer_momentum
+
+
+def _outer_tx(kind: OuterOptimizer, lr: float, momentum: float) -> optax.GradientTransformation:
+    return optax.sgd(lr, momentum=momentum or None, nesterov=kind is OuterOptimizer.NESTEROV)
+
+
+@shared
+def _fragment_programs(settings: tuple, layouts: tuple, scalar_sharding) -> dict:
+    """One fragment's outer programs for the outer optimizer's settings (_outer_settings) and its
+    leaves' (shape, dtype, sharding): the same jit objects for equal arguments (shared_programs)."""
+    tx = _outer_tx(*settings)
+    shardings = [sharding for _, _, sharding in layouts]
+
+    def update(agreed, state, summed, count):
+        mean = [s / count for s in summed]
+        updates, state = tx.update(mean, state, agreed)
+        return optax.apply_updates(agreed, updates), state
+
+    def delta(agreed, local):
+        return [a - b for a, b in zip(agreed, local)]
+
+    abstract = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding in layouts]
+    state_shardings = opt_shardings(jax.eval_shape(tx.init, abstract), shardings, scalar_sharding)
+    return {"init": jax.jit(tx.init, out_shardings=state_shardings),
+            "delta": jax.jit(delta, out_shardings=shardings),
+            "update": jax.jit(update, out_shardings=(shardings, state_shardings)),
+            "copy": jax.jit(lambda values: [jnp.copy(v) for v in values], out_shardings=shardings)}
 
 
 def outer_restore_template(sync: SyncConfig, params, shardings, scalar_sharding, num_layers: int,
@@ -157,23 +189,9 @@ class OuterSync(OuterReplicas, OuterWarmUp):
                 for program, leaves in zip(self._programs, self.fragments)]
 
     def _compile(self, leaves: list[int]) -> dict:
-        shardings = [self._shardings[i] for i in leaves]
-
-        def update(agreed, state, summed, count):
-            mean = [s / count for s in summed]
-            updates, state = self.tx.update(mean, state, agreed)
-            return optax.apply_updates(agreed, updates), state
-
-        def delta(agreed, local):
-            return [a - b for a, b in zip(agreed, local)]
-
-        abstract = [jax.ShapeDtypeStruct(self.agreed[i].shape, self.agreed[i].dtype, sharding=self._shardings[i])
-                    for i in leaves]
-        state_shardings = opt_shardings(jax.eval_shape(self.tx.init, abstract), shardings, self._scalar_sharding)
-        return {"init": jax.jit(self.tx.init, out_shardings=state_shardings),
-                "delta": jax.jit(delta, out_shardings=shardings),
-                "update": jax.jit(update, out_shardings=(shardings, state_shardings)),
-                "copy": jax.jit(lambda values: [jnp.copy(v) for v in values], out_shardings=shardings)}
+        layouts = tuple((tuple(self.agreed[i].shape), jnp.dtype(self.agreed[i].dtype), self._shardings[i])
+                        for i in leaves)
+        return _fragment_programs(_outer_settings(self.sync), layouts, self._scalar_sharding)
 
     # -- the schedule ----------------------------------------------------------------------------
     def sync_at(self, count: int) -> int | None:

@@ -16,7 +16,18 @@ from multipod.pod_worker import programs
 from multipod.pod_worker.diloco import OuterReport, OuterSync, Replica
 from multipod.pod_worker.errors import InvalidRequest
 from multipod.pod_worker.outcome import StepOutcome
+from multipod.pod_worker.shared_programs import shared
 
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+@shared
+def _state_copy_program(param_sharding, opt_sharding):
+    """The snapshot's copy of (params, opt_state) laid out so: one per layout (shared_programs)."""
+    return jax.jit(lambda params, opt_state: (_copy(params), _copy(opt_state)),
+                   out_shardings=(param_sharding, opt_sharding))
 
 class DilocoTrainer:
     """The DiLoCo part of PodTrainer: it works on PodTrainer's state (params, opt_state, step,
@@ -35,9 +46,7 @@ class DilocoTrainer:
         # The snapshot's copy, one program warmed up with the outer ones: eager copies compiled at
         # their first use (the optimizer's step count's at the first outer sync), and warmed up
         # eagerly by two in-process pods at once they deadlocked in XLA CPU (c24798d).
-        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-        self._state_copy = jax.jit(lambda params, opt_state: (copy(params), copy(opt_state)),
-                                   out_shardings=(self.param_sharding, self.opt_sharding))
+        self._state_copy = _state_copy_program(self.param_sharding, self.opt_sharding)
 
     def warm_up_outer(self) -> None:
         """DiLoCo, after start_outer: run every fragment's outer programs once, on throwaway inputs

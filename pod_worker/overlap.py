@@ -55,6 +55,7 @@ from multipod.model.partitioning import activate_rules, rules_for
 from multipod.model.transformer import block_class, embed_tokens, unembed
 from multipod.pod_worker.accumulate import MicrobatchSum
 from multipod.pod_worker.hosts import start_host_copy
+from multipod.pod_worker.shared_programs import shared
 
 
 def block_names(model_cfg: ModelConfig) -> list[str]:
@@ -155,43 +156,11 @@ class OverlappedGradStep:
         shapes = abstract_params(model_cfg)
         self.order = readiness_order(shapes, model_cfg)
         self._treedef = jax.tree.structure(param_sharding)
-        embed, block_forward, head, block_backward, embed_backward = make_stage_functions(model_cfg)
-        # Every block has the same shapes and shardings, so one compiled program serves them all.
-        block_sharding = param_sharding[block_names(model_cfg)[0]]
-        emb_sharding, norm_sharding = param_sharding["embedding"], param_sharding["final_norm"]
-        pin = jax.lax.with_sharding_constraint
-
-        def head_pinned(*args):
-            g_emb, g_norm, g_x, ce, z = head(*args)
-            return pin(g_emb, emb_sharding), pin(g_norm, norm_sharding), g_x, ce, z
-
-        def block_backward_pinned(vjp, g_y):
-            g_p, g_x = block_backward(vjp, g_y)
-            return pin(g_p, block_sharding), g_x
-
-        early = self.early = early_part(shapes[block_names(model_cfg)[0]])
-
-        def first_block_early(vjp, g_y):    # only the largest sub-module's gradient
-            g_p, _ = block_backward(vjp, g_y)
-            return pin(g_p[early], block_sharding[early])
-
-        def first_block_rest(vjp, g_y):     # the other sub-modules' gradients and d x0
-            g_p, g_x = block_backward(vjp, g_y)
-            rest = {name: g for name, g in g_p.items() if name != early}
-            return pin(rest, {name: block_sharding[name] for name in rest}), g_x
-
-        def embed_backward_pinned(*args):
-            return pin(embed_backward(*args), emb_sharding)
-
-        with activate_rules(mesh):
-            self._embed = jax.jit(embed)
-            self._block_forward = jax.jit(block_forward)
-            self._head = jax.jit(head_pinned)
-            # The residuals are not donated: the block's parameters are among them.
-            self._block_backward = jax.jit(block_backward_pinned)
-            self._first_block_early = jax.jit(first_block_early)
-            self._first_block_rest = jax.jit(first_block_rest)
-            self._embed_backward = jax.jit(embed_backward_pinned, donate_argnums=(3,))
+        programs = _stage_programs(model_cfg, mesh, param_sharding)
+        self.early = programs["early"]
+        self._embed, self._block_forward, self._head = programs["embed"], programs["block_forward"], programs["head"]
+        self._block_backward, self._embed_backward = programs["block_backward"], programs["embed_backward"]
+        self._first_block_early, self._first_block_rest = programs["first_block_early"], programs["first_block_rest"]
 
     def launch(self, params, tokens: jax.Array, normalizer: jax.Array, to_host: bool = True) -> Launched:
         """Dispatch the whole step (forward, head, backward block by block, for each microbatch)
@@ -275,6 +244,48 @@ class OverlappedGradStep:
         del vjps
         grads["embedding"] = part(next(index), self._embed_backward(params["embedding"], tokens, g_x, g_emb_head))
         return grads, ce, z
+
+
+@shared
+def _stage_programs(model_cfg: ModelConfig, mesh, param_sharding) -> dict:
+    """The per-layer programs of OverlappedGradStep for a config and a layout, and the name of the
+    first block's sub-module whose gradient goes first ("early"): one set per process for equal
+    arguments (shared_programs)."""
+    shapes = abstract_params(model_cfg)
+    embed, block_forward, head, block_backward, embed_backward = make_stage_functions(model_cfg)
+    # Every block has the same shapes and shardings, so one compiled program serves them all.
+    block_sharding = param_sharding[block_names(model_cfg)[0]]
+    emb_sharding, norm_sharding = param_sharding["embedding"], param_sharding["final_norm"]
+    pin = jax.lax.with_sharding_constraint
+
+    def head_pinned(*args):
+        g_emb, g_norm, g_x, ce, z = head(*args)
+        return pin(g_emb, emb_sharding), pin(g_norm, norm_sharding), g_x, ce, z
+
+    def block_backward_pinned(vjp, g_y):
+        g_p, g_x = block_backward(vjp, g_y)
+        return pin(g_p, block_sharding), g_x
+
+    early = early_part(shapes[block_names(model_cfg)[0]])
+
+    def first_block_early(vjp, g_y):    # only the largest sub-module's gradient
+        g_p, _ = block_backward(vjp, g_y)
+        return pin(g_p[early], block_sharding[early])
+
+    def first_block_rest(vjp, g_y):     # the other sub-modules' gradients and d x0
+        g_p, g_x = block_backward(vjp, g_y)
+        rest = {name: g for name, g in g_p.items() if name != early}
+        return pin(rest, {name: block_sharding[name] for name in rest}), g_x
+
+    def embed_backward_pinned(*args):
+        return pin(embed_backward(*args), emb_sharding)
+
+    return {"early": early, "embed": jax.jit(embed), "block_forward": jax.jit(block_forward),
+            "head": jax.jit(head_pinned),
+            # The residuals are not donated: the block's parameters are among them.
+            "block_backward": jax.jit(block_backward_pinned),
+            "first_block_early": jax.jit(first_block_early), "first_block_rest": jax.jit(first_block_rest),
+            "embed_backward": jax.jit(embed_backward_pinned, donate_argnums=(3,))}
 
 
 def _start_copies(tree) -> None:

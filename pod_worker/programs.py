@@ -28,6 +28,7 @@ from multipod.model import ConfigError, ModelConfig, loss_sums
 from multipod.model.loss import prompted_loss_sums
 from multipod.model.partitioning import rules_for
 from multipod.model.prompt import prompt_embeddings
+from multipod.pod_worker.shared_programs import shared
 
 
 def check_microbatches(rows: int, k: int) -> None:
@@ -321,7 +322,13 @@ def state_checksum(*trees, shardings: tuple | None = None) -> jax.Array:
 
 def checksum_program(*sharding_trees, out_sharding=None):
     """state_checksum jitted for states laid out as `sharding_trees` (one tree of shardings per
-    argument, e.g. the parameters' and the optimizer state's); returns uint32[2] on out_sharding."""
+    argument, e.g. the parameters' and the optimizer state's); returns uint32[2] on out_sharding.
+    The same program object for the same layout (shared_programs: jax's caches then hit)."""
+    return _checksum_program(sharding_trees, out_sharding)
+
+
+@shared
+def _checksum_program(sharding_trees: tuple, out_sharding):
     shardings = tuple(jax.tree.leaves(sharding_trees))
     return jax.jit(functools.partial(state_checksum, shardings=shardings), in_shardings=sharding_trees,
                    out_shardings=out_sharding)

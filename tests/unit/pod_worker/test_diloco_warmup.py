@@ -80,6 +80,9 @@ def test_the_first_outer_sync_of_every_fragment_compiles_nothing_and_the_run_sta
     assert applied == [(1, 0), (2, 1), (3, 0), (4, 1)]
     # Without the warm-up: the same state at configure, and the very same run after it.
     monkeypatch.setattr(PodTrainer, "warm_up_outer", lambda self: None)
+    # As in a process of their own: the warmed pods' programs, which every trainer of this process
+    # with the same layout shares (shared_programs.py), are dropped from jax's caches.
+    jax.clear_caches()
     cold = Pods(config, count)
     try:
         assert [_state(pod) for pod in cold.pods] == before
