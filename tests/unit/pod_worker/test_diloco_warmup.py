@@ -9,6 +9,7 @@ import contextlib
 import jax
 import pytest
 
+from multipod.pod_worker import shared_programs
 from multipod.pod_worker.trainer import PodTrainer, fingerprint
 from tests.unit.pod_worker.test_diloco import Pods, _config, _local
 
@@ -81,8 +82,8 @@ def test_the_first_outer_sync_of_every_fragment_compiles_nothing_and_the_run_sta
     # Without the warm-up: the same state at configure, and the very same run after it.
     monkeypatch.setattr(PodTrainer, "warm_up_outer", lambda self: None)
     # As in a process of their own: the warmed pods' programs, which every trainer of this process
-    # with the same layout shares (shared_programs.py), are dropped from jax's caches.
-    jax.clear_caches()
+    # with the same layout shares, are not the cold pods' (shared_programs.py).
+    shared_programs.clear()
     cold = Pods(config, count)
     try:
         assert [_state(pod) for pod in cold.pods] == before
