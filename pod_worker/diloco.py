@@ -164,7 +164,6 @@ class OuterSync(OuterReplicas, OuterWarmUp):
         self._treedef = jax.tree.structure(params)
         self._shardings = jax.tree.leaves(shardings)
         self.agreed: list[jax.Array] = [jnp.copy(leaf) for leaf in jax.tree.leaves(params)]
-        self.tx = outer_optimizer(sync)
         self._programs = [self._compile(leaves) for leaves in self.fragments]
         self.states = self._initial_states()
         self.pending: _Pending | None = None

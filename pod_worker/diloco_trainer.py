@@ -29,6 +29,7 @@ def _state_copy_program(param_sharding, opt_sharding):
     return jax.jit(lambda params, opt_state: (_copy(params), _copy(opt_state)),
                    out_shardings=(param_sharding, opt_sharding))
 
+
 class DilocoTrainer:
     """The DiLoCo part of PodTrainer: it works on PodTrainer's state (params, opt_state, step,
     outer) and programs (train_step)."""
