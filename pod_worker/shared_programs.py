@@ -24,7 +24,7 @@ import jax
 T = TypeVar("T")
 
 MAX_ENTRIES = 64    # per factory: a long-lived worker that meets many layouts keeps a bounded set
-_FACTORIES: list[collections.OrderedDict] = []     # every shared factory's programs (clear)
+_FACTORIES: list[tuple[collections.OrderedDict, threading.Lock]] = []   # every factory's programs (clear)
 
 
 def _key(args: tuple) -> tuple:
@@ -51,12 +51,13 @@ def shared(factory: Callable[..., T]) -> Callable[..., T]:
                 made.popitem(last=False)
             return result
 
-    _FACTORIES.append(made)
+    _FACTORIES.append((made, lock))
     return get
 
 
 def clear() -> None:
     """Forget every shared program: trainers built after this make their own, as in a new process
     (jax's caches of other programs stay)."""
-    for made in _FACTORIES:
-        made.clear()
+    for made, lock in _FACTORIES:
+        with lock:
+            made.clear()

@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from flax.errors import ScopeParamShapeError
+from flax.errors import ScopeCollectionNotFound, ScopeParamNotFoundError, ScopeParamShapeError
 
 from multipod.model.layers import declare_param
 
@@ -46,6 +46,8 @@ def test_a_parameter_of_another_shape_is_refused_naming_it():
         module.apply({"params": {"w": jnp.ones((3, 5))}}, jnp.ones((2, 3)))
 
 
-def test_a_missing_parameter_is_refused_at_apply():
-    with pytest.raises(Exception, match="w"):
+def test_a_missing_parameter_is_refused_at_apply_naming_it():
+    with pytest.raises(ScopeParamNotFoundError, match='parameter named "w"'):
+        _Counted().apply({"params": {"other": jnp.ones(3)}}, jnp.ones((2, 3)))
+    with pytest.raises(ScopeCollectionNotFound, match='"w" from collection "params"'):
         _Counted().apply({"params": {}}, jnp.ones((2, 3)))
