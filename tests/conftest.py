@@ -15,10 +15,13 @@
   where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does), every worker and
   controller would compile this package's sources again at each start, about 0.1 s of CPU per
   process over the suite's hundreds;
-- a test process that crashes is named with how it ended (tests/crash_report.py).
+- a test process that crashes is named with how it ended (tests/crash_report.py);
+- the cyclic garbage collector's thresholds of every `multipod` process (cli.py).
 """
+import gc
 import os
 
+from multipod.cli import GC_THRESHOLDS
 from multipod.pod_worker.compile_cache import COMPILE_CACHE_MAX_BYTES, remove_orphans
 from multipod.pod_worker.devices import simulate_cpu_devices
 from multipod.pod_worker.schema.caches import COMPILED
@@ -27,6 +30,11 @@ from tests.helpers import TEST_CACHE_ROOT
 pytest_plugins = ["tests.crash_report"]
 
 simulate_cpu_devices(4, overwrite=False)
+
+# The collector's thresholds every `multipod` process runs with (cli.py): the unit tests trace
+# and compile in this process as a worker does, and spent as much of their time in its passes
+# (tests/unit: 152 -> 130-142 s side by side, docs/benchmarks.md).
+gc.set_threshold(*GC_THRESHOLDS)
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
