@@ -13,9 +13,9 @@ import sys
 
 # Python's cyclic collector runs a young-generation pass every 700 net allocations of container
 # objects (3.11's default). Importing jax and flax and tracing a model's programs allocate
-# millions of short-lived ones, so a worker's start spent thousands of passes that found little.
-# With these thresholds a tiny 2-pod run's workers used 7-10% less CPU (docs/benchmarks.md).
-# Cyclic garbage is still collected, only in fewer, larger passes.
+# millions of short-lived ones, so a worker's start spent thousands of passes that found little
+# (measured in docs/benchmarks.md, "Thirty-seventh session"). Cyclic garbage is still collected,
+# only in fewer, larger passes.
 GC_THRESHOLDS = (50_000, 50, 100)
 
 

@@ -33,7 +33,7 @@ simulate_cpu_devices(4, overwrite=False)
 
 # The collector's thresholds every `multipod` process runs with (cli.py): the unit tests trace
 # and compile in this process as a worker does, and spent as much of their time in its passes
-# (tests/unit: 152 -> 130-142 s side by side, docs/benchmarks.md).
+# (docs/benchmarks.md, "Thirty-seventh session").
 gc.set_threshold(*GC_THRESHOLDS)
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
