@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import gc
+import os
 import sys
 
 # Python's cyclic collector runs a young-generation pass every 700 net allocations of container
@@ -56,6 +57,11 @@ def entry() -> None:
     # ending it without a word.
     faulthandler.enable()
     gc.set_threshold(*GC_THRESHOLDS)
+    # numpy's OpenBLAS starts a thread per core at import, and each spins for a while waiting for
+    # work. No multipod process multiplies matrices with numpy (XLA does the model's algebra), so
+    # the spinning only took a core from the process's real work (docs/benchmarks.md,
+    # "Thirty-eighth session"). Set before anything imports numpy; a user's own setting stands.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     controller = sys.argv[1:2] != ["worker"]
     if controller:
         from multipod.controller.core.interrupt import install

@@ -16,16 +16,21 @@
   controller would compile this package's sources again at each start, about 0.1 s of CPU per
   process over the suite's hundreds;
 - a test process that crashes is named with how it ended (tests/crash_report.py);
-- the cyclic garbage collector's thresholds of every `multipod` process (cli.py).
+- the cyclic garbage collector's thresholds of every `multipod` process (cli.py), and its one
+  OpenBLAS thread (set before anything here imports numpy; the processes tests start inherit it).
 """
 import gc
 import os
 
-from multipod.cli import GC_THRESHOLDS
-from multipod.pod_worker.compile_cache import COMPILE_CACHE_MAX_BYTES, remove_orphans
-from multipod.pod_worker.devices import simulate_cpu_devices
-from multipod.pod_worker.schema.caches import COMPILED
-from tests.helpers import TEST_CACHE_ROOT
+# As cli.entry does for every `multipod` process: before numpy is imported (pytest and its plugins
+# do not import it).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from multipod.cli import GC_THRESHOLDS  # noqa: E402
+from multipod.pod_worker.compile_cache import COMPILE_CACHE_MAX_BYTES, remove_orphans  # noqa: E402
+from multipod.pod_worker.devices import simulate_cpu_devices  # noqa: E402
+from multipod.pod_worker.schema.caches import COMPILED  # noqa: E402
+from tests.helpers import TEST_CACHE_ROOT  # noqa: E402
 
 pytest_plugins = ["tests.crash_report"]
 
