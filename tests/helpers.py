@@ -169,16 +169,24 @@ def train_identical_pods(run_dir: pathlib.Path, pods: int, steps: int, *args: st
     return records
 
 
-def require_namespaces(pods: int = 1) -> None:
-    """Skip the calling test, saying why, where this machine cannot make network namespaces (CI
-    runs as root and makes them); check that the probe's network is gone again."""
+def namespace_problem(pods: int = 1) -> str | None:
+    """Why this machine cannot make network namespaces for `pods` pods, or None where it can (CI
+    runs as root and makes them); checks that the probe's network is gone again."""
     from multipod.controller.launch.netns import NetnsError, Network, wait_gone
     probe = Network(pods, 1)
     try:
         probe.create()
     except NetnsError as exc:
-        pytest.skip(f"network namespaces cannot be made here: {exc}")
+        return str(exc)
     finally:
         probe.destroy()
     assert not wait_gone(probe.run_id)
+    return None
+
+
+def require_namespaces(pods: int = 1) -> None:
+    """Skip the calling test, saying why, where this machine cannot make network namespaces."""
+    problem = namespace_problem(pods)
+    if problem is not None:
+        pytest.skip(f"network namespaces cannot be made here: {problem}")
 

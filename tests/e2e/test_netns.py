@@ -142,7 +142,7 @@ def test_pods_of_two_hosts_in_namespaces_lose_a_pod_and_train_bitwise_as_on_loop
     # namespaces of its own at other addresses, takes its slot from a live peer's state across
     # namespaces (hot-swap; from step 5 the controller waits for the slot: a test hook), the run
     # still bitwise equal to the uninterrupted one. A pod restarting in place and rejoining is
-    # test_hosts.py's (on loopback).
+    # test_hosts.py's (on loopback); its spare test runs on loopback only where this one skips.
     run_dir = tmp_path / "run"
     hold = tmp_path / "hold"       # the kill lands before step 3 (a test hook too)
     run = _Live("local", "--netns", "--netns-rate-gbps", "1", *TWO_HOSTS, *COMMON, "--spares", "1", "--no-report",
@@ -179,6 +179,12 @@ def test_pods_of_two_hosts_in_namespaces_lose_a_pod_and_train_bitwise_as_on_loop
     (swap,) = [e for e in events if e["event"] == "hot_swap"]
     assert swap["slot"] == 1 and swap["old_address"] == ",".join(addresses["worker-1"])
     assert swap["new_address"] == ",".join(addresses["spare-0"])
+    # The spare pod (a jax.distributed cluster of its own) was checked, waited, then took the slot
+    # host by host; the failed pod's other host was stopped, never restarted (served once, above).
+    # test_hosts.py's spare test, which this run replaces where namespaces can be made.
+    assert [e["spare"] for e in events if e["event"] == "spare_ready"] == [swap["new_address"]]
+    for host in range(2):
+        assert f"pod 1 host {host}: a spare takes this slot" in (run_dir / f"spare-0-host-{host}.log").read_text()
     assert {a.split(":")[0] for a in addresses["spare-0"]}.isdisjoint(a.split(":")[0] for a in addresses["worker-1"])
     assert not (run_dir / ".tls").exists()       # the run's keys went with it
     _nothing_left(_run_id(out), _pids(run_dir))
