@@ -21,18 +21,37 @@ from tests.e2e.test_recovery import _current_pid, _events, _Live
 from tests.helpers import TINY, read_evals, read_metrics, run_cli
 
 # H = 4, two fragments: an outer sync starts every 2 inner steps; tau = 1, so each applies one
-# step later. Checkpoints every 3 steps: step 6's holds a pending sync (started after 6 steps).
+# step later. Checkpoints every 3 steps: step 6's holds a pending sync (started after 6 steps). The
+# learning rate decays over 10 steps whatever the run's length, so a run's steps do not depend on it.
 SYNC = ["sync.mode=diloco", "sync.inner_steps=4", "sync.fragments=2", "sync.overlap_steps=1",
         "sync.outer_dtype=int4", "checkpoint.every=3", "optimizer.decay_steps=10", "eval.batches=0",
         "sample.tokens=0"]
-STEPS = 10
+# The 2-pod runs of the resume and restore tests below, whose uninterrupted run of STEPS is the
+# reference of both: long enough that the restore test's kill at step 7 lands mid-run on a fast
+# machine. (The restore policy and the health checks change nothing in a run no pod fails in.)
+STEPS = 40
+TWO_POD_SETS = [*SYNC, "recovery.on_pod_failure=restore", "dcn.timeout_s=30", "run.step_timeout_s=90",
+                "health.interval_s=0.5", "health.timeout_s=2"]
+
+
+def _two_pods(steps: int) -> tuple[str, ...]:
+    """`multipod local` of the 2-pod DiLoCo runs, for `steps` steps (add --run-dir)."""
+    sets = [arg for setting in TWO_POD_SETS for arg in ("--set", setting)]
+    return ("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), "--no-report",
+            *sets)
 
 
 def _train(run_dir: pathlib.Path, steps: int, *extra: str) -> None:
-    sets = [arg for setting in SYNC for arg in ("--set", setting)]
-    done = run_cli("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps),
-                   "--no-report", "--run-dir", str(run_dir), *sets, *extra)
+    done = run_cli(*_two_pods(steps), "--run-dir", str(run_dir), *extra)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def two_pod_reference(tmp_path_factory) -> pathlib.Path:
+    """The uninterrupted 2-pod run of STEPS, for the resume and restore tests to compare with."""
+    reference = tmp_path_factory.mktemp("diloco-two-pods") / "reference"
+    _train(reference, STEPS)
+    return reference
 
 
 def _final_fingerprints(run_dir: pathlib.Path, steps: int = STEPS) -> list[str]:
@@ -40,9 +59,8 @@ def _final_fingerprints(run_dir: pathlib.Path, steps: int = STEPS) -> list[str]:
             for pod in (0, 1)]
 
 
-def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    _train(full, STEPS)
+def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path, two_pod_reference):
+    full, part = two_pod_reference, tmp_path / "part"
     _train(part, 6)
     _train(part, STEPS, "--resume")
 
@@ -52,8 +70,9 @@ def test_a_diloco_run_stopped_with_a_sync_pending_resumes_bitwise(tmp_path):
 
     records = {r["step"]: r for r in read_metrics(full)}
     outer = {step: (r["outer_sync"], r["outer_fragment"]) for step, r in records.items() if r.get("outer_sync")}
-    # Sync n starts after 2n inner steps and applies one step later, in the record of step 2n.
-    assert outer == {2: (1, 0), 4: (2, 1), 6: (3, 0), 8: (4, 1)}
+    # Sync n starts after 2n inner steps and applies one step later, in the record of step 2n: the
+    # two fragments in turn. (The last sync, started after the last step, applies in no step.)
+    assert outer == {2 * n: (n, (n - 1) % 2) for n in range(1, STEPS // 2)}
     assert all(records[s]["dcn_bytes_sent"] > 0 for s in outer)
     assert all(r["dcn_bytes_sent"] == 0 for s, r in records.items() if s not in outer)
     resumed = {r["step"]: r for r in read_metrics(part)}
@@ -316,22 +335,14 @@ def _part(run_dir: pathlib.Path, pod: int, step: int) -> str:
     return checkpoint.read_metadata(str(run_dir / "checkpoints" / f"pod-{pod}" / str(step)))["fingerprint"]
 
 
-def test_with_recovery_restore_a_killed_pod_sends_every_pod_back_to_its_own_part_bitwise(tmp_path, env):
+def test_with_recovery_restore_a_killed_pod_sends_every_pod_back_to_its_own_part_bitwise(
+        tmp_path, env, two_pod_reference):
     """recovery.on_pod_failure = "restore" in a DiLoCo run: pod 1 killed with SIGKILL, every pod goes
     back to its own part of the last checkpoint, and the run ends with every pod's final checkpoint
     bitwise the uninterrupted run's."""
-    sets = [arg for setting in [*SYNC, "recovery.on_pod_failure=restore", "dcn.timeout_s=30",
-                                "run.step_timeout_s=90", "health.interval_s=0.5", "health.timeout_s=2"]
-            for arg in ("--set", setting)]
-    steps = 40      # long enough that the kill at step 7 lands mid-run on a fast machine
-    args = ("local", "--pods", "2", "--devices-per-pod", "1", "--config", TINY, "--steps", str(steps), "--no-report",
-            *sets)
-    reference = tmp_path / "reference"
-    done = run_cli(*args, "--run-dir", str(reference))
-    assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "killed"
-    run = _Live(*args, "--run-dir", str(run_dir), env=env)
+    run = _Live(*_two_pods(STEPS), "--run-dir", str(run_dir), env=env)
     code = kill_and_finish(run, run_dir, lambda: _current_pid(run_dir, 1)[0], "recovered", step=7)
     assert code == 0, "".join(run.out) + "".join(run.err)
     assert any(e["event"] == "recovered" for e in _events(run_dir))
-    assert _final_fingerprints(run_dir, steps) == _final_fingerprints(reference, steps)
+    assert _final_fingerprints(run_dir) == _final_fingerprints(two_pod_reference)
