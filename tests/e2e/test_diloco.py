@@ -22,7 +22,8 @@ from tests.helpers import TINY, read_evals, read_metrics, run_cli
 
 # H = 4, two fragments: an outer sync starts every 2 inner steps; tau = 1, so each applies one
 # step later. Checkpoints every 3 steps: step 6's holds a pending sync (started after 6 steps). The
-# learning rate decays over 10 steps whatever the run's length, so a run's steps do not depend on it.
+# learning rate decays over 10 steps whatever the run's length, so a longer run's first steps are a
+# shorter one's.
 SYNC = ["sync.mode=diloco", "sync.inner_steps=4", "sync.fragments=2", "sync.overlap_steps=1",
         "sync.outer_dtype=int4", "checkpoint.every=3", "optimizer.decay_steps=10", "eval.batches=0",
         "sample.tokens=0"]
